@@ -1,0 +1,1 @@
+"""kvledger ingest stage."""

@@ -1,0 +1,309 @@
+"""The canonical event log: worker identity, event types and the versioned record codec.
+
+One record is one engine batch as it sits in JetStream (DESIGN §2). Everything after
+ingest reads these records; nothing after ingest sees engine wire formats.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Literal, Union
+
+import attrs
+import msgspec
+
+SCHEMA_VERSION = 1
+U64_MAX = (1 << 64) - 1
+
+EVENTS_SUBJECT_PREFIX = "kv.ev"
+DEAD_LETTER_SUBJECT_PREFIX = "kv.dlq"
+
+
+class Tier(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+    EXTERNAL = "external"
+
+
+class Provenance(enum.Enum):
+    """Who announced a batch: the engine itself, or a layer that retains blocks after it."""
+
+    NATIVE = "native"
+    RETAINED = "retained"
+
+
+class GapReason(enum.Enum):
+    MISSED = "missed"
+    PUBLISHER_RESTART = "publisher_restart"
+    REPLAY_INCOMPLETE = "replay_incomplete"
+
+
+class RecordError(ValueError):
+    """A canonical record could not be decoded; the message says which part and why."""
+
+
+# A publisher name becomes a NATS subject token, part of a Msg-Id (':'-separated) and of
+# durable consumer names, so it is held to the strictest of those alphabets.
+_PUBLISHER_ALLOWED = re.compile(r"[A-Za-z0-9_-]")
+_PUBLISHER_MAX_LEN = 128
+
+
+def validate_publisher(name: object) -> str:
+    """Return `name` if it is a valid publisher name, else raise ValueError naming the bad character."""
+    if not isinstance(name, str):
+        raise ValueError(f"publisher name must be a string, got {type(name).__name__}")
+    if not name:
+        raise ValueError("publisher name must not be empty")
+    if len(name) > _PUBLISHER_MAX_LEN:
+        raise ValueError(f"publisher name {name!r} is longer than {_PUBLISHER_MAX_LEN} characters")
+    for position, char in enumerate(name):
+        if not _PUBLISHER_ALLOWED.fullmatch(char):
+            raise ValueError(
+                f"invalid publisher name {name!r}: character {char!r} at position {position} "
+                "is not allowed in a NATS subject token (use letters, digits, '_' or '-')"
+            )
+    return name
+
+
+def _check_publisher(_instance: object, _attribute: object, value: object) -> None:
+    validate_publisher(value)
+
+
+def _check_dp_rank(_instance: object, _attribute: object, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"dp_rank must be a non-negative integer, got {value!r}")
+
+
+@attrs.frozen(order=True)
+class WorkerId:
+    """One engine worker: a publisher and its data-parallel rank. Orders by (publisher, dp_rank)."""
+
+    publisher: str = attrs.field(validator=_check_publisher)
+    dp_rank: int = attrs.field(default=0, validator=_check_dp_rank)
+
+    @property
+    def name(self) -> str:
+        """The name used in answers and audit output: `pub` for rank 0, else `pub/rank`."""
+        return self.publisher if self.dp_rank == 0 else f"{self.publisher}/{self.dp_rank}"
+
+    @classmethod
+    def parse(cls, name: str) -> WorkerId:
+        publisher, sep, rank = name.partition("/")
+        if not sep:
+            return cls(publisher)
+        if not rank.isdigit():
+            raise ValueError(f"invalid worker name {name!r}: dp_rank after '/' must be a number")
+        return cls(publisher, int(rank))
+
+    @property
+    def events_subject(self) -> str:
+        return f"{EVENTS_SUBJECT_PREFIX}.{self.publisher}.{self.dp_rank}"
+
+
+@attrs.frozen
+class Stored:
+    """Blocks stored on a tier. Local hashes are kvledger's token-content hashes; token ids are not kept."""
+
+    tier: Tier
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None
+    block_size: int
+    local_hashes: tuple[int, ...]
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    group_idx: int = 0
+
+
+@attrs.frozen
+class Removed:
+    tier: Tier
+    block_hashes: tuple[int, ...]
+
+
+@attrs.frozen
+class Cleared:
+    pass
+
+
+@attrs.frozen
+class Gap:
+    """Synthesised by ingest where the engine's sequence could not be followed."""
+
+    expected_seq: int
+    received_seq: int
+    reason: GapReason
+
+
+Event = Union[Stored, Removed, Cleared, Gap]
+
+
+@attrs.frozen
+class EventBatch:
+    """One engine batch: the unit of the canonical log, one JetStream message."""
+
+    worker: WorkerId
+    epoch: int
+    seq: int
+    engine_ts: float
+    ingest_ts: float
+    provenance: Provenance
+    events: tuple[Event, ...]
+
+    @property
+    def subject(self) -> str:
+        return self.worker.events_subject
+
+    @property
+    def msg_id(self) -> str:
+        """JetStream de-duplication id, `<publisher>:<dp_rank>:<epoch>:<seq>` (DESIGN §2).
+
+        A retained endpoint announcing for the same worker counts its own sequence, so its
+        ids carry `retained` to keep both streams of one worker apart.
+        """
+        worker = self.worker
+        if self.provenance is Provenance.NATIVE:
+            return f"{worker.publisher}:{worker.dp_rank}:{self.epoch}:{self.seq}"
+        return f"{worker.publisher}:{worker.dp_rank}:retained:{self.epoch}:{self.seq}"
+
+
+# --- the record codec -----------------------------------------------------------------
+# msgspec validates the record layout in C (hash ranges included), then plain
+# constructors build the attrs values: validation once, where bytes enter.
+
+# msgpack cannot carry integers above 2**64 - 1, so a lower bound is all a u64 needs.
+_U64 = Annotated[int, msgspec.Meta(ge=0)]
+_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+_TierName = Literal["device", "host", "disk", "external"]
+
+
+class _StoredWire(msgspec.Struct, array_like=True, tag="S", frozen=True):
+    tier: _TierName
+    block_hashes: list[_U64]
+    parent_hash: _U64 | None
+    block_size: _NonNegative
+    local_hashes: list[_U64]
+    lora_name: str | None
+    cache_salt: str | None
+    group_idx: _NonNegative
+
+
+class _RemovedWire(msgspec.Struct, array_like=True, tag="R", frozen=True):
+    tier: _TierName
+    block_hashes: list[_U64]
+
+
+class _ClearedWire(msgspec.Struct, array_like=True, tag="C", frozen=True):
+    pass
+
+
+class _GapWire(msgspec.Struct, array_like=True, tag="G", frozen=True):
+    expected_seq: _NonNegative
+    received_seq: _NonNegative
+    reason: Literal["missed", "publisher_restart", "replay_incomplete"]
+
+
+class _RecordWire(msgspec.Struct, frozen=True):
+    v: int
+    publisher: str
+    dp_rank: _NonNegative
+    epoch: _NonNegative
+    seq: _NonNegative
+    engine_ts: float
+    ingest_ts: float
+    provenance: Literal["native", "retained"]
+    events: list[Union[_StoredWire, _RemovedWire, _ClearedWire, _GapWire]]
+
+
+class _VersionOnly(msgspec.Struct):
+    v: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_record_decoder = msgspec.msgpack.Decoder(_RecordWire)
+_version_decoder = msgspec.msgpack.Decoder(_VersionOnly)
+_TIERS = {tier.value: tier for tier in Tier}
+_GAP_REASONS = {reason.value: reason for reason in GapReason}
+
+
+def _event_to_wire(event: Event) -> msgspec.Struct:
+    if type(event) is Stored:
+        return _StoredWire(
+            event.tier.value, list(event.block_hashes), event.parent_hash, event.block_size,
+            list(event.local_hashes), event.lora_name, event.cache_salt, event.group_idx,
+        )
+    if type(event) is Removed:
+        return _RemovedWire(event.tier.value, list(event.block_hashes))
+    if type(event) is Cleared:
+        return _ClearedWire()
+    if type(event) is Gap:
+        return _GapWire(event.expected_seq, event.received_seq, event.reason.value)
+    raise TypeError(f"not a canonical event: {event!r}")
+
+
+def _event_from_wire(wire: msgspec.Struct) -> Event:
+    kind = type(wire)
+    if kind is _StoredWire:
+        if len(wire.block_hashes) != len(wire.local_hashes):
+            raise RecordError(
+                f"Stored event has {len(wire.block_hashes)} block hashes "
+                f"but {len(wire.local_hashes)} local hashes"
+            )
+        return Stored(
+            _TIERS[wire.tier], tuple(wire.block_hashes), wire.parent_hash, wire.block_size,
+            tuple(wire.local_hashes), wire.lora_name, wire.cache_salt, wire.group_idx,
+        )
+    if kind is _RemovedWire:
+        return Removed(_TIERS[wire.tier], tuple(wire.block_hashes))
+    if kind is _ClearedWire:
+        return Cleared()
+    return Gap(wire.expected_seq, wire.received_seq, _GAP_REASONS[wire.reason])
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    """Encode a batch as the versioned msgpack record stored in KV_EVENTS."""
+    return _encoder.encode(
+        _RecordWire(
+            SCHEMA_VERSION, batch.worker.publisher, batch.worker.dp_rank, batch.epoch, batch.seq,
+            batch.engine_ts, batch.ingest_ts, batch.provenance.value,
+            [_event_to_wire(event) for event in batch.events],
+        )
+    )
+
+
+def decode_batch(data: bytes) -> EventBatch:
+    """Decode a KV_EVENTS record; raise RecordError on anything malformed or from a newer schema."""
+    try:
+        wire = _record_decoder.decode(data)
+    except msgspec.DecodeError as error:
+        _raise_if_newer_version(data)
+        raise RecordError(f"malformed kvledger record: {error}") from None
+    if wire.v != SCHEMA_VERSION:
+        _raise_version_error(wire.v)
+    try:
+        worker = WorkerId(wire.publisher, wire.dp_rank)
+    except ValueError as error:
+        raise RecordError(f"malformed kvledger record: {error}") from None
+    return EventBatch(
+        worker, wire.epoch, wire.seq, wire.engine_ts, wire.ingest_ts,
+        Provenance(wire.provenance), tuple(_event_from_wire(event) for event in wire.events),
+    )
+
+
+def _raise_if_newer_version(data: bytes) -> None:
+    try:
+        version = _version_decoder.decode(data).v
+    except msgspec.DecodeError:
+        return
+    if version != SCHEMA_VERSION:
+        _raise_version_error(version)
+
+
+def _raise_version_error(version: int) -> None:
+    if version > SCHEMA_VERSION:
+        raise RecordError(
+            f"record schema version {version} is newer than this kvledger understands "
+            f"(up to {SCHEMA_VERSION}); upgrade kvledger to read it"
+        )
+    raise RecordError(f"record schema version {version} is not supported (expected {SCHEMA_VERSION})")

@@ -1,0 +1,383 @@
+"""The inventory fold: canonical batches in, per-worker block inventory and facts out.
+
+A pure state machine shared by store (which writes the facts to SQL) and decide (which
+indexes the state). DESIGN §3 gives the rules; each is marked where it is applied.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+import attrs
+
+from kvledger.events import (
+    Cleared,
+    EventBatch,
+    Gap,
+    GapReason,
+    Provenance,
+    Removed,
+    Stored,
+    Tier,
+    WorkerId,
+)
+from kvledger.hashing import chain_hash
+
+NATIVE = Provenance.NATIVE
+RETAINED = Provenance.RETAINED
+
+
+class RemovalCause(enum.Enum):
+    REMOVED = "removed"
+    CLEARED = "cleared"
+    RESTART = "restart"
+
+
+@attrs.frozen
+class BlockRecord:
+    """One block held by a worker on one tier, as announced with one provenance.
+
+    `conflict` marks a retained record whose topology disagrees with the engine's own:
+    kept for audit, never indexed.
+    """
+
+    worker: WorkerId
+    tier: Tier
+    provenance: Provenance
+    engine_hash: int
+    sequence_hash: int
+    parent_hash: int | None
+    local_hash: int
+    stream_seq: int
+    conflict: bool = False
+
+
+# --- facts: what one batch changed, in order --------------------------------------------
+
+
+@attrs.frozen
+class BlockStoredFact:
+    record: BlockRecord
+
+
+@attrs.frozen
+class BlockRemovedFact:
+    record: BlockRecord
+    cause: RemovalCause
+    stream_seq: int
+
+
+@attrs.frozen
+class InventoryClearedFact:
+    """Every block of `provenance` on the worker went away at once (Cleared or restart)."""
+
+    worker: WorkerId
+    provenance: Provenance
+    cause: RemovalCause
+    stream_seq: int
+    blocks: int
+
+
+@attrs.frozen
+class RetainedConflictFact:
+    """A retained record lost to native topology after it was stored; now audit-only."""
+
+    record: BlockRecord
+    stream_seq: int
+
+
+@attrs.frozen
+class UncertaintyFact:
+    worker: WorkerId
+    provenance: Provenance
+    uncertain: bool
+    reason: str
+    stream_seq: int
+
+
+Fact = BlockStoredFact | BlockRemovedFact | InventoryClearedFact | RetainedConflictFact | UncertaintyFact
+
+
+COUNTER_NAMES = (
+    "unknown_parent",  # stored with a parent the worker does not hold: a new chain starts
+    "unknown_remove",  # removed a block the worker does not hold
+    "duplicate_store",  # stored a block already held on that tier with that provenance
+    "retained_conflict",  # retained record disagreeing with native topology
+    "native_reparent",  # the engine re-announced a block under a different parent
+    "duplicate_batch",  # (epoch, seq) not after the worker's last one
+    "stale_epoch",  # batch from an epoch older than the worker's current one
+    "implicit_restart",  # epoch rose without a Gap(publisher_restart) first
+    "redelivered",  # stream seq not after the fold's last one
+)
+
+
+@attrs.define
+class _TopologyEntry:
+    sequence_hash: int
+    parent_hash: int | None
+    refs: int
+
+
+@attrs.define
+class _ProvenanceState:
+    """Everything one provenance of one worker announced."""
+
+    records: dict[Tier, dict[int, BlockRecord]] = attrs.field(factory=lambda: {tier: {} for tier in Tier})
+    # sequence hash -> number of indexable records on that tier (several engine hashes,
+    # e.g. one per KV-cache group, can share one sequence hash)
+    held: dict[Tier, Counter[int]] = attrs.field(factory=lambda: {tier: Counter() for tier in Tier})
+    # engine hash -> where it sits in the chain, for resolving parents
+    topology: dict[int, _TopologyEntry] = attrs.field(factory=dict)
+    epoch: int | None = None
+    seq: int | None = None
+    uncertain_since: int | None = None
+
+    def block_count(self) -> int:
+        return sum(len(blocks) for blocks in self.records.values())
+
+
+@attrs.define
+class WorkerState:
+    worker: WorkerId
+    by_provenance: dict[Provenance, _ProvenanceState] = attrs.field(
+        factory=lambda: {NATIVE: _ProvenanceState(), RETAINED: _ProvenanceState()}
+    )
+    counters: Counter[str] = attrs.field(factory=Counter)
+
+    @property
+    def uncertain(self) -> bool:
+        return any(state.uncertain_since is not None for state in self.by_provenance.values())
+
+    @property
+    def epoch(self) -> int | None:
+        return self.by_provenance[NATIVE].epoch
+
+
+class InventoryFold:
+    """Applies canonical batches in stream order and keeps every worker's inventory."""
+
+    def __init__(self) -> None:
+        self._workers: dict[WorkerId, WorkerState] = {}
+        self.inventory_seq = 0
+        self.counters: Counter[str] = Counter()
+
+    # --- applying ------------------------------------------------------------------
+
+    def apply(self, batch: EventBatch, stream_seq: int) -> list[Fact]:
+        """Fold one batch (KV_EVENTS stream seq `stream_seq`); return the facts it produced.
+
+        Redelivered stream seqs and repeated engine seqs produce nothing, so applying the
+        same stream twice is harmless.
+        """
+        if stream_seq <= self.inventory_seq:
+            self._count(None, "redelivered")
+            return []
+        self.inventory_seq = stream_seq
+        state = self._workers.get(batch.worker)
+        if state is None:
+            state = self._workers[batch.worker] = WorkerState(batch.worker)
+        own = state.by_provenance[batch.provenance]
+        facts: list[Fact] = []
+        if own.epoch is not None:
+            if batch.epoch < own.epoch:
+                self._count(state, "stale_epoch")
+                return facts
+            if batch.epoch == own.epoch and batch.seq <= own.seq:
+                self._count(state, "duplicate_batch")
+                return facts
+            if batch.epoch > own.epoch and not _starts_with_restart(batch):
+                # Every new epoch is an engine restart, announced or not: its cache is empty.
+                self._count(state, "implicit_restart")
+                self._clear(state, batch.provenance, RemovalCause.RESTART, stream_seq, facts)
+                own = state.by_provenance[batch.provenance]
+        own.epoch, own.seq = batch.epoch, batch.seq
+        for event in batch.events:
+            kind = type(event)
+            if kind is Stored:
+                self._store(state, batch.provenance, event, stream_seq, facts)
+            elif kind is Removed:
+                self._remove(state, batch.provenance, event, stream_seq, facts)
+            elif kind is Cleared:
+                self._clear(state, batch.provenance, RemovalCause.CLEARED, stream_seq, facts)
+            else:
+                self._gap(state, batch.provenance, event, stream_seq, facts)
+        return facts
+
+    def apply_all(self, batches: Iterable[tuple[EventBatch, int]]) -> list[Fact]:
+        facts: list[Fact] = []
+        for batch, stream_seq in batches:
+            facts.extend(self.apply(batch, stream_seq))
+        return facts
+
+    def _store(self, state: WorkerState, provenance: Provenance, event: Stored, stream_seq: int, facts: list[Fact]) -> None:
+        own = state.by_provenance[provenance]
+        native = state.by_provenance[NATIVE]
+        retained = state.by_provenance[RETAINED]
+        tier_records = own.records[event.tier]
+        parent = event.parent_hash
+        parent_sequence = self._resolve_parent(state, parent)
+        for engine_hash, local_hash in zip(event.block_hashes, event.local_hashes):
+            sequence_hash = local_hash if parent_sequence is None else chain_hash(parent_sequence, local_hash)
+            if engine_hash in tier_records:
+                self._count(state, "duplicate_store")
+            elif provenance is NATIVE:
+                self._store_native(state, event.tier, engine_hash, sequence_hash, parent, local_hash, stream_seq, facts)
+            else:
+                # Retained records are advisory: one that disagrees with the engine's own
+                # topology for this block is kept for audit and never indexed.
+                native_entry = native.topology.get(engine_hash)
+                conflict = native_entry is not None and (
+                    native_entry.parent_hash != parent or native_entry.sequence_hash != sequence_hash
+                )
+                if conflict:
+                    self._count(state, "retained_conflict")
+                record = BlockRecord(
+                    state.worker, event.tier, RETAINED, engine_hash, sequence_hash, parent,
+                    local_hash, stream_seq, conflict,
+                )
+                _attach(retained, record)
+                facts.append(BlockStoredFact(record))
+            parent, parent_sequence = engine_hash, sequence_hash
+
+    def _store_native(
+        self, state: WorkerState, tier: Tier, engine_hash: int, sequence_hash: int,
+        parent: int | None, local_hash: int, stream_seq: int, facts: list[Fact],
+    ) -> None:
+        native = state.by_provenance[NATIVE]
+        entry = native.topology.get(engine_hash)
+        if entry is not None and (entry.parent_hash != parent or entry.sequence_hash != sequence_hash):
+            self._count(state, "native_reparent")
+        record = BlockRecord(state.worker, tier, NATIVE, engine_hash, sequence_hash, parent, local_hash, stream_seq)
+        _attach(native, record)
+        facts.append(BlockStoredFact(record))
+        # Native is authoritative for topology: retained records of this block that
+        # disagree with it become audit-only.
+        retained = state.by_provenance[RETAINED]
+        if engine_hash not in retained.topology:
+            return
+        for retained_records in retained.records.values():
+            held = retained_records.get(engine_hash)
+            if held is None or held.conflict:
+                continue
+            if held.parent_hash != parent or held.sequence_hash != sequence_hash:
+                _detach(retained, held)
+                demoted = attrs.evolve(held, conflict=True)
+                _attach(retained, demoted)
+                self._count(state, "retained_conflict")
+                facts.append(RetainedConflictFact(demoted, stream_seq))
+
+    def _resolve_parent(self, state: WorkerState, parent: int | None) -> int | None:
+        """Sequence hash of the parent block, native topology first; None starts a new chain."""
+        if parent is None:
+            return None
+        for provenance in (NATIVE, RETAINED):
+            entry = state.by_provenance[provenance].topology.get(parent)
+            if entry is not None:
+                return entry.sequence_hash
+        self._count(state, "unknown_parent")
+        return None
+
+    def _remove(self, state: WorkerState, provenance: Provenance, event: Removed, stream_seq: int, facts: list[Fact]) -> None:
+        # A removal touches only its own provenance: a retained layer dropping a block never
+        # detaches the engine's copy, and an engine eviction leaves retained copies serving.
+        own = state.by_provenance[provenance]
+        tier_records = own.records[event.tier]
+        for engine_hash in event.block_hashes:
+            record = tier_records.get(engine_hash)
+            if record is None:
+                self._count(state, "unknown_remove")
+                continue
+            _detach(own, record)
+            facts.append(BlockRemovedFact(record, RemovalCause.REMOVED, stream_seq))
+
+    def _clear(self, state: WorkerState, provenance: Provenance, cause: RemovalCause, stream_seq: int, facts: list[Fact]) -> None:
+        own = state.by_provenance[provenance]
+        blocks = own.block_count()
+        fresh = _ProvenanceState(epoch=own.epoch, seq=own.seq)
+        state.by_provenance[provenance] = fresh
+        facts.append(InventoryClearedFact(state.worker, provenance, cause, stream_seq, blocks))
+        if own.uncertain_since is not None:
+            # An empty cache is known exactly: the uncertainty a gap left is over.
+            facts.append(UncertaintyFact(state.worker, provenance, False, cause.value, stream_seq))
+
+    def _gap(self, state: WorkerState, provenance: Provenance, event: Gap, stream_seq: int, facts: list[Fact]) -> None:
+        if event.reason is GapReason.PUBLISHER_RESTART:
+            self._clear(state, provenance, RemovalCause.RESTART, stream_seq, facts)
+            return
+        own = state.by_provenance[provenance]
+        if own.uncertain_since is None:
+            own.uncertain_since = stream_seq
+            facts.append(UncertaintyFact(state.worker, provenance, True, event.reason.value, stream_seq))
+
+    def _count(self, state: WorkerState | None, name: str) -> None:
+        self.counters[name] += 1
+        if state is not None:
+            state.counters[name] += 1
+
+    # --- reading ---------------------------------------------------------------------
+
+    def workers(self) -> list[WorkerId]:
+        """Every worker seen, in worker order (publisher, then dp_rank)."""
+        return sorted(self._workers)
+
+    def worker_state(self, worker: WorkerId) -> WorkerState | None:
+        return self._workers.get(worker)
+
+    def holds(self, worker: WorkerId, provenance: Provenance, tier: Tier, sequence_hash: int) -> bool:
+        """Whether the worker holds an indexable block with this sequence hash."""
+        state = self._workers.get(worker)
+        return state is not None and state.by_provenance[provenance].held[tier][sequence_hash] > 0
+
+    def is_uncertain(self, worker: WorkerId) -> bool:
+        state = self._workers.get(worker)
+        return state is not None and state.uncertain
+
+    def uncertain_workers(self) -> list[WorkerId]:
+        return [worker for worker in self.workers() if self._workers[worker].uncertain]
+
+    def records(self, worker: WorkerId, provenance: Provenance, tier: Tier) -> list[BlockRecord]:
+        """The worker's records on one tier (conflicting retained ones included), by engine hash."""
+        state = self._workers.get(worker)
+        if state is None:
+            return []
+        return sorted(state.by_provenance[provenance].records[tier].values(), key=lambda r: r.engine_hash)
+
+    def iter_records(self) -> Iterator[BlockRecord]:
+        for worker in self.workers():
+            for provenance in Provenance:
+                for tier in Tier:
+                    yield from self.records(worker, provenance, tier)
+
+
+def _starts_with_restart(batch: EventBatch) -> bool:
+    first = batch.events[0] if batch.events else None
+    return type(first) is Gap and first.reason is GapReason.PUBLISHER_RESTART
+
+
+def _attach(own: _ProvenanceState, record: BlockRecord) -> None:
+    own.records[record.tier][record.engine_hash] = record
+    if record.conflict:
+        return
+    own.held[record.tier][record.sequence_hash] += 1
+    entry = own.topology.get(record.engine_hash)
+    if entry is None:
+        own.topology[record.engine_hash] = _TopologyEntry(record.sequence_hash, record.parent_hash, 1)
+    else:
+        entry.sequence_hash, entry.parent_hash = record.sequence_hash, record.parent_hash
+        entry.refs += 1
+
+
+def _detach(own: _ProvenanceState, record: BlockRecord) -> None:
+    del own.records[record.tier][record.engine_hash]
+    if record.conflict:
+        return
+    held = own.held[record.tier]
+    held[record.sequence_hash] -= 1
+    if held[record.sequence_hash] <= 0:
+        del held[record.sequence_hash]
+    entry = own.topology[record.engine_hash]
+    entry.refs -= 1
+    if entry.refs <= 0:
+        del own.topology[record.engine_hash]

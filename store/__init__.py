@@ -1,0 +1,1 @@
+"""kvledger store stage."""

@@ -1,0 +1,81 @@
+"""Fixtures that give tests real services: nats-server with JetStream, PostgreSQL, SQLite.
+
+Each test gets its own NATS server and its own Postgres database, so no state is shared
+between tests. Where a service cannot be found the test is skipped, or fails when
+KVLEDGER_REQUIRE_SERVICES=1 (see tests/services.py for the discovery order).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import services
+from services import NatsService, PostgresService, ServiceNotControllable, ServiceUnavailable, Source
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    # A fault test against an external server cannot kill it; that is a limit of the
+    # setup, not a failure of the code under test.
+    try:
+        return (yield)
+    except ServiceNotControllable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def nats_source() -> Source:
+    """Where this session's NATS servers come from (found once, not per test)."""
+    try:
+        return services.nats_source(os.environ)
+    except ServiceUnavailable as exc:
+        services.missing_service(str(exc), os.environ)
+
+
+@pytest.fixture
+def nats_server(nats_source: Source) -> Iterator[NatsService]:
+    """A fresh nats-server with JetStream for this test alone; `kill()`/`restart()` for fault tests."""
+    with services.start_nats(nats_source) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[PostgresService]:
+    """One PostgreSQL server for the whole session, since initdb takes seconds."""
+    try:
+        source = services.postgres_source(os.environ)
+        server = services.start_postgres(source)
+    except ServiceUnavailable as exc:
+        services.missing_service(str(exc), os.environ)
+    with server:
+        yield server
+
+
+@pytest.fixture
+def postgres_server(postgres_cluster: PostgresService) -> Iterator[PostgresService]:
+    """The session's PostgreSQL server, for tests that kill or restart it; running again afterwards."""
+    postgres_cluster.ensure_running()
+    yield postgres_cluster
+    postgres_cluster.ensure_running()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresService) -> Iterator[str]:
+    """SQLAlchemy URL of an empty database that only this test uses."""
+    name = f"kvledger_test_{uuid.uuid4().hex[:12]}"
+    url = postgres_server.create_database(name)
+    yield url
+    # The test may have killed the server; its database must still be dropped.
+    postgres_server.ensure_running()
+    postgres_server.drop_database(name)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """SQLAlchemy URL of a SQLite file in this test's temporary folder."""
+    return f"sqlite:///{tmp_path / 'ledger.db'}"

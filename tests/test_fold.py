@@ -1,0 +1,277 @@
+"""The inventory fold, rule by rule (DESIGN §3)."""
+
+from __future__ import annotations
+
+from kvledger.events import Cleared, GapReason, Provenance, Tier, WorkerId
+from kvledger.fold import (
+    BlockRemovedFact,
+    BlockStoredFact,
+    InventoryClearedFact,
+    InventoryFold,
+    RemovalCause,
+    RetainedConflictFact,
+    UncertaintyFact,
+)
+from kvledger.hashing import chain_hash, sequence_hashes
+from tests.builders import Stream, gap, local_hashes, removed, stored
+
+NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
+W = WorkerId("vllm-a")
+OTHER = WorkerId("vllm-b")
+
+
+def held_engine_hashes(fold: InventoryFold, provenance=NATIVE, tier=Tier.DEVICE, worker=W) -> list[int]:
+    return [record.engine_hash for record in fold.records(worker, provenance, tier)]
+
+
+def fold_with(*batches) -> tuple[InventoryFold, list]:
+    fold = InventoryFold()
+    return fold, fold.apply_all(batches)
+
+
+def test_stored_blocks_get_chained_sequence_hashes_across_batches() -> None:
+    s = Stream()
+    fold, facts = fold_with(s.batch(W, stored([1, 2])), s.batch(W, stored([3], parent=2)))
+    expected = sequence_hashes(local_hashes([1, 2, 3]))
+    records = fold.records(W, NATIVE, Tier.DEVICE)
+    assert [r.sequence_hash for r in records] == expected
+    assert [r.parent_hash for r in records] == [None, 1, 2]
+    assert [type(f) for f in facts] == [BlockStoredFact] * 3
+    assert all(fold.holds(W, NATIVE, Tier.DEVICE, h) for h in expected)
+    assert fold.inventory_seq == 2
+
+
+def test_a_store_under_an_unknown_parent_starts_a_new_chain_and_is_counted() -> None:
+    s = Stream()
+    fold, _ = fold_with(s.batch(W, stored([7, 8], parent=999)))
+    records = fold.records(W, NATIVE, Tier.DEVICE)
+    local = local_hashes([7, 8])
+    assert records[0].sequence_hash == local[0]
+    assert records[1].sequence_hash == chain_hash(local[0], local[1])
+    assert fold.counters["unknown_parent"] == 1
+    assert fold.worker_state(W).counters["unknown_parent"] == 1
+
+
+def test_removing_blocks_and_removing_unknown_blocks() -> None:
+    s = Stream()
+    fold, facts = fold_with(s.batch(W, stored([1, 2, 3])), s.batch(W, removed([3, 42])))
+    assert held_engine_hashes(fold) == [1, 2]
+    removals = [f for f in facts if isinstance(f, BlockRemovedFact)]
+    assert [(f.record.engine_hash, f.cause, f.stream_seq) for f in removals] == [(3, RemovalCause.REMOVED, 2)]
+    assert fold.counters["unknown_remove"] == 1
+    assert not fold.holds(W, NATIVE, Tier.DEVICE, sequence_hashes(local_hashes([1, 2, 3]))[2])
+
+
+def test_tiers_are_separate_inventories() -> None:
+    s = Stream()
+    fold, _ = fold_with(
+        s.batch(W, stored([1, 2]), stored([1, 2], tier=Tier.HOST)),
+        s.batch(W, removed([2], tier=Tier.DEVICE)),
+    )
+    assert held_engine_hashes(fold) == [1]
+    assert held_engine_hashes(fold, tier=Tier.HOST) == [1, 2]
+
+
+def test_cleared_empties_native_inventory_of_that_worker_only() -> None:
+    s = Stream()
+    fold, facts = fold_with(
+        s.batch(W, stored([1, 2]), stored([5], tier=Tier.HOST)),
+        s.batch(OTHER, stored([1, 2])),
+        s.batch(W, stored([1, 2]), provenance=RETAINED),
+        s.batch(W, Cleared()),
+    )
+    assert all(held_engine_hashes(fold, tier=tier) == [] for tier in Tier)
+    assert held_engine_hashes(fold, worker=OTHER) == [1, 2]
+    assert held_engine_hashes(fold, provenance=RETAINED) == [1, 2]
+    cleared = [f for f in facts if isinstance(f, InventoryClearedFact)]
+    assert cleared == [InventoryClearedFact(W, NATIVE, RemovalCause.CLEARED, 4, 3)]
+
+
+def test_a_publisher_restart_empties_native_inventory_and_starts_the_new_epoch() -> None:
+    s = Stream()
+    fold, facts = fold_with(
+        s.batch(W, stored([1, 2]), epoch=0, seq=10),
+        s.batch(W, gap(GapReason.PUBLISHER_RESTART, 11, 0), stored([9]), epoch=1, seq=0),
+    )
+    assert held_engine_hashes(fold) == [9]
+    assert fold.worker_state(W).epoch == 1
+    assert InventoryClearedFact(W, NATIVE, RemovalCause.RESTART, 2, 2) in facts
+    assert fold.counters["implicit_restart"] == 0
+
+
+def test_a_new_epoch_without_a_restart_gap_is_still_a_restart() -> None:
+    s = Stream()
+    fold, facts = fold_with(s.batch(W, stored([1]), epoch=0, seq=3), s.batch(W, stored([2]), epoch=1, seq=0))
+    assert held_engine_hashes(fold) == [2]
+    assert fold.counters["implicit_restart"] == 1
+    assert InventoryClearedFact(W, NATIVE, RemovalCause.RESTART, 2, 1) in facts
+
+
+def test_a_gap_marks_the_worker_uncertain_until_cleared() -> None:
+    s = Stream()
+    fold, facts = fold_with(s.batch(W, stored([1])), s.batch(W, gap(GapReason.MISSED)), s.batch(OTHER, stored([1])))
+    assert fold.is_uncertain(W) and not fold.is_uncertain(OTHER)
+    assert fold.uncertain_workers() == [W]
+    assert UncertaintyFact(W, NATIVE, True, "missed", 2) in facts
+    # still holds what it held: uncertain is not empty
+    assert held_engine_hashes(fold) == [1]
+    # a second gap while uncertain changes nothing
+    assert fold.apply(*s.batch(W, gap(GapReason.REPLAY_INCOMPLETE))) == []
+    assert fold.is_uncertain(W)
+    later = fold.apply(*s.batch(W, Cleared()))
+    assert UncertaintyFact(W, NATIVE, False, "cleared", 5) in later
+    assert not fold.is_uncertain(W) and fold.uncertain_workers() == []
+
+
+def test_replay_incomplete_marks_uncertain_and_a_restart_resolves_it() -> None:
+    s = Stream()
+    fold, _ = fold_with(s.batch(W, gap(GapReason.REPLAY_INCOMPLETE), epoch=0))
+    assert fold.is_uncertain(W)
+    facts = fold.apply(*s.batch(W, gap(GapReason.PUBLISHER_RESTART), epoch=1, seq=0))
+    assert UncertaintyFact(W, NATIVE, False, "restart", 2) in facts
+    assert not fold.is_uncertain(W)
+
+
+def test_a_retained_gpu_record_survives_a_native_eviction() -> None:
+    s = Stream()
+    sequence = sequence_hashes(local_hashes([1, 2]))
+    fold, _ = fold_with(
+        s.batch(W, stored([1, 2])),
+        s.batch(W, stored([1, 2]), provenance=RETAINED),
+        s.batch(W, removed([1, 2])),
+    )
+    assert held_engine_hashes(fold) == []
+    assert held_engine_hashes(fold, provenance=RETAINED) == [1, 2]
+    assert not any(fold.holds(W, NATIVE, Tier.DEVICE, h) for h in sequence)
+    assert all(fold.holds(W, RETAINED, Tier.DEVICE, h) for h in sequence)
+
+
+def test_a_retained_record_cannot_re_parent_a_native_block() -> None:
+    s = Stream()
+    fold, facts = fold_with(
+        s.batch(W, stored([1, 2, 3])),  # native chain 1 -> 2 -> 3
+        s.batch(W, stored([50])),  # another native root
+        s.batch(W, stored([3], parent=50), provenance=RETAINED),  # claims 3 hangs under 50
+    )
+    native = {r.engine_hash: r for r in fold.records(W, NATIVE, Tier.DEVICE)}
+    assert native[3].parent_hash == 2
+    assert native[3].sequence_hash == sequence_hashes(local_hashes([1, 2, 3]))[2]
+    [retained] = fold.records(W, RETAINED, Tier.DEVICE)
+    assert retained.conflict and retained.parent_hash == 50  # kept for audit
+    assert not fold.holds(W, RETAINED, Tier.DEVICE, retained.sequence_hash)  # ignored by the index
+    assert fold.counters["retained_conflict"] == 1
+    assert BlockStoredFact(retained) in facts
+    # a child stored natively under 3 still chains through the native parent
+    fold.apply(*s.batch(W, stored([4], parent=3)))
+    native = {r.engine_hash: r for r in fold.records(W, NATIVE, Tier.DEVICE)}
+    assert native[4].sequence_hash == sequence_hashes(local_hashes([1, 2, 3, 4]))[3]
+
+
+def test_a_native_store_demotes_an_earlier_retained_record_that_disagrees() -> None:
+    s = Stream()
+    fold, _ = fold_with(
+        s.batch(W, stored([60])),
+        s.batch(W, stored([7], parent=60), provenance=RETAINED),  # retained: 60 -> 7
+    )
+    [before] = fold.records(W, RETAINED, Tier.DEVICE)
+    assert not before.conflict and fold.holds(W, RETAINED, Tier.DEVICE, before.sequence_hash)
+    facts = fold.apply(*s.batch(W, stored([7])))  # the engine says 7 is a root
+    [after] = fold.records(W, RETAINED, Tier.DEVICE)
+    assert after.conflict
+    assert RetainedConflictFact(after, 3) in facts
+    assert not fold.holds(W, RETAINED, Tier.DEVICE, before.sequence_hash)
+
+
+def test_an_agreeing_retained_record_is_indexed_beside_the_native_one() -> None:
+    s = Stream()
+    fold, _ = fold_with(s.batch(W, stored([1, 2])), s.batch(W, stored([2], parent=1), provenance=RETAINED))
+    [retained] = fold.records(W, RETAINED, Tier.DEVICE)
+    assert not retained.conflict
+    assert retained.sequence_hash == sequence_hashes(local_hashes([1, 2]))[1]
+    assert fold.counters["retained_conflict"] == 0
+
+
+def test_a_retained_removal_never_detaches_the_native_copy() -> None:
+    s = Stream()
+    fold, _ = fold_with(s.batch(W, stored([1])), s.batch(W, removed([1]), provenance=RETAINED))
+    assert held_engine_hashes(fold) == [1]
+    assert fold.counters["unknown_remove"] == 1
+
+
+def test_a_retained_cleared_empties_only_retained_inventory() -> None:
+    s = Stream()
+    fold, facts = fold_with(
+        s.batch(W, stored([1])),
+        s.batch(W, stored([1]), provenance=RETAINED),
+        s.batch(W, Cleared(), provenance=RETAINED),
+    )
+    assert held_engine_hashes(fold) == [1]
+    assert held_engine_hashes(fold, provenance=RETAINED) == []
+    assert InventoryClearedFact(W, RETAINED, RemovalCause.CLEARED, 3, 1) in facts
+
+
+def test_retained_parents_resolve_when_the_engine_no_longer_knows_them() -> None:
+    s = Stream()
+    fold, _ = fold_with(
+        s.batch(W, stored([1]), provenance=RETAINED),
+        s.batch(W, stored([2], parent=1)),
+    )
+    [record] = fold.records(W, NATIVE, Tier.DEVICE)
+    assert record.sequence_hash == sequence_hashes(local_hashes([1, 2]))[1]
+    assert fold.counters["unknown_parent"] == 0
+
+
+def test_repeated_batches_and_redeliveries_change_nothing() -> None:
+    s = Stream()
+    fold = InventoryFold()
+    first, _ = s.batch(W, stored([1]), seq=5)
+    assert fold.apply(first, 1)
+    assert fold.apply(first, 1) == []  # redelivered stream seq
+    assert fold.apply(first, 2) == []  # same engine (epoch, seq) under a new stream seq
+    older, _ = s.batch(W, stored([2]), seq=4)
+    assert fold.apply(older, 3) == []
+    stale, _ = s.batch(W, stored([3]), epoch=0, seq=9)
+    fold.apply(*s.batch(W, gap(GapReason.PUBLISHER_RESTART), epoch=1, seq=0))
+    assert fold.apply(stale, 100) == []
+    assert fold.counters["redelivered"] == 1
+    assert fold.counters["duplicate_batch"] == 2
+    assert fold.counters["stale_epoch"] == 1
+
+
+def test_storing_a_held_block_again_is_counted_not_duplicated() -> None:
+    s = Stream()
+    fold, facts = fold_with(s.batch(W, stored([1, 2])), s.batch(W, stored([1, 2])))
+    assert len([f for f in facts if isinstance(f, BlockStoredFact)]) == 2
+    assert fold.counters["duplicate_store"] == 2
+    assert held_engine_hashes(fold) == [1, 2]
+
+
+def test_two_engine_hashes_with_one_sequence_hash_are_reference_counted() -> None:
+    # e.g. two KV-cache groups announcing the same token block under different engine hashes
+    s = Stream()
+    fold, _ = fold_with(s.batch(W, stored([1]), stored([1], engine_offset=1000)))
+    sequence = local_hashes([1])[0]
+    fold.apply(*s.batch(W, removed([1])))
+    assert fold.holds(W, NATIVE, Tier.DEVICE, sequence)
+    fold.apply(*s.batch(W, removed([1001])))
+    assert not fold.holds(W, NATIVE, Tier.DEVICE, sequence)
+
+
+def test_dp_ranks_are_separate_workers_in_worker_order() -> None:
+    s = Stream()
+    rank1 = WorkerId("vllm-a", 1)
+    fold, _ = fold_with(s.batch(rank1, stored([1])), s.batch(OTHER, stored([1])), s.batch(W, stored([2])))
+    assert fold.workers() == [W, rank1, OTHER]
+    assert held_engine_hashes(fold, worker=rank1) == [1]
+    assert held_engine_hashes(fold) == [2]
+
+
+def test_the_native_and_retained_streams_of_one_worker_count_sequences_separately() -> None:
+    s = Stream()
+    fold, _ = fold_with(
+        s.batch(W, stored([1]), seq=0),
+        s.batch(W, stored([1]), provenance=RETAINED, seq=0),
+    )
+    assert held_engine_hashes(fold) == [1]
+    assert held_engine_hashes(fold, provenance=RETAINED) == [1]
+    assert fold.counters["duplicate_batch"] == 0
