@@ -81,8 +81,15 @@ class Command:
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
 
 
+# Every subcommand is registered here and nowhere else. A stage command imports its package
+# inside its function (`from ingest.bridge import ...`), so `kvledger config show` never does.
 COMMANDS: tuple[Command, ...] = (
-    Command(("config", "show"), _config_show, "print the effective settings and their sources", _config_show_arguments),
+    Command(
+        ("config", "show"),
+        _config_show,
+        "print the effective settings and their sources",
+        _config_show_arguments,
+    ),
 )
 
 _GROUP_HELP: Mapping[str, str] = {
@@ -103,15 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {kvledger.__version__}")
     shared = _global_options(argparse.SUPPRESS)
 
-    # words prefix -> (parser at that level, its subparsers action, created lazily)
+    # command-word prefix -> its parser, and -> its subparsers action (created on first use)
     levels: dict[tuple[str, ...], argparse.ArgumentParser] = {(): parser}
     actions: dict[tuple[str, ...], argparse._SubParsersAction] = {}
 
     def subparsers_of(prefix: tuple[str, ...]) -> argparse._SubParsersAction:
         if prefix not in actions:
-            actions[prefix] = levels[prefix].add_subparsers(
-                title="commands", metavar="COMMAND", dest=f"_words_{len(prefix)}"
-            )
+            actions[prefix] = levels[prefix].add_subparsers(title="commands", metavar="COMMAND")
         return actions[prefix]
 
     for command in COMMANDS:

@@ -163,7 +163,11 @@ def _setting(
 
 @attrs.frozen
 class NatsSettings:
-    url: str = _setting("nats://127.0.0.1:4222", "NATS server URL (comma-separate several for a cluster).", rule=_non_empty())
+    """How to reach NATS; `token` and `password` are secrets and never shown."""
+
+    url: str = _setting(
+        "nats://127.0.0.1:4222", "NATS server URL (comma-separate several for a cluster).", rule=_non_empty()
+    )
     token: str | None = _setting(None, "NATS authentication token.", secret=True)
     user: str | None = _setting(None, "NATS user name (with password).")
     password: str | None = _setting(None, "NATS password (with user).", secret=True)
@@ -176,50 +180,87 @@ class NatsSettings:
 
 @attrs.frozen
 class StreamSettings:
-    events_stream: str = _setting("KV_EVENTS", "JetStream stream holding engine event batches.", rule=_stream_name())
-    decisions_stream: str = _setting("KV_DECISIONS", "JetStream stream holding every reuse decision.", rule=_stream_name())
+    """The JetStream streams (DESIGN §2)."""
+
+    events_stream: str = _setting(
+        "KV_EVENTS", "JetStream stream holding engine event batches.", rule=_stream_name()
+    )
+    decisions_stream: str = _setting(
+        "KV_DECISIONS", "JetStream stream holding every reuse decision.", rule=_stream_name()
+    )
     replicas: int = _setting(1, "Stream replicas (1 on a single server, 3 on a cluster).", rule=_between(1, 5))
+    # Ingest retries with the same Msg-Id; a shorter window would let a retry through twice.
     duplicate_window_s: float = _setting(
         120.0, "JetStream de-duplication window in seconds (at least 2 minutes).", rule=_at_least(120)
     )
     max_age_s: float = _setting(0.0, "Oldest message kept, in seconds (0 = unlimited).", rule=_at_least(0))
-    max_bytes: int = _setting(-1, "Stream size limit in bytes (-1 = unlimited).", rule=_unlimited_or_positive())
+    max_bytes: int = _setting(
+        -1, "Stream size limit in bytes (-1 = unlimited).", rule=_unlimited_or_positive()
+    )
 
 
 @attrs.frozen
 class DbSettings:
+    """Where store/ materialises the log for audit."""
+
     url: str = _setting(
-        "sqlite:///.kvledger/ledger.db", "SQLAlchemy URL of the audit database (SQLite or PostgreSQL).", rule=_non_empty()
+        "sqlite:///.kvledger/ledger.db",
+        "SQLAlchemy URL of the audit database (SQLite or PostgreSQL).",
+        rule=_non_empty(),
     )
 
 
 @attrs.frozen
 class IngestSettings:
+    """The ZMQ-to-JetStream bridge."""
+
     endpoints: tuple[str, ...] = _setting(
         (), "Engine endpoints `tcp://HOST:PORT[,replay=tcp://HOST:PORT][,provenance=retained]`."
     )
-    publisher: str | None = _setting(None, "Publisher name for the endpoints (letters, digits, '_', '-').", rule=_optional_publisher())
-    publish_window: int = _setting(256, "JetStream publishes in flight before waiting for acks.", rule=_at_least(1))
+    publisher: str | None = _setting(
+        None, "Publisher name for the endpoints (letters, digits, '_', '-').", rule=_optional_publisher()
+    )
+    publish_window: int = _setting(
+        256, "JetStream publishes in flight before waiting for acks.", rule=_at_least(1)
+    )
     max_buffered_batches: int = _setting(
         10000, "Batches buffered while NATS is away before reading from ZMQ stops.", rule=_at_least(1)
     )
     replay_timeout_s: float = _setting(2.0, "Seconds to wait for an engine replay reply.", rule=_positive())
     max_batch_bytes: int = _setting(16777216, "Largest engine payload accepted, in bytes.", rule=_at_least(1))
-    http_port: int = _setting(9101, "Port of ingest's metrics and health endpoint (0 = any free port).", rule=_PORT)
+    http_port: int = _setting(
+        9101, "Port of ingest's metrics and health endpoint (0 = any free port).", rule=_PORT
+    )
 
 
 @attrs.frozen
 class StoreSettings:
+    """The projector from KV_EVENTS and KV_DECISIONS into SQL."""
+
     batch_size: int = _setting(512, "Stream messages folded per SQL transaction.", rule=_at_least(1))
-    snapshot_every_events: int = _setting(100000, "Write an inventory snapshot after this many events.", rule=_at_least(1))
-    snapshot_every_s: float = _setting(300.0, "Write an inventory snapshot at least this often, in seconds.", rule=_positive())
-    http_port: int = _setting(9102, "Port of store's metrics and health endpoint (0 = any free port).", rule=_PORT)
+    snapshot_every_events: int = _setting(
+        100000, "Write an inventory snapshot after this many events.", rule=_at_least(1)
+    )
+    snapshot_every_s: float = _setting(
+        300.0, "Write an inventory snapshot at least this often, in seconds.", rule=_positive()
+    )
+    http_port: int = _setting(
+        9102, "Port of store's metrics and health endpoint (0 = any free port).", rule=_PORT
+    )
 
 
 @attrs.frozen
 class DecideSettings:
-    backend: str = _setting("auto", "Ranking backend: auto, cpu or cuda (auto = cuda when a GPU is present).", rule=_one_of("auto", "cpu", "cuda"))
-    http_port: int = _setting(9103, "Port of decide's HTTP front, metrics and health (0 = any free port).", rule=_PORT)
+    """The decision service and its HTTP front."""
+
+    backend: str = _setting(
+        "auto",
+        "Ranking backend: auto, cpu or cuda (auto = cuda when a GPU is present).",
+        rule=_one_of("auto", "cpu", "cuda"),
+    )
+    http_port: int = _setting(
+        9103, "Port of decide's HTTP front, metrics and health (0 = any free port).", rule=_PORT
+    )
     reject_media_status_code: int = _setting(
         415, "HTTP status returned for a request body that is not JSON.", rule=_between(400, 599)
     )
@@ -227,13 +268,17 @@ class DecideSettings:
 
 @attrs.frozen
 class ReuseSettings:
+    """The reuse cost model (DESIGN §4); `settings_digest` of this section tags every decision."""
+
     enable_decode_to_prefill_reuse: bool = _setting(False, "Allow host and disk tier sources for KV transfer.")
     enable_decode_to_prefill_gpu_reuse: bool = _setting(False, "Allow device (GPU) tier sources for KV transfer.")
     minimum_transfer_prefix_blocks: int = _setting(4, "Fewest blocks worth transferring.", rule=_at_least(0))
     minimum_estimated_ttft_saving_ms: float = _setting(
         5.0, "Smallest estimated time-to-first-token saving worth a transfer, in ms.", rule=_at_least(0)
     )
-    transfer_source_prefill_token_us: float = _setting(50.0, "Estimated prefill cost per token, in µs.", rule=_at_least(0))
+    transfer_source_prefill_token_us: float = _setting(
+        50.0, "Estimated prefill cost per token, in µs.", rule=_at_least(0)
+    )
     transfer_source_estimated_block_us: float = _setting(
         400.0, "Estimated transfer cost per block from a host or disk source, in µs.", rule=_at_least(0)
     )
@@ -241,11 +286,19 @@ class ReuseSettings:
         40.0, "Estimated transfer cost per block from a device source, in µs.", rule=_at_least(0)
     )
     transfer_source_lookup_budget_ms: float = _setting(
-        2.0, "Time budget for scanning candidates, in ms; past it the answer says budget_exhausted.", rule=_at_least(0)
+        2.0,
+        "Time budget for scanning candidates, in ms; past it the answer says budget_exhausted.",
+        rule=_at_least(0),
     )
-    device_credit_weight: float = _setting(1.0, "Execution credit of a block held on the target's device tier.", rule=_at_least(0))
-    host_credit_weight: float = _setting(0.75, "Execution credit of a block held on the target's host tier.", rule=_at_least(0))
-    disk_credit_weight: float = _setting(0.25, "Execution credit of a block held on the target's disk tier.", rule=_at_least(0))
+    device_credit_weight: float = _setting(
+        1.0, "Execution credit of a block held on the target's device tier.", rule=_at_least(0)
+    )
+    host_credit_weight: float = _setting(
+        0.75, "Execution credit of a block held on the target's host tier.", rule=_at_least(0)
+    )
+    disk_credit_weight: float = _setting(
+        0.25, "Execution credit of a block held on the target's disk tier.", rule=_at_least(0)
+    )
 
 
 @attrs.frozen
@@ -501,7 +554,8 @@ def _from_file(path: str) -> dict[str, tuple[object, str]]:
             continue
         if not isinstance(table, dict):
             raise SettingsError(
-                f"setting {section}: expected a [{section}] table, got {table!r} ({type(table).__name__}) {_origin(source)}"
+                f"setting {section}: expected a [{section}] table, "
+                f"got {table!r} ({type(table).__name__}) {_origin(source)}"
             )
         for name, raw in table.items():
             entry = SETTINGS_REGISTRY.get(f"{section}.{name}")

@@ -9,13 +9,26 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 import services
 from services import NatsService, PostgresService, ServiceNotControllable, ServiceUnavailable, Source
+
+T = TypeVar("T")
+
+
+def _service_or_skip(find: Callable[[], T]) -> T:
+    """Return what `find` finds; skip (or fail, if services are required) when it finds nothing."""
+    try:
+        return find()
+    except ServiceUnavailable as exc:
+        reason = str(exc)
+    # Outside the except block, so the skip or failure is reported without a traceback chain.
+    services.missing_service(reason, os.environ)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -31,15 +44,16 @@ def pytest_runtest_call(item: pytest.Item) -> object:
 @pytest.fixture(scope="session")
 def nats_source() -> Source:
     """Where this session's NATS servers come from (found once, not per test)."""
-    try:
-        return services.nats_source(os.environ)
-    except ServiceUnavailable as exc:
-        services.missing_service(str(exc), os.environ)
+    return _service_or_skip(lambda: services.nats_source(os.environ))
 
 
 @pytest.fixture
 def nats_server(nats_source: Source) -> Iterator[NatsService]:
-    """A fresh nats-server with JetStream for this test alone; `kill()`/`restart()` for fault tests."""
+    """A fresh nats-server with JetStream for this test alone; `kill()`/`restart()` for fault tests.
+
+    A server named by KVLEDGER_TEST_NATS_URL is shared and kept as is, so tests should use
+    stream names of their own.
+    """
     with services.start_nats(nats_source) as server:
         yield server
 
@@ -47,11 +61,7 @@ def nats_server(nats_source: Source) -> Iterator[NatsService]:
 @pytest.fixture(scope="session")
 def postgres_cluster() -> Iterator[PostgresService]:
     """One PostgreSQL server for the whole session, since initdb takes seconds."""
-    try:
-        source = services.postgres_source(os.environ)
-        server = services.start_postgres(source)
-    except ServiceUnavailable as exc:
-        services.missing_service(str(exc), os.environ)
+    server = _service_or_skip(lambda: services.start_postgres(services.postgres_source(os.environ)))
     with server:
         yield server
 

@@ -207,12 +207,17 @@ def free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
+# Looked up now, not in the forked child, where loading a library could deadlock.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     # Runs in the child before exec: if pytest itself is killed, the kernel kills the
     # server too, so no nats-server or postmaster outlives the session. The signal fires
     # when the forking *thread* exits, so servers must be started from the main thread.
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _log_tail(path: Path, lines: int = 40) -> str:
@@ -367,7 +372,10 @@ class ContainerNatsServer(NatsService):
     """
 
     def __init__(self, image: str) -> None:
-        from testcontainers.community.nats import NatsContainer
+        try:
+            from testcontainers.community.nats import NatsContainer
+        except ImportError:  # testcontainers before the "community" split
+            from testcontainers.nats import NatsContainer
 
         self.port, self.monitor_port = free_ports(2)
         self.store_dir = None
@@ -444,14 +452,14 @@ class ExternalNatsServer(NatsService):
 # --- PostgreSQL --------------------------------------------------------------------------
 
 
-def _libpq_url(sqlalchemy_url: str) -> str:
+def libpq_url(sqlalchemy_url: str) -> str:
     """The libpq form of an SQLAlchemy PostgreSQL URL, for psycopg.connect."""
     return make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _accepts_connections(sqlalchemy_url: str) -> bool:
     try:
-        with psycopg.connect(_libpq_url(sqlalchemy_url), connect_timeout=2) as connection:
+        with psycopg.connect(libpq_url(sqlalchemy_url), connect_timeout=2) as connection:
             connection.execute("SELECT 1")
         return True
     except psycopg.Error:
@@ -470,13 +478,13 @@ class PostgresService(abc.ABC):
 
     def create_database(self, name: str) -> str:
         """Create an empty database `name` and return its SQLAlchemy URL."""
-        with psycopg.connect(_libpq_url(self.admin_url), autocommit=True) as connection:
+        with psycopg.connect(libpq_url(self.admin_url), autocommit=True) as connection:
             connection.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         return self.database_url(name)
 
     def drop_database(self, name: str) -> None:
         """Drop database `name`, disconnecting whoever still uses it."""
-        with psycopg.connect(_libpq_url(self.admin_url), autocommit=True) as connection:
+        with psycopg.connect(libpq_url(self.admin_url), autocommit=True) as connection:
             connection.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
     def ensure_running(self) -> None:
@@ -673,7 +681,10 @@ class ContainerPostgresServer(PostgresService):
     """
 
     def __init__(self, image: str) -> None:
-        from testcontainers.community.postgres import PostgresContainer
+        try:
+            from testcontainers.community.postgres import PostgresContainer
+        except ImportError:  # testcontainers before the "community" split
+            from testcontainers.postgres import PostgresContainer
 
         (self.port,) = free_ports(1)
         self._container = (

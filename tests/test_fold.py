@@ -13,7 +13,7 @@ from kvledger.fold import (
     UncertaintyFact,
 )
 from kvledger.hashing import chain_hash, sequence_hashes
-from tests.builders import Stream, gap, local_hashes, removed, stored
+from builders import Stream, gap, local_hashes, removed, stored
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
 W = WorkerId("vllm-a")

@@ -11,7 +11,7 @@ from kvledger.events import GapReason, Provenance, Tier, WorkerId
 from kvledger.fold import InventoryFold
 from kvledger.reuse import Candidate, Overlap, Reason, ReuseRequest, decide, ranking_key
 from kvledger.settings import ReuseSettings, settings_digest
-from tests.builders import BLOCK_SIZE, Stream, gap, local_hashes, removed, stored, tokens_for
+from builders import BLOCK_SIZE, Stream, gap, local_hashes, removed, stored, tokens_for
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
 TARGET = WorkerId("target")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -80,7 +81,7 @@ def test_postgres_row_survives_sigkill_of_postgres(postgres_server: PostgresServ
 
         postgres_server.kill()
         with pytest.raises(psycopg.OperationalError):
-            psycopg.connect(services._libpq_url(postgres_url), connect_timeout=2).close()
+            psycopg.connect(services.libpq_url(postgres_url), connect_timeout=2).close()
         postgres_server.restart()
 
         with engine.connect() as connection:
@@ -127,7 +128,9 @@ def _docker_must_not_be_asked() -> bool:
     raise AssertionError("Docker was probed although an explicit URL was given")
 
 
-def _choose(environ: dict[str, str], docker_answers=_no_docker, local_binary: str | None = None) -> Source:
+def _choose(
+    environ: dict[str, str], docker_answers: Callable[[], bool] = _no_docker, local_binary: str | None = None
+) -> Source:
     return services.choose_source(
         "NATS server",
         url_variable=services.NATS_URL_VARIABLE,
@@ -162,6 +165,24 @@ def test_missing_service_reason_names_everything_looked_for(tmp_path: Path) -> N
     assert "nats-server" in reason
 
 
+def _fake_executable(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+
+
+def test_binaries_are_found_where_the_wheel_and_debian_put_them(tmp_path: Path) -> None:
+    _fake_executable(tmp_path / "venv-bin" / "nats-server")
+    assert services.find_nats_server(scripts_dir=str(tmp_path / "venv-bin"), search_path="") == str(
+        tmp_path / "venv-bin" / "nats-server"
+    )
+    for version in ("9.6", "13", "16"):
+        for tool in ("initdb", "postgres"):
+            _fake_executable(tmp_path / "postgresql" / version / "bin" / tool)
+    newest = services.find_postgres_bin_dir(search_path="", debian_glob=str(tmp_path / "postgresql" / "*" / "bin"))
+    assert newest == str(tmp_path / "postgresql" / "16" / "bin")
+
+
 def test_missing_service_skips_by_default() -> None:
     with pytest.raises(pytest.skip.Exception, match="no NATS server"):
         services.missing_service("no NATS server for tests", {})
@@ -172,6 +193,13 @@ def test_missing_service_skips_by_default() -> None:
 def test_required_services_turn_a_skip_into_a_failure() -> None:
     with pytest.raises(pytest.fail.Exception, match="no NATS server for tests"):
         services.missing_service("no NATS server for tests", {services.REQUIRE_SERVICES_VARIABLE: "1"})
+
+
+def test_a_server_that_cannot_start_reports_its_log_and_leaves_nothing_behind() -> None:
+    server = services.LocalNatsServer("/bin/false")
+    with pytest.raises(services.ServiceStartError, match="exited with status 1"):
+        server.start()
+    assert not server.root.exists()
 
 
 def test_external_servers_refuse_kill_and_restart() -> None:
