@@ -237,7 +237,7 @@ class InventoryFold:
                     state.worker, event.tier, RETAINED, engine_hash, sequence_hash, parent,
                     local_hash, stream_seq, conflict,
                 )
-                _attach(retained, record)
+                attach_record(retained, record)
                 facts.append(BlockStoredFact(record))
             parent, parent_sequence = engine_hash, sequence_hash
 
@@ -250,7 +250,7 @@ class InventoryFold:
         if entry is not None and (entry.parent_hash != parent or entry.sequence_hash != sequence_hash):
             self._count(state, "native_reparent")
         record = BlockRecord(state.worker, tier, NATIVE, engine_hash, sequence_hash, parent, local_hash, stream_seq)
-        _attach(native, record)
+        attach_record(native, record)
         facts.append(BlockStoredFact(record))
         # Native is authoritative for topology: retained records of this block that
         # disagree with it become audit-only.
@@ -264,7 +264,7 @@ class InventoryFold:
             if held.parent_hash != parent or held.sequence_hash != sequence_hash:
                 _detach(retained, held)
                 demoted = attrs.evolve(held, conflict=True)
-                _attach(retained, demoted)
+                attach_record(retained, demoted)
                 self._count(state, "retained_conflict")
                 facts.append(RetainedConflictFact(demoted, stream_seq))
 
@@ -316,6 +316,10 @@ class InventoryFold:
         if state is not None:
             state.counters[name] += 1
 
+    def restore_worker(self, state: WorkerState) -> None:
+        """Adopt a worker's state rebuilt elsewhere (from a snapshot)."""
+        self._workers[state.worker] = state
+
     # --- reading ---------------------------------------------------------------------
 
     def workers(self) -> list[WorkerId]:
@@ -356,7 +360,8 @@ def _starts_with_restart(batch: EventBatch) -> bool:
     return type(first) is Gap and first.reason is GapReason.PUBLISHER_RESTART
 
 
-def _attach(own: _ProvenanceState, record: BlockRecord) -> None:
+def attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
+    """Hold `record` in one provenance's inventory (the fold's and snapshot restore's one way in)."""
     own.records[record.tier][record.engine_hash] = record
     if record.conflict:
         return

@@ -1,0 +1,77 @@
+"""The decision API's JSON codec: requests validated field by field, answers round-tripped."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+
+from kvledger.decision_codec import RequestError, decision_from_json, decision_to_json, request_from_json
+from kvledger.events import Tier, WorkerId
+from kvledger.fold import InventoryFold
+from kvledger.hashing import local_block_hashes
+from kvledger.reuse import decide
+from kvledger.settings import ReuseSettings
+from builders import BLOCK_SIZE, Stream, stored, tokens_for
+
+
+def test_a_request_with_token_ids_is_hashed_like_the_engine() -> None:
+    request = request_from_json(
+        {"request_id": "r1", "target": "vllm-a/2", "token_ids": tokens_for([1, 2]), "block_size": BLOCK_SIZE, "lora_name": None}
+    )
+    assert request.target == WorkerId("vllm-a", 2)
+    assert request.local_hashes == tuple(local_block_hashes(tokens_for([1, 2]), BLOCK_SIZE))
+
+
+def test_local_hashes_accept_u64_ints_and_decimal_strings() -> None:
+    request = request_from_json({"request_id": "r", "local_hashes": [2**64 - 1, str(2**63)], "block_size": 16})
+    assert request.local_hashes == (2**64 - 1, 2**63)
+    assert request.target is None
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ([], "request"),
+        ({"block_size": 16, "token_ids": []}, "request_id"),
+        ({"request_id": "r", "token_ids": [1]}, "block_size"),
+        ({"request_id": "r", "block_size": 0, "token_ids": [1]}, "block_size"),
+        ({"request_id": "r", "block_size": 16}, "token_ids"),
+        ({"request_id": "r", "block_size": 16, "token_ids": [1], "local_hashes": [1]}, "token_ids"),
+        ({"request_id": "r", "block_size": 16, "token_ids": [1, -5]}, "token_ids[1]"),
+        ({"request_id": "r", "block_size": 16, "local_hashes": [2**64]}, "local_hashes[0]"),
+        ({"request_id": "r", "block_size": 16, "token_ids": "abc"}, "token_ids"),
+        ({"request_id": "r", "block_size": 16, "token_ids": [], "target": "bad.name"}, "target"),
+        ({"request_id": "r", "block_size": 16, "token_ids": [], "lora_name": 3}, "lora_name"),
+        ({"request_id": "r", "block_size": 16, "token_ids": [], "surprise": 1}, "surprise"),
+    ],
+)
+def test_malformed_requests_name_the_field(body: object, field: str) -> None:
+    with pytest.raises(RequestError) as caught:
+        request_from_json(body)
+    assert caught.value.field == field
+    assert caught.value.as_json("r")["error"]["field"] == field
+
+
+def test_a_decision_round_trips_through_json() -> None:
+    stream = Stream()
+    fold = InventoryFold()
+    fold.apply(*stream.batch(WorkerId("a"), stored([1, 2, 3, 4, 5, 6])))
+    fold.apply(*stream.batch(WorkerId("b", 1), stored([1, 2, 3, 4, 5, 6], tier=Tier.HOST)))
+    settings = ReuseSettings(
+        enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True,
+        transfer_source_prefill_token_us=1000.0, transfer_source_lookup_budget_ms=1e9,
+    )
+    request = request_from_json({"request_id": "q", "target": "c", "token_ids": tokens_for([1, 2, 3, 4, 5, 6]), "block_size": BLOCK_SIZE})
+    decision = decide(fold, request, settings)
+    assert decision.chosen is not None and len(decision.candidates) == 2
+    body = json.loads(json.dumps(decision_to_json(decision)))
+    assert body["chosen"]["tier"] == "device"
+    assert body["overlaps"]["b/1"] == {"device": 0, "host": 6, "disk": 0, "any": 6, "retained_device": 0}
+    assert set(body) >= {
+        "request_id", "inventory_seq", "target", "credited_blocks", "baseline_blocks", "overlaps",
+        "candidates", "chosen", "reason", "uncertain_workers", "backend",
+    }
+    assert decision_from_json(body) == decision
+    assert decision_from_json(body) == attrs.evolve(decision)
