@@ -307,3 +307,48 @@ def _raise_version_error(version: int) -> None:
             f"(up to {SCHEMA_VERSION}); upgrade kvledger to read it"
         )
     raise RecordError(f"record schema version {version} is not supported (expected {SCHEMA_VERSION})")
+
+
+# --- dead letters -------------------------------------------------------------------
+
+
+@attrs.frozen
+class DeadLetter:
+    """Input ingest could not turn into events, kept whole with the reason, on `kv.dlq.<publisher>`."""
+
+    publisher: str
+    dp_rank: int
+    reason: str
+    frames: tuple[bytes, ...]
+    ingest_ts: float
+    endpoint: str = ""
+
+
+class _DeadLetterWire(msgspec.Struct, frozen=True):
+    v: int
+    publisher: str
+    dp_rank: int
+    reason: str
+    frames: list[bytes]
+    ingest_ts: float
+    endpoint: str = ""
+
+
+_dead_letter_decoder = msgspec.msgpack.Decoder(_DeadLetterWire)
+
+
+def encode_dead_letter(letter: DeadLetter) -> bytes:
+    return _encoder.encode(
+        _DeadLetterWire(
+            SCHEMA_VERSION, letter.publisher, letter.dp_rank, letter.reason, list(letter.frames),
+            letter.ingest_ts, letter.endpoint,
+        )
+    )
+
+
+def decode_dead_letter(data: bytes) -> DeadLetter:
+    try:
+        wire = _dead_letter_decoder.decode(data)
+    except msgspec.DecodeError as error:
+        raise RecordError(f"malformed dead letter: {error}") from None
+    return DeadLetter(wire.publisher, wire.dp_rank, wire.reason, tuple(wire.frames), wire.ingest_ts, wire.endpoint)

@@ -54,3 +54,19 @@ def decisions_stream(settings: StreamSettings) -> StreamSpec:
 
 def dead_letter_subject(publisher: str) -> str:
     return f"{DEAD_LETTER_SUBJECT_PREFIX}.{publisher}"
+
+
+_SNAPSHOT_PREFIX = "inventory-"
+
+
+def snapshot_object_name(inventory_seq: int) -> str:
+    """Object name of a snapshot in KV_SNAPSHOTS; names sort by the stream seq they reflect."""
+    return f"{_SNAPSHOT_PREFIX}{inventory_seq:020d}"
+
+
+def snapshot_seq(object_name: str) -> int | None:
+    """The stream seq a snapshot object reflects, or None for a name that is not a snapshot."""
+    if not object_name.startswith(_SNAPSHOT_PREFIX):
+        return None
+    digits = object_name[len(_SNAPSHOT_PREFIX):]
+    return int(digits) if digits.isdigit() else None

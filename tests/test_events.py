@@ -156,3 +156,12 @@ def test_worker_identity_names_subjects_and_message_ids() -> None:
     assert native.msg_id == "vllm-a:2:3:41"
     retained = EventBatch(WorkerId("vllm-a", 2), 3, 41, 0.0, 0.0, Provenance.RETAINED, ())
     assert retained.msg_id == "vllm-a:2:retained:3:41"
+
+
+def test_dead_letters_round_trip_with_raw_frames() -> None:
+    from kvledger.events import DeadLetter, decode_dead_letter, encode_dead_letter
+
+    letter = DeadLetter("vllm-a", 1, "unknown medium 'TAPE'", (b"topic", b"\x00" * 8, b"\xc1garbage"), 3.5, "tcp://h:1")
+    assert decode_dead_letter(encode_dead_letter(letter)) == letter
+    with pytest.raises(RecordError, match="malformed dead letter"):
+        decode_dead_letter(b"\x01")
