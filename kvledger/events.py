@@ -153,7 +153,12 @@ class EventBatch:
 
     @property
     def subject(self) -> str:
-        return self.worker.events_subject
+        """`kv.ev.<publisher>.<dp_rank>`; a retained endpoint's batches add `.retained`.
+
+        Each stream of a worker keeps its own subject so ingest can read its last
+        (epoch, seq) back with one "last message on subject" lookup.
+        """
+        return events_subject(self.worker, self.provenance)
 
     @property
     def msg_id(self) -> str:
@@ -166,6 +171,13 @@ class EventBatch:
         if self.provenance is Provenance.NATIVE:
             return f"{worker.publisher}:{worker.dp_rank}:{self.epoch}:{self.seq}"
         return f"{worker.publisher}:{worker.dp_rank}:retained:{self.epoch}:{self.seq}"
+
+
+def events_subject(worker: WorkerId, provenance: Provenance) -> str:
+    """The KV_EVENTS subject of one stream of a worker (see `EventBatch.subject`)."""
+    if provenance is Provenance.NATIVE:
+        return worker.events_subject
+    return f"{worker.events_subject}.retained"
 
 
 # --- the record codec -----------------------------------------------------------------

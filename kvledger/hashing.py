@@ -40,11 +40,16 @@ def local_block_hashes(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     full = len(token_ids) // block_size * block_size
+    if not full:
+        return []
     try:
-        data = np.asarray(token_ids[:full], dtype=np.int64)
+        data = np.asarray(token_ids[:full])
     except (TypeError, ValueError, OverflowError) as error:
         raise ValueError(f"token ids must be integers: {error}") from None
-    if data.size and (data.min() < 0 or data.max() > 0xFFFFFFFF):
+    # Floats, booleans and nested lists must not be silently truncated into token ids.
+    if data.ndim != 1 or data.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be a flat list of integers, got dtype {data.dtype}")
+    if data.min() < 0 or data.max() > 0xFFFFFFFF:
         raise ValueError("token ids must be in [0, 2**32)")
     raw = data.astype("<u4").tobytes()
     step = block_size * 4

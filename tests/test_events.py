@@ -156,6 +156,7 @@ def test_worker_identity_names_subjects_and_message_ids() -> None:
     assert native.msg_id == "vllm-a:2:3:41"
     retained = EventBatch(WorkerId("vllm-a", 2), 3, 41, 0.0, 0.0, Provenance.RETAINED, ())
     assert retained.msg_id == "vllm-a:2:retained:3:41"
+    assert retained.subject == "kv.ev.vllm-a.2.retained"
 
 
 def test_dead_letters_round_trip_with_raw_frames() -> None:

@@ -1,0 +1,276 @@
+"""The ingest service: every engine stream → canonical batches → JetStream, losing nothing.
+
+One `EngineStream` task per (publisher, dp_rank, provenance). Each resumes from the last
+(epoch, seq) JetStream holds for its subject, replays what the engine still buffers from
+there, then follows the SUB socket, probing the replay socket whenever it is idle so a
+lost last message is noticed too. All publishing goes through one ordered publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+
+import nats
+import nats.js.errors
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ingest.endpoints import StreamSource
+from ingest.publisher import JetStreamPublisher
+from ingest.replay import ReplayClient
+from ingest.sequence import Emit, SequenceTracker
+from ingest.subscriber import EngineSubscriber
+from ingest.wire import WireError, decode_payload, split_publisher_frames
+from kvledger.events import (
+    DeadLetter, EventBatch, Gap, GapReason, Provenance, decode_batch, encode_batch, encode_dead_letter, events_subject,
+)
+from kvledger.http import health_routes, serve_connection
+from kvledger.nats_options import connect_options
+from kvledger.settings import Settings
+from kvledger.streams import dead_letter_subject, dead_letters_stream, events_stream
+
+log = logging.getLogger("kvledger.ingest")
+
+IDLE_PROBE_S = 1.0  # how long a quiet stream waits before asking replay for a lost tail
+DEAD_LETTER_FRAME_LIMIT = 256 * 1024  # a dead letter must fit in one NATS message
+
+
+class IngestMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.batches_in = Counter("kvledger_ingest_batches_in", "engine batches received (SUB and replay)", ["publisher"], registry=r)
+        self.batches_out = Counter("kvledger_ingest_batches_out", "canonical batches acknowledged by JetStream", registry=r)
+        self.events = Counter("kvledger_ingest_events", "canonical events published", ["kind"], registry=r)
+        self.gaps = Counter("kvledger_ingest_gaps", "Gap events synthesised", ["reason"], registry=r)
+        self.replays = Counter("kvledger_ingest_replays", "replay requests sent to engines", ["publisher"], registry=r)
+        self.duplicates = Counter("kvledger_ingest_duplicates", "engine batches dropped as already published", registry=r)
+        self.dead_letters = Counter("kvledger_ingest_dead_letters", "malformed inputs dead-lettered", ["publisher"], registry=r)
+        self.remote_skipped = Counter("kvledger_ingest_remote_events_skipped", "events about REMOTE blocks kept out", registry=r)
+        self.publish_latency = Histogram(
+            "kvledger_ingest_publish_latency_seconds", "from queueing to JetStream ack", registry=r,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.in_flight = Gauge("kvledger_ingest_in_flight", "publishes awaiting an ack", registry=r)
+        self.buffered = Gauge("kvledger_ingest_buffered", "batches buffered until acknowledged", registry=r)
+        self.ready_streams = Gauge("kvledger_ingest_ready_streams", "engine streams subscribed and caught up", registry=r)
+
+
+class EngineStream:
+    """Follows one engine stream and turns it into canonical batches."""
+
+    def __init__(
+        self, source: StreamSource, bridge: Bridge, context: zmq.asyncio.Context, *, replay_timeout_s: float,
+        max_batch_bytes: int,
+    ) -> None:
+        self.source = source
+        self._bridge = bridge
+        self._context = context
+        self._replay = ReplayClient(source.replay_url, context, timeout_s=replay_timeout_s) if source.replay_url else None
+        self._max_batch_bytes = max_batch_bytes
+        self.ready = asyncio.Event()
+        self.tracker: SequenceTracker | None = None
+        self.subscriber: EngineSubscriber | None = None
+
+    @property
+    def name(self) -> str:
+        suffix = "" if self.source.provenance is Provenance.NATIVE else " (retained)"
+        return f"{self.source.worker.name}{suffix}"
+
+    async def run(self) -> None:
+        epoch, next_seq = await self._bridge.resume_position(self.source)
+        fetch = self._fetch if self._replay is not None else None
+        self.tracker = SequenceTracker(epoch, next_seq, fetch)
+        log.info("%s: resuming at epoch %d seq %d from %s", self.name, epoch, next_seq, self.source.pub_url)
+        async with EngineSubscriber(self.source.pub_url, self._context) as subscriber:
+            self.subscriber = subscriber
+            await subscriber.connected.wait()
+            # Replay after the handshake: whatever was sent before the SUB joined (or
+            # while ingest was down) comes from the engine's buffer, in order.
+            await self._publish(await self.tracker.catch_up())
+            self.ready.set()
+            self._bridge.metrics.ready_streams.inc()
+            log.info("%s: ready", self.name)
+            while True:
+                frames = await subscriber.recv(IDLE_PROBE_S)
+                if frames is None:
+                    emits = await self.tracker.catch_up()
+                else:
+                    emits = await self._on_frames(frames)
+                await self._publish(emits)
+
+    async def _fetch(self, start: int) -> list[tuple[int, bytes]]:
+        self._bridge.metrics.replays.labels(self.source.worker.publisher).inc()
+        return await self._replay.fetch(start)
+
+    async def _on_frames(self, frames: list[bytes]) -> list[Emit]:
+        try:
+            message = split_publisher_frames(frames)
+        except WireError as error:
+            await self._bridge.dead_letter(self.source, str(error), frames)
+            return []
+        return await self.tracker.on_live(message.seq, message.payload)
+
+    async def _publish(self, emits: list[Emit]) -> None:
+        metrics = self._bridge.metrics
+        for emit in emits:
+            metrics.batches_in.labels(self.source.worker.publisher).inc()
+            events: tuple = emit.gaps
+            engine_ts = 0.0
+            try:
+                decoded = decode_payload(emit.payload, max_bytes=self._max_batch_bytes)
+            except WireError as error:
+                await self._bridge.dead_letter(self.source, str(error), [emit.payload], emit)
+                # The batch's events are lost to us: say so, so the worker is reported uncertain.
+                events = (*emit.gaps, Gap(emit.seq, emit.seq + 1, GapReason.MISSED))
+            else:
+                engine_ts = decoded.engine_ts
+                events = (*emit.gaps, *decoded.events)
+                metrics.remote_skipped.inc(decoded.skipped_remote)
+            for event in events:
+                kind = type(event).__name__
+                metrics.events.labels(kind).inc()
+                if kind == "Gap":
+                    metrics.gaps.labels(event.reason.value).inc()
+            batch = EventBatch(
+                self.source.worker, emit.epoch, emit.seq, engine_ts, time.time(), self.source.provenance, events,
+            )
+            await self._bridge.publisher.publish(batch.subject, encode_batch(batch), batch.msg_id)
+        metrics.buffered.set(self._bridge.publisher.buffered)
+
+
+class Bridge:
+    """Runs every engine stream, the publisher, and the health/metrics endpoint."""
+
+    def __init__(self, settings: Settings, sources: list[StreamSource], *, http_port: int | None = None) -> None:
+        if not sources:
+            raise ValueError("ingest needs at least one endpoint (--endpoint tcp://HOST:PORT --publisher NAME)")
+        self.settings = settings
+        self.metrics = IngestMetrics()
+        self._http_port = settings.ingest.http_port if http_port is None else http_port
+        self._context = zmq.asyncio.Context()
+        self.publisher = JetStreamPublisher(
+            settings.nats,
+            [events_stream(settings.stream), dead_letters_stream(settings.stream)],
+            window=settings.ingest.publish_window,
+            max_buffered=settings.ingest.max_buffered_batches,
+            on_ack=self._acked,
+        )
+        self.streams = [
+            EngineStream(
+                source, self, self._context, replay_timeout_s=settings.ingest.replay_timeout_s,
+                max_batch_bytes=settings.ingest.max_batch_bytes,
+            )
+            for source in sources
+        ]
+        self._reader: nats.NATS | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._http: asyncio.Server | None = None
+        self.http_port: int | None = None
+
+    async def __aenter__(self) -> Bridge:
+        await self.publisher.__aenter__()
+        try:
+            await self.publisher.wait_connected(timeout=self.settings.nats.connect_timeout_s * 3)
+            self._reader = await nats.connect(**connect_options(self.settings.nats, name="kvledger-ingest-reader"))
+            router = health_routes(self.is_ready, lambda: generate_latest(self.metrics.registry))
+            self._http = await asyncio.start_server(
+                functools.partial(serve_connection, router=router), "0.0.0.0", self._http_port,
+            )
+            self.http_port = self._http.sockets[0].getsockname()[1]
+            self._tasks = [asyncio.create_task(self._supervise(stream), name=f"stream-{stream.name}") for stream in self.streams]
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks = []
+        await self.publisher.close()
+        if self._http is not None:
+            self._http.close()
+            await self._http.wait_closed()
+            self._http = None
+        if self._reader is not None:
+            await self._reader.close()
+            self._reader = None
+        self._context.destroy(linger=0)
+
+    def is_ready(self) -> bool:
+        return all(stream.ready.is_set() for stream in self.streams)
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Every stream subscribed (handshake done) and caught up with its engine's replay buffer."""
+        waiters = [asyncio.ensure_future(stream.ready.wait()) for stream in self.streams]
+        pending: set = set(waiters)
+        try:
+            async with asyncio.timeout(timeout):
+                while pending:
+                    done, pending = await asyncio.wait(pending | set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+                    for task in self._tasks:
+                        if task in done:
+                            task.result()
+                    pending -= set(self._tasks)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+    async def _supervise(self, stream: EngineStream) -> None:
+        # A bug or a vanished socket in one stream must not stop the others; its tracker
+        # survives the restart, so no position is lost.
+        delay = 0.1
+        while True:
+            try:
+                await stream.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s: stream failed; restarting", stream.name)
+                stream.ready.clear()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def resume_position(self, source: StreamSource) -> tuple[int, int]:
+        """(epoch, next seq) after the last batch JetStream holds for this stream; (0, 0) if none."""
+        subject = events_subject(source.worker, source.provenance)
+        try:
+            message = await self._reader.jetstream().get_last_msg(self.settings.stream.events_stream, subject)
+        except nats.js.errors.NotFoundError:
+            return 0, 0
+        last = decode_batch(message.data)
+        return last.epoch, last.seq + 1
+
+    async def dead_letter(self, source: StreamSource, reason: str, frames: list[bytes], emit: Emit | None = None) -> None:
+        worker = source.worker
+        log.warning("%s: dead-lettered: %s", worker.name, reason)
+        self.metrics.dead_letters.labels(worker.publisher).inc()
+        kept = tuple(bytes(frame[:DEAD_LETTER_FRAME_LIMIT]) for frame in frames)
+        if any(len(frame) > DEAD_LETTER_FRAME_LIMIT for frame in frames):
+            reason = f"{reason} (frames truncated to {DEAD_LETTER_FRAME_LIMIT} bytes)"
+        letter = DeadLetter(worker.publisher, worker.dp_rank, reason, kept, time.time(), source.pub_url)
+        # A dead letter tied to an engine seq is published once however often it is replayed.
+        msg_id = (
+            f"dlq:{worker.publisher}:{worker.dp_rank}:{source.provenance.value}:{emit.epoch}:{emit.seq}"
+            if emit is not None else f"dlq:{uuid.uuid4()}"
+        )
+        await self.publisher.publish(dead_letter_subject(worker.publisher), encode_dead_letter(letter), msg_id)
+
+    def _acked(self, latency_s: float) -> None:
+        self.metrics.batches_out.inc()
+        self.metrics.publish_latency.observe(latency_s)
+        self.metrics.in_flight.set(self.publisher.in_flight)

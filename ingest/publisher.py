@@ -1,0 +1,275 @@
+"""JetStream publishing that never drops and never reorders a publisher's batches.
+
+Batches wait in one bounded, ordered buffer until JetStream acknowledges them. Up to
+`window` are in flight at once (`publish_async`). Any failure — a timeout, a lost
+connection, a killed server — sends everything unacknowledged again, oldest first, with
+the same `Nats-Msg-Id`, so JetStream's de-duplication absorbs what had already landed.
+The connection does not reconnect by itself: nats-py would otherwise flush its own
+buffer of later messages before our retries of earlier ones, and reorder the stream.
+When the buffer is full, `publish` waits: the caller stops reading ZMQ (backpressure)
+and the engine's replay buffer keeps the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+import attrs
+import nats
+import nats.errors
+import nats.js.errors
+from nats.js.api import StorageType, StreamConfig
+
+from kvledger.nats_options import connect_options, describe_server
+from kvledger.settings import NatsSettings
+from kvledger.streams import StreamSpec
+
+log = logging.getLogger("kvledger.ingest.publisher")
+
+_RETRYABLE = (
+    asyncio.TimeoutError, OSError, nats.errors.Error, nats.js.errors.Error,
+)
+
+
+class StreamConflictError(RuntimeError):
+    """The stream exists with settings other than ours; we refuse to change it silently."""
+
+
+@attrs.define
+class _Pending:
+    subject: str
+    payload: bytes
+    msg_id: str
+    enqueued: float
+
+
+@attrs.define
+class PublisherCounters:
+    published: int = 0
+    duplicates: int = 0
+    retries: int = 0
+    reconnects: int = 0
+
+
+async def ensure_stream(js: nats.js.JetStreamContext, spec: StreamSpec) -> None:
+    """Create the stream if it is missing; fail clearly if it exists with other settings."""
+    wanted = {
+        "subjects": sorted(spec.subjects),
+        "storage": StorageType.FILE,
+        "duplicate_window": spec.duplicate_window_s,
+        "max_age": spec.max_age_s,
+        "max_bytes": spec.max_bytes,
+        "num_replicas": spec.replicas,
+    }
+    try:
+        info = await js.stream_info(spec.name)
+    except nats.js.errors.NotFoundError:
+        await js.add_stream(StreamConfig(name=spec.name, **wanted))
+        return
+    config = info.config
+    found = {
+        "subjects": sorted(config.subjects or []),
+        "storage": config.storage,
+        "duplicate_window": config.duplicate_window,
+        "max_age": config.max_age or 0.0,
+        "max_bytes": config.max_bytes if config.max_bytes is not None else -1,
+        "num_replicas": config.num_replicas or 1,
+    }
+    different = {key: (found[key], value) for key, value in wanted.items() if found[key] != value}
+    if different:
+        details = ", ".join(f"{key}: stream has {have!r}, settings want {want!r}" for key, (have, want) in sorted(different.items()))
+        raise StreamConflictError(
+            f"stream {spec.name} exists with different settings ({details}); "
+            "change the settings to match or migrate the stream by hand"
+        )
+
+
+class JetStreamPublisher:
+    """Ordered, acknowledged, de-duplicated publishing with a bounded buffer."""
+
+    def __init__(
+        self,
+        nats_settings: NatsSettings,
+        streams: list[StreamSpec],
+        *,
+        window: int = 256,
+        max_buffered: int = 10000,
+        ack_timeout_s: float = 5.0,
+        on_ack: Callable[[float], None] | None = None,
+    ) -> None:
+        self._nats_settings = nats_settings
+        self._streams = streams
+        self._window = window
+        self._ack_timeout = ack_timeout_s
+        self._on_ack = on_ack
+        self._pending: deque[_Pending] = deque()
+        self._space = asyncio.Semaphore(max_buffered)
+        self._work = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._connected = asyncio.Event()
+        self._broken = asyncio.Event()
+        self._nc: nats.NATS | None = None
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self.counters = PublisherCounters()
+        self.in_flight = 0
+        self.last_error: str | None = None
+
+    async def __aenter__(self) -> JetStreamPublisher:
+        self._task = asyncio.create_task(self._run(), name="jetstream-publisher")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        """Wait until the first connection is up and the streams are provisioned."""
+        waiter = asyncio.ensure_future(self._connected.wait())
+        done, _ = await asyncio.wait({waiter, self._task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self._task in done:
+            waiter.cancel()
+            self._task.result()  # re-raises the startup error (e.g. a stream conflict)
+        if waiter not in done:
+            waiter.cancel()
+            raise TimeoutError(f"no connection to NATS at {describe_server(self._nats_settings)}: {self.last_error}")
+
+    @property
+    def buffered(self) -> int:
+        return len(self._pending)
+
+    async def publish(self, subject: str, payload: bytes, msg_id: str) -> None:
+        """Queue one message; waits while the buffer is full (that wait is the backpressure)."""
+        if self._task is not None and self._task.done():
+            self._task.result()
+        await self._space.acquire()
+        self._pending.append(_Pending(subject, payload, msg_id, time.perf_counter()))
+        self._drained.clear()
+        self._work.set()
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait until everything queued so far is acknowledged by JetStream."""
+        waiter = asyncio.ensure_future(self._drained.wait())
+        done, _ = await asyncio.wait({waiter, self._task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if waiter not in done:
+            waiter.cancel()
+            if self._task in done:
+                self._task.result()
+            raise TimeoutError(f"{len(self._pending)} batches still unacknowledged")
+
+    async def close(self, timeout: float = 10.0) -> None:
+        if self._task is None:
+            return
+        if not self._task.done():
+            try:
+                await self.flush(timeout)
+            except (TimeoutError, Exception) as error:  # closing must not hide the caller's own error
+                log.warning("closing with unacknowledged batches: %s", error)
+        self._closing = True
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass
+        await self._disconnect()
+
+    # --- the pump ---------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        delay = 0.05
+        while not self._closing:
+            try:
+                await self._connect()
+                delay = 0.05
+                await self._pump()
+            except StreamConflictError:
+                raise
+            except _RETRYABLE as error:
+                self.last_error = f"{type(error).__name__}: {error}"
+                self.counters.reconnects += 1
+                log.warning("JetStream publishing interrupted (%s); resending unacknowledged batches", self.last_error)
+                await self._disconnect()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _connect(self) -> None:
+        options = connect_options(self._nats_settings, name="kvledger-ingest")
+        self._broken.clear()
+
+        async def lost(*_: object) -> None:
+            self._broken.set()
+
+        # Our own retry loop owns reconnection (see the module docstring).
+        self._nc = await nats.connect(
+            **options, allow_reconnect=False, max_reconnect_attempts=0, disconnected_cb=lost, closed_cb=lost,
+        )
+        js = self._nc.jetstream()
+        for spec in self._streams:
+            await ensure_stream(js, spec)
+        self._js = js
+        self.last_error = None
+        self._connected.set()
+
+    async def _disconnect(self) -> None:
+        nc, self._nc = self._nc, None
+        self.in_flight = 0
+        if nc is not None and not nc.is_closed:
+            try:
+                await asyncio.wait_for(nc.close(), 2.0)
+            except Exception:  # the server is gone; nothing left to flush
+                pass
+
+    async def _pump(self) -> None:
+        in_flight: deque[tuple[asyncio.Future, float]] = deque()  # (ack future, sent at)
+        next_index = 0  # index in _pending of the next message to send
+        while True:
+            self._work.clear()
+            while len(in_flight) < self._window and next_index < len(self._pending):
+                entry = self._pending[next_index]
+                future = await self._js.publish_async(entry.subject, entry.payload, headers={"Nats-Msg-Id": entry.msg_id})
+                in_flight.append((future, time.monotonic()))
+                next_index += 1
+            self.in_flight = len(in_flight)
+            if self._broken.is_set():
+                raise ConnectionError("connection to NATS lost")
+            if not in_flight:
+                if not self._pending:
+                    self._drained.set()
+                await self._wait_for(self._work.wait(), self._broken.wait())
+                continue
+            oldest, sent_at = in_flight[0]
+            remaining = sent_at + self._ack_timeout - time.monotonic()
+            if remaining <= 0:
+                self.counters.retries += len(in_flight)
+                raise asyncio.TimeoutError(f"no JetStream ack within {self._ack_timeout}s")
+            # Wake for the oldest ack, a lost connection, or (with room in the window) new work.
+            wakers = [self._broken.wait()]
+            if len(in_flight) < self._window:
+                wakers.append(self._work.wait())
+            await self._wait_for(oldest, *wakers, timeout=remaining)
+            # Acks of a pipeline arrive in order; take every one that is in.
+            while in_flight and in_flight[0][0].done():
+                ack = in_flight.popleft()[0].result()  # a JetStream error raises: resend from here
+                entry = self._pending.popleft()
+                next_index -= 1
+                self._space.release()
+                self.counters.published += 1
+                if ack.duplicate:
+                    self.counters.duplicates += 1
+                if self._on_ack is not None:
+                    self._on_ack(time.perf_counter() - entry.enqueued)
+
+    @staticmethod
+    async def _wait_for(*awaitables, timeout: float | None = None) -> None:
+        """Return when the first of `awaitables` completes (or on timeout); cancel the helpers."""
+        futures = [asyncio.ensure_future(item) for item in awaitables]
+        try:
+            await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for future, item in zip(futures, awaitables):
+                if future is not item and not future.done():
+                    future.cancel()

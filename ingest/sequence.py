@@ -1,0 +1,130 @@
+"""Sequence rules per engine stream (DESIGN §2): in order, repaired by replay, restarts detected.
+
+One `SequenceTracker` follows one (publisher, dp_rank, provenance). It turns what the SUB
+socket and the replay socket deliver into an ordered list of batches to publish, each with
+the `Gap` events that must precede it. It does no I/O of its own: replay is a callable it
+is given, so the rules are testable without sockets.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+import attrs
+import xxhash
+
+from kvledger.events import Gap, GapReason
+
+# seq -> payload, as the engine's replay buffer returns them from a start seq on
+Fetch = Callable[[int], Awaitable[list[tuple[int, bytes]]]]
+
+
+@attrs.frozen
+class Emit:
+    """A batch to publish, in this order: engine `seq` within `epoch`, preceded by `gaps`."""
+
+    epoch: int
+    seq: int
+    payload: bytes
+    gaps: tuple[Gap, ...] = ()
+
+
+@attrs.define
+class TrackerCounters:
+    duplicates: int = 0
+    replays: int = 0
+    replayed_batches: int = 0
+    restarts: int = 0
+    gaps: int = 0
+
+
+class SequenceTracker:
+    """Decides, batch by batch, what one engine stream contributes to the canonical log."""
+
+    def __init__(self, epoch: int, next_seq: int, fetch: Fetch | None, *, recent: int = 65536) -> None:
+        self.epoch = epoch
+        self.next_seq = next_seq
+        self._fetch = fetch
+        self._pending_gaps: list[Gap] = []
+        # Digests of recently emitted batches: a seq seen again with the same bytes is a
+        # duplicate (replay overlapping the SUB socket); with other bytes, a restarted engine.
+        self._recent: OrderedDict[int, int] = OrderedDict()
+        self._recent_limit = recent
+        self.counters = TrackerCounters()
+
+    async def catch_up(self) -> list[Emit]:
+        """Replay everything the engine still buffers from `next_seq` on (at start and on idle)."""
+        if self._fetch is None:
+            return []
+        return self._accept_replayed(await self._replay(self.next_seq))
+
+    async def on_live(self, seq: int, payload: bytes) -> list[Emit]:
+        """A batch from the SUB socket."""
+        if seq == self.next_seq:
+            return [self._emit(seq, payload)]
+        if seq > self.next_seq:
+            return await self._repair_then(seq, payload)
+        if self._recent.get(seq) == _digest(payload):
+            self.counters.duplicates += 1
+            return []
+        return await self._restart_at(seq, payload)
+
+    async def _repair_then(self, seq: int, payload: bytes) -> list[Emit]:
+        emits: list[Emit] = []
+        if self._fetch is not None:
+            emits = self._accept_replayed(await self._replay(self.next_seq), until=seq)
+        if seq > self.next_seq:
+            reason = GapReason.REPLAY_INCOMPLETE if self._fetch is not None else GapReason.MISSED
+            self._gap(reason, self.next_seq, seq)
+        if seq == self.next_seq:
+            emits.append(self._emit(seq, payload))
+        return emits
+
+    async def _restart_at(self, seq: int, payload: bytes) -> list[Emit]:
+        # A restarted engine has an empty cache and counts from 0 again.
+        self.counters.restarts += 1
+        self._pending_gaps.append(Gap(self.next_seq, seq, GapReason.PUBLISHER_RESTART))
+        self.epoch += 1
+        self.next_seq = 0
+        self._recent.clear()
+        if seq == 0:
+            return [self._emit(seq, payload)]
+        return await self._repair_then(seq, payload)
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]]:
+        self.counters.replays += 1
+        replies = await self._fetch(start)
+        self.counters.replayed_batches += len(replies)
+        return replies
+
+    def _accept_replayed(self, replies: list[tuple[int, bytes]], until: int | None = None) -> list[Emit]:
+        """Emit replayed batches in order; a hole in what the engine still buffers is a gap."""
+        emits: list[Emit] = []
+        for seq, payload in sorted(replies):
+            if until is not None and seq >= until:
+                break
+            if seq < self.next_seq:
+                continue  # already published; replay starts where we asked, or earlier
+            if seq > self.next_seq:
+                self._gap(GapReason.REPLAY_INCOMPLETE, self.next_seq, seq)
+            emits.append(self._emit(seq, payload))
+        return emits
+
+    def _gap(self, reason: GapReason, expected: int, received: int) -> None:
+        self.counters.gaps += 1
+        self._pending_gaps.append(Gap(expected, received, reason))
+        self.next_seq = received
+
+    def _emit(self, seq: int, payload: bytes) -> Emit:
+        emit = Emit(self.epoch, seq, payload, tuple(self._pending_gaps))
+        self._pending_gaps.clear()
+        self.next_seq = seq + 1
+        self._recent[seq] = _digest(payload)
+        if len(self._recent) > self._recent_limit:
+            self._recent.popitem(last=False)
+        return emit
+
+
+def _digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)

@@ -1,0 +1,76 @@
+"""The SUB side of one engine rank, ready only once the ZMQ handshake with the publisher is done.
+
+ZMQ's slow joiner: a SUB that has not finished connecting drops whatever the publisher
+sends meanwhile, silently. The socket monitor tells when the handshake succeeded; only
+then does the subscriber call itself ready, and callers await that instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger("kvledger.ingest.subscriber")
+
+
+class EngineSubscriber:
+    """A SUB socket to one publisher endpoint, with reconnect, heartbeats and observable readiness."""
+
+    def __init__(self, endpoint: str, context: zmq.asyncio.Context, *, heartbeat_ms: int = 1000) -> None:
+        self.endpoint = endpoint
+        self._context = context
+        self._heartbeat_ms = heartbeat_ms
+        self.connected = asyncio.Event()  # handshake done, not since disconnected
+        self.handshakes = 0
+        self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._monitor_task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> EngineSubscriber:
+        sock = self._context.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        # ZMTP heartbeats notice a publisher that vanished without closing its connection.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_ms * 3)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._monitor_task = asyncio.create_task(self._watch(), name=f"monitor-{self.endpoint}")
+        sock.connect(self.endpoint)
+        self._sock = sock
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._monitor_task is not None:
+            self._monitor_task.cancel()
+            try:
+                await self._monitor_task
+            except asyncio.CancelledError:
+                pass
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._sock.close(linger=0)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+
+    async def recv(self, timeout_s: float) -> list[bytes] | None:
+        """The next message's frames, or None when nothing arrived within `timeout_s`."""
+        if not await self._sock.poll(timeout_s * 1000):
+            return None
+        return await self._sock.recv_multipart()
+
+    async def _watch(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshakes += 1
+                self.connected.set()
+                log.info("subscribed to %s (handshake %d)", self.endpoint, self.handshakes)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connected.clear()

@@ -1,0 +1,287 @@
+"""Engine wire formats (DESIGN §1): ZMQ frames in, canonical events out — and vLLM's format out.
+
+Engines differ in framing (batch as array, map or SGLang's pair; events as tagged maps or
+tagged arrays; hashes as u64, negative i64 or bytes). Everything is normalised here, once;
+anything else raises `WireError` with a reason that ends up in the dead-letter copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import msgspec
+
+from kvledger.events import Cleared, Event, Removed, Stored, Tier
+from kvledger.hashing import local_block_hashes
+
+U64 = 1 << 64
+END_OF_REPLAY_SEQ = -1
+
+MEDIUM_TIERS: dict[str | None, Tier] = {
+    None: Tier.DEVICE, "GPU": Tier.DEVICE, "DEVICE": Tier.DEVICE,
+    "CPU": Tier.HOST, "CPU_PINNED": Tier.HOST, "CPU_TIER1": Tier.HOST,
+    "CPU_TIER2": Tier.DISK, "DISK": Tier.DISK, "NVME": Tier.DISK, "STORAGE": Tier.DISK, "SHARED_STORAGE": Tier.DISK,
+    "EXTERNAL": Tier.EXTERNAL, "NETWORK": Tier.EXTERNAL, "REMOTE": Tier.EXTERNAL, "SHARED": Tier.EXTERNAL,
+    "OBJECT_STORE": Tier.EXTERNAL,
+}
+
+# Positional layouts of the older tagged-array events (after the tag).
+_STORED_FIELDS = (
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+    "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
+    "ownership", "session_id",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+
+
+class WireError(ValueError):
+    """Engine input that cannot be turned into canonical events; the message is the reason."""
+
+
+@attrs.frozen
+class EngineBatch:
+    """One decoded engine batch: what the frames said, normalised, plus what was left out."""
+
+    engine_ts: float
+    events: tuple[Event, ...]
+    dp_rank: int | None
+    skipped_remote: int = 0  # events about blocks held elsewhere (locality REMOTE)
+
+
+@attrs.frozen
+class Frames:
+    """A publisher message `[topic, seq, payload]`; seq is the engine's u64 counter."""
+
+    topic: bytes
+    seq: int
+    payload: bytes
+
+
+def split_publisher_frames(frames: Sequence[bytes]) -> Frames:
+    """Check the 3-frame publisher framing and read the 8-byte big-endian sequence."""
+    if len(frames) != 3:
+        raise WireError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+    topic, seq, payload = frames
+    if len(seq) != 8:
+        raise WireError(f"sequence frame must be 8 bytes, got {len(seq)}")
+    return Frames(bytes(topic), int.from_bytes(seq, "big"), bytes(payload))
+
+
+@attrs.frozen
+class ReplayReply:
+    """One reply from a replay socket; `seq` is None for the end-of-replay marker."""
+
+    seq: int | None
+    payload: bytes
+
+
+def split_replay_frames(frames: Sequence[bytes]) -> ReplayReply:
+    """Accept `[b"", seq, payload]`, `[topic, seq, payload]` and `[b"", topic, seq, payload]`."""
+    if len(frames) == 4 and frames[0] == b"":
+        _, _, seq, payload = frames
+    elif len(frames) == 3:
+        _, seq, payload = frames
+    else:
+        raise WireError(f"unexpected replay framing with {len(frames)} frames")
+    if len(seq) != 8:
+        raise WireError(f"replay sequence frame must be 8 bytes, got {len(seq)}")
+    value = int.from_bytes(seq, "big", signed=True)
+    if value == END_OF_REPLAY_SEQ:
+        return ReplayReply(None, b"")
+    return ReplayReply(int.from_bytes(seq, "big"), bytes(payload))
+
+
+def replay_request(start_seq: int) -> list[bytes]:
+    """The DEALER's request for every buffered batch from `start_seq` on."""
+    return [b"", start_seq.to_bytes(8, "big")]
+
+
+# --- decoding ----------------------------------------------------------------------
+
+
+def block_hash(value: object) -> int:
+    """Normalise an engine block hash to u64: ints as is (negative ones reinterpreted), bytes by their low 8."""
+    if isinstance(value, bool):
+        raise WireError(f"block hash must be an integer or bytes, got {value!r}")
+    if isinstance(value, int):
+        if -(1 << 63) <= value < 0:
+            return value + U64
+        if 0 <= value < U64:
+            return value
+        raise WireError(f"block hash {value} does not fit in 64 bits")
+    if isinstance(value, (bytes, bytearray)):
+        if not value:
+            raise WireError("block hash is empty bytes")
+        return int.from_bytes(value[-8:], "big")
+    raise WireError(f"block hash must be an integer or bytes, got {type(value).__name__}")
+
+
+def _tier(medium: object) -> Tier:
+    if medium is not None and not isinstance(medium, str):
+        raise WireError(f"medium must be a string or null, got {type(medium).__name__}")
+    key = medium.upper() if isinstance(medium, str) else None
+    tier = MEDIUM_TIERS.get(key)
+    if tier is None:
+        raise WireError(f"unknown medium {medium!r}")
+    return tier
+
+
+def _fields(event: object) -> tuple[str, dict[str, Any]]:
+    """Turn a tagged map or a tagged array into (tag, named fields)."""
+    if isinstance(event, dict):
+        tag = event.get("type")
+        if not isinstance(tag, str):
+            raise WireError("event map has no string 'type' tag")
+        return tag, event
+    if isinstance(event, (list, tuple)) and event and isinstance(event[0], str):
+        tag, values = event[0], event[1:]
+        names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS if tag == "BlockRemoved" else ()
+        if len(values) > len(names) and tag in ("BlockStored", "BlockRemoved"):
+            values = values[: len(names)]  # newer engines append fields; unknown ones are ignored
+        return tag, dict(zip(names, values))
+    raise WireError(f"event must be a tagged map or a tagged array, got {type(event).__name__}")
+
+
+def _hash_list(value: object, field: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise WireError(f"{field} must be a list, got {type(value).__name__}")
+    return tuple(block_hash(item) for item in value)
+
+
+def _optional_str(fields: dict[str, Any], name: str) -> str | None:
+    value = fields.get(name)
+    if value is not None and not isinstance(value, str):
+        raise WireError(f"{name} must be a string or null, got {type(value).__name__}")
+    return value
+
+
+def _stored(fields: dict[str, Any]) -> Stored:
+    hashes = _hash_list(fields.get("block_hashes"), "block_hashes")
+    parent = fields.get("parent_block_hash")
+    block_size = fields.get("block_size")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise WireError(f"block_size must be a positive integer, got {block_size!r}")
+    tokens = fields.get("token_ids")
+    if not isinstance(tokens, (list, tuple)):
+        raise WireError(f"token_ids must be a list, got {type(tokens).__name__}")
+    if len(tokens) != len(hashes) * block_size:
+        raise WireError(
+            f"BlockStored has {len(hashes)} blocks of {block_size} tokens but {len(tokens)} token ids"
+        )
+    lora_name = _optional_str(fields, "lora_name")
+    cache_salt = _optional_str(fields, "cache_salt")
+    group_idx = fields.get("group_idx") or 0
+    if not isinstance(group_idx, int) or isinstance(group_idx, bool) or group_idx < 0:
+        raise WireError(f"group_idx must be a non-negative integer, got {group_idx!r}")
+    try:
+        local = local_block_hashes(tokens, block_size, lora_name=lora_name, cache_salt=cache_salt)
+    except ValueError as error:
+        raise WireError(str(error)) from None
+    return Stored(
+        _tier(fields.get("medium")), hashes, None if parent is None else block_hash(parent), block_size,
+        tuple(local), lora_name, cache_salt, group_idx,
+    )
+
+
+def _is_remote(fields: dict[str, Any]) -> bool:
+    locality = fields.get("locality")
+    return isinstance(locality, str) and locality.upper() == "REMOTE"
+
+
+def decode_event(event: object) -> Event | None:
+    """One engine event as a canonical event, or None for an event about remote blocks."""
+    tag, fields = _fields(event)
+    if tag == "BlockStored":
+        stored = _stored(fields)
+        return None if _is_remote(fields) else stored
+    if tag == "BlockRemoved":
+        removed = Removed(_tier(fields.get("medium")), _hash_list(fields.get("block_hashes"), "block_hashes"))
+        return None if _is_remote(fields) else removed
+    if tag == "AllBlocksCleared":
+        return Cleared()
+    raise WireError(f"unknown event type {tag!r}")
+
+
+def _batch_parts(batch: object) -> tuple[object, object, object]:
+    if isinstance(batch, dict):
+        return batch.get("ts"), batch.get("events"), batch.get("data_parallel_rank")
+    if isinstance(batch, (list, tuple)) and len(batch) in (2, 3):
+        return batch[0], batch[1], batch[2] if len(batch) == 3 else None
+    raise WireError("batch must be [ts, events, dp_rank], [ts, events] or a map with those keys")
+
+
+def decode_payload(payload: bytes, *, max_bytes: int | None = None) -> EngineBatch:
+    """Decode one msgpack engine batch in any accepted variant."""
+    if max_bytes is not None and len(payload) > max_bytes:
+        raise WireError(f"batch of {len(payload)} bytes exceeds the limit of {max_bytes}")
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as error:
+        raise WireError(f"payload is not msgpack: {error}") from None
+    ts, raw_events, dp_rank = _batch_parts(raw)
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise WireError(f"batch ts must be a number, got {type(ts).__name__}")
+    if not isinstance(raw_events, (list, tuple)):
+        raise WireError(f"batch events must be a list, got {type(raw_events).__name__}")
+    if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool) or dp_rank < 0):
+        raise WireError(f"data_parallel_rank must be a non-negative integer or null, got {dp_rank!r}")
+    events: list[Event] = []
+    skipped = 0
+    for raw_event in raw_events:
+        event = decode_event(raw_event)
+        if event is None:
+            skipped += 1
+        else:
+            events.append(event)
+    return EngineBatch(float(ts), tuple(events), dp_rank, skipped)
+
+
+# --- encoding vLLM's current format (the simulator and tests speak it) ---------------
+
+
+@attrs.frozen
+class VllmBlockStored:
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    medium: str | None = "GPU"
+    lora_name: str | None = None
+
+    def as_wire(self) -> dict[str, Any]:
+        return {
+            "type": "BlockStored", "block_hashes": list(self.block_hashes),
+            "parent_block_hash": self.parent_block_hash, "token_ids": list(self.token_ids),
+            "block_size": self.block_size, "lora_id": None, "medium": self.medium,
+            "lora_name": self.lora_name, "extra_keys": None, "group_idx": 0,
+        }
+
+
+@attrs.frozen
+class VllmBlockRemoved:
+    block_hashes: tuple[int, ...]
+    medium: str | None = "GPU"
+
+    def as_wire(self) -> dict[str, Any]:
+        return {"type": "BlockRemoved", "block_hashes": list(self.block_hashes), "medium": self.medium, "group_idx": 0}
+
+
+@attrs.frozen
+class VllmAllBlocksCleared:
+    def as_wire(self) -> dict[str, Any]:
+        return {"type": "AllBlocksCleared"}
+
+
+VllmEvent = VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_vllm_batch(ts: float, events: Sequence[VllmEvent], dp_rank: int | None = None) -> bytes:
+    """A batch exactly as vLLM publishes it: `[ts, [tagged maps], data_parallel_rank]`."""
+    return _encoder.encode([ts, [event.as_wire() for event in events], dp_rank])
+
+
+def publisher_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    return [topic, seq.to_bytes(8, "big"), payload]

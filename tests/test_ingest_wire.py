@@ -1,0 +1,201 @@
+"""Engine wire formats: golden frames for every variant in DESIGN §1, and a fuzz test."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ingest.wire import (
+    MEDIUM_TIERS,
+    VllmAllBlocksCleared,
+    VllmBlockRemoved,
+    VllmBlockStored,
+    WireError,
+    block_hash,
+    decode_payload,
+    encode_vllm_batch,
+    replay_request,
+    split_publisher_frames,
+    split_replay_frames,
+)
+from kvledger.events import Cleared, Removed, Stored, Tier
+from kvledger.hashing import local_block_hashes
+
+TOKENS = list(range(1, 33))
+LOCAL = tuple(local_block_hashes(TOKENS, 16))
+BIG = 2**64 - 5  # above 2**63: normal for engine hashes
+pack = msgspec.msgpack.encode
+
+
+def stored_map(**overrides) -> dict:
+    event = {
+        "type": "BlockStored", "block_hashes": [BIG, 7], "parent_block_hash": 3, "token_ids": TOKENS,
+        "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None,
+        "group_idx": 0, "kv_cache_spec_kind": "full_attention", "kv_cache_spec_sliding_window": None,
+        "locality": "LOCAL", "ownership": "OWNED", "session_id": None,
+    }
+    event.update(overrides)
+    return event
+
+
+def test_vllm_current_format_batch_array_with_tagged_maps() -> None:
+    payload = pack([1700000000.5, [stored_map(), {"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU"}, {"type": "AllBlocksCleared"}], 2])
+    batch = decode_payload(payload)
+    assert batch.engine_ts == 1700000000.5 and batch.dp_rank == 2
+    assert batch.events == (
+        Stored(Tier.DEVICE, (BIG, 7), 3, 16, LOCAL, None, None, 0),
+        Removed(Tier.HOST, (7,)),
+        Cleared(),
+    )
+
+
+def test_the_encoder_speaks_what_the_decoder_reads() -> None:
+    payload = encode_vllm_batch(
+        5.0,
+        [VllmBlockStored((BIG, 7), None, tuple(TOKENS), 16, "CPU_TIER2", "adapter"), VllmBlockRemoved((BIG,), None), VllmAllBlocksCleared()],
+        1,
+    )
+    assert msgspec.msgpack.decode(payload)[1][0]["type"] == "BlockStored"
+    batch = decode_payload(payload)
+    assert batch.events == (
+        Stored(Tier.DISK, (BIG, 7), None, 16, tuple(local_block_hashes(TOKENS, 16, lora_name="adapter")), "adapter", None, 0),
+        Removed(Tier.DEVICE, (BIG,)),
+        Cleared(),
+    )
+
+
+def test_older_tagged_array_events_with_trailing_fields_missing() -> None:
+    full = ["BlockStored", [1, 2], None, TOKENS, 16, None, "CPU", None, None]
+    short = ["BlockStored", [1, 2], 9, TOKENS, 16]  # no lora_id, medium, ... : device tier
+    longer = ["BlockStored", [1, 2], None, TOKENS, 16, None, "DISK", None, None, 0, "full", None, "LOCAL", "OWNED", None, "future-field"]
+    batch = decode_payload(pack([1.0, [full, short, longer, ["BlockRemoved", [1], "GPU"], ["BlockRemoved", [2]], ["AllBlocksCleared"]], None]))
+    assert [type(e).__name__ for e in batch.events] == ["Stored", "Stored", "Stored", "Removed", "Removed", "Cleared"]
+    assert batch.events[0].tier is Tier.HOST and batch.events[0].parent_hash is None
+    assert batch.events[1].tier is Tier.DEVICE and batch.events[1].parent_hash == 9
+    assert batch.events[2].tier is Tier.DISK
+    assert batch.events[4] == Removed(Tier.DEVICE, (2,))
+
+
+def test_sglang_two_element_batch() -> None:
+    batch = decode_payload(pack([2.5, [stored_map(medium=None)]]))
+    assert batch.dp_rank is None and batch.events[0].tier is Tier.DEVICE
+
+
+def test_tensorrt_llm_map_events_in_a_map_batch_with_unknown_keys() -> None:
+    event = {"type": "BlockStored", "block_hashes": [-1], "parent_block_hash": None, "token_ids": TOKENS[:16],
+             "block_size": 16, "medium": "CPU_PINNED", "window_size": 4096, "priority": 35}
+    batch = decode_payload(pack({"ts": 9.0, "events": [event], "data_parallel_rank": 0, "attention_dp_rank": 0}))
+    assert batch.events == (Stored(Tier.HOST, (2**64 - 1,), None, 16, LOCAL[:1], None, None, 0),)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (0, 0), (2**63, 2**63), (2**64 - 1, 2**64 - 1), (-1, 2**64 - 1), (-(2**63), 2**63),
+        (b"\x01\x02", 0x0102), (bytes(range(32)), int.from_bytes(bytes(range(24, 32)), "big")),
+    ],
+)
+def test_block_hash_normalisation(raw, expected: int) -> None:
+    assert block_hash(raw) == expected
+
+
+@pytest.mark.parametrize("raw", [2**64, -(2**63) - 1, 1.5, "abc", None, True, b""])
+def test_block_hashes_that_are_not_u64_are_wire_errors(raw) -> None:
+    with pytest.raises(WireError):
+        block_hash(raw)
+
+
+@pytest.mark.parametrize(("medium", "tier"), sorted(MEDIUM_TIERS.items(), key=lambda item: str(item[0])))
+def test_every_medium_maps_to_its_tier(medium, tier: Tier) -> None:
+    batch = decode_payload(pack([1.0, [stored_map(medium=medium), {"type": "BlockRemoved", "block_hashes": [1], "medium": medium}]]))
+    assert batch.events[0].tier is tier and batch.events[1].tier is tier
+
+
+def test_expected_tiers_from_design() -> None:
+    assert {m for m, t in MEDIUM_TIERS.items() if t is Tier.DEVICE} == {None, "GPU", "DEVICE"}
+    assert {m for m, t in MEDIUM_TIERS.items() if t is Tier.HOST} == {"CPU", "CPU_PINNED", "CPU_TIER1"}
+    assert {m for m, t in MEDIUM_TIERS.items() if t is Tier.DISK} == {"CPU_TIER2", "DISK", "NVME", "STORAGE", "SHARED_STORAGE"}
+    assert {m for m, t in MEDIUM_TIERS.items() if t is Tier.EXTERNAL} == {"EXTERNAL", "NETWORK", "REMOTE", "SHARED", "OBJECT_STORE"}
+
+
+def test_remote_locality_is_kept_out_of_inventory_and_counted() -> None:
+    batch = decode_payload(pack([1.0, [stored_map(locality="REMOTE"), {"type": "BlockRemoved", "block_hashes": [1], "locality": "REMOTE"}, stored_map()]]))
+    assert len(batch.events) == 1 and batch.skipped_remote == 2
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (pack([1.0, [stored_map(medium="TAPE")]]), "unknown medium 'TAPE'"),
+        (pack([1.0, [stored_map(token_ids=TOKENS[:20])]]), "2 blocks of 16 tokens but 20 token ids"),
+        (pack([1.0, [stored_map(block_size=0)]]), "block_size must be a positive integer"),
+        (pack([1.0, [{"type": "BlockMoved"}]]), "unknown event type 'BlockMoved'"),
+        (pack([1.0, [{"no": "type"}]]), "no string 'type' tag"),
+        (pack([1.0, [42]]), "tagged map or a tagged array"),
+        (pack(["x", []]), "ts must be a number"),
+        (pack([1.0, "events"]), "events must be a list"),
+        (pack([1.0]), "batch must be"),
+        (pack([1.0, [], -1]), "data_parallel_rank"),
+        (pack([1.0, [stored_map(token_ids=[1.5] * 32)]]), "token ids"),
+        (b"\xc1", "not msgpack"),
+    ],
+)
+def test_malformed_batches_give_a_precise_reason(payload: bytes, reason: str) -> None:
+    with pytest.raises(WireError, match=reason):
+        decode_payload(payload)
+
+
+def test_oversized_batches_are_refused_before_decoding() -> None:
+    with pytest.raises(WireError, match="exceeds the limit of 10"):
+        decode_payload(b"x" * 11, max_bytes=10)
+
+
+def test_publisher_frames() -> None:
+    frames = split_publisher_frames([b"kv", (2**64 - 1).to_bytes(8, "big"), b"p"])
+    assert frames.seq == 2**64 - 1 and frames.payload == b"p" and frames.topic == b"kv"
+    with pytest.raises(WireError, match="expected 3 frames"):
+        split_publisher_frames([b"kv", b"p"])
+    with pytest.raises(WireError, match="8 bytes"):
+        split_publisher_frames([b"kv", b"\x01", b"p"])
+
+
+def test_replay_framings_old_and_new_and_the_end_marker() -> None:
+    seq = (5).to_bytes(8, "big")
+    assert split_replay_frames([b"", seq, b"p"]).seq == 5  # older
+    assert split_replay_frames([b"kv", seq, b"p"]).seq == 5  # newer, topic first
+    assert split_replay_frames([b"", b"kv", seq, b"p"]).payload == b"p"  # newer, with delimiter
+    end = split_replay_frames([b"", b"kv", (-1).to_bytes(8, "big", signed=True), b""])
+    assert end.seq is None
+    assert replay_request(7) == [b"", (7).to_bytes(8, "big")]
+    with pytest.raises(WireError):
+        split_replay_frames([b"only"])
+
+
+MSGPACK_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=10),
+              st.binary(max_size=10), st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "GPU", "type"])),
+    lambda children: st.one_of(st.lists(children, max_size=6), st.dictionaries(st.sampled_from(
+        ["type", "block_hashes", "token_ids", "block_size", "medium", "parent_block_hash", "ts", "events", "locality", "x"]), children, max_size=6)),
+    max_leaves=30,
+)
+
+
+@settings(deadline=None, max_examples=400)
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_only_ever_raise_wire_errors(data: bytes) -> None:
+    try:
+        decode_payload(data)
+    except WireError:
+        pass
+
+
+@settings(deadline=None, max_examples=400)
+@given(st.one_of(MSGPACK_VALUES, st.tuples(st.floats(), st.lists(MSGPACK_VALUES, max_size=4)).map(list),
+                 st.tuples(st.floats(), st.lists(st.lists(MSGPACK_VALUES, max_size=10), max_size=3), MSGPACK_VALUES).map(list)))
+def test_arbitrary_msgpack_only_ever_raises_wire_errors(value) -> None:
+    try:
+        decode_payload(pack(value))
+    except WireError:
+        pass
