@@ -136,7 +136,10 @@ class JetStreamPublisher:
             self._task.result()  # re-raises the startup error (e.g. a stream conflict)
         if waiter not in done:
             waiter.cancel()
-            raise TimeoutError(f"no connection to NATS at {describe_server(self._nats_settings)}: {self.last_error}")
+            raise TimeoutError(
+                f"no connection to NATS at {describe_server(self._nats_settings)} within {timeout}s"
+                f" (last error: {self.last_error or 'none reported'})"
+            )
 
     @property
     def buffered(self) -> int:
@@ -203,9 +206,15 @@ class JetStreamPublisher:
         async def lost(*_: object) -> None:
             self._broken.set()
 
+        async def failed(error: Exception) -> None:
+            # nats-py would print a traceback per attempt; one line in our log says enough.
+            self.last_error = f"{type(error).__name__}: {error}"
+            log.debug("NATS error: %s", self.last_error)
+
         # Our own retry loop owns reconnection (see the module docstring).
         self._nc = await nats.connect(
             **options, allow_reconnect=False, max_reconnect_attempts=0, disconnected_cb=lost, closed_cb=lost,
+            error_cb=failed,
         )
         js = self._nc.jetstream()
         for spec in self._streams:

@@ -71,6 +71,139 @@ def _config_show(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     return 0
 
 
+def _ingest_arguments(parser: argparse.ArgumentParser) -> None:
+    add_setting_flag(
+        parser, "--endpoint", key="ingest.endpoints", action="append", metavar="SPEC",
+        help="tcp://HOST:PORT[,replay=tcp://HOST:PORT][,provenance=retained][,dp_ranks=N] (repeatable)",
+    )
+    parser.add_argument(
+        "--publisher", action="append", default=[], metavar="NAME",
+        help="publisher name for the endpoint in the same position (repeatable)",
+    )
+
+
+def _ingest(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    """Bridge engine KV events from ZMQ into JetStream until stopped."""
+    from ingest.service import run
+
+    return run(loaded.settings, args.publisher)
+
+
+def _decide_arguments(parser: argparse.ArgumentParser) -> None:
+    add_setting_flag(parser, "--backend", key="decide.backend", choices=("auto", "cpu", "cuda"),
+                     help="ranking backend (auto = cuda when a GPU answers)")
+    add_setting_flag(parser, "--http-port", key="decide.http_port", type=int, metavar="PORT",
+                     help="port of the HTTP front, metrics and health")
+
+
+def _decide(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    """Run the reuse decision service (imported here: DESIGN's import rule)."""
+    from decide.service import run
+
+    return run(loaded.settings)
+
+
+def _store(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    """Project KV_EVENTS, KV_DECISIONS and KV_DEAD_LETTERS into SQL until stopped."""
+    from store.commands import run_store
+
+    return run_store(loaded.settings)
+
+
+def _revision_argument(default: str) -> Callable[[argparse.ArgumentParser], None]:
+    def add(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("revision", nargs="?", default=default, help=f"target revision (default {default})")
+
+    return add
+
+
+def _db_upgrade(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    from store.commands import db_upgrade
+
+    return db_upgrade(loaded.settings, args.revision)
+
+
+def _db_downgrade(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    from store.commands import db_downgrade
+
+    return db_downgrade(loaded.settings, args.revision)
+
+
+def _db_current(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    from store.commands import db_current
+
+    return db_current(loaded.settings)
+
+
+def _json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _audit_inventory_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker", required=True, help="worker name: PUBLISHER or PUBLISHER/DP_RANK")
+    parser.add_argument("--tier", choices=("device", "host", "disk", "external"), help="one tier (default: all)")
+    when = parser.add_mutually_exclusive_group()
+    when.add_argument("--at-seq", type=int, metavar="SEQ", help="as of this KV_EVENTS stream seq (default: now)")
+    when.add_argument("--at-time", metavar="TIME", help="as of this time (unix seconds or ISO 8601, UTC if no zone)")
+    _json_flag(parser)
+
+
+def _audit_inventory(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    from store.commands import audit_inventory
+
+    return audit_inventory(loaded.settings, args.worker, args.tier, args.at_seq, args.at_time, args.json)
+
+
+def _audit_block_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("hash", help="engine or sequence hash: unsigned decimal, signed decimal or 0x hex")
+    _json_flag(parser)
+
+
+def _audit_block(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    from store.commands import audit_block
+
+    return audit_block(loaded.settings, args.hash, args.json)
+
+
+def _audit_decision_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("request_id", help="the decision's request_id")
+    _json_flag(parser)
+
+
+def _audit_decision(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    from store.commands import audit_decision
+
+    return audit_decision(loaded.settings, args.request_id, args.json)
+
+
+def _audit_gaps_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker", help="only this worker (PUBLISHER or PUBLISHER/DP_RANK)")
+    _json_flag(parser)
+
+
+def _audit_gaps(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    from store.commands import audit_gaps
+
+    return audit_gaps(loaded.settings, args.worker, args.json)
+
+
+def _audit_dead_letters_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--limit", type=int, default=100, help="newest N (default 100)")
+    _json_flag(parser)
+
+
+def _audit_dead_letters(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    from store.commands import audit_dead_letters
+
+    return audit_dead_letters(loaded.settings, args.limit, args.json)
+
+
+def _audit_workers(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    from store.commands import audit_workers
+
+    return audit_workers(loaded.settings, args.json)
+
+
 @attrs.frozen
 class Command:
     """A subcommand: its words (`("config", "show")`), what it does, and its own arguments."""
@@ -84,6 +217,20 @@ class Command:
 # Every subcommand is registered here and nowhere else. A stage command imports its package
 # inside its function (`from ingest.bridge import ...`), so `kvledger config show` never does.
 COMMANDS: tuple[Command, ...] = (
+    Command(("ingest",), _ingest, "bridge engine KV events from ZMQ into JetStream", _ingest_arguments),
+    Command(("store",), _store, "project the event, decision and dead-letter streams into SQL"),
+    Command(("decide",), _decide, "answer reuse decisions over NATS and HTTP", _decide_arguments),
+    Command(("db", "upgrade"), _db_upgrade, "apply database migrations", _revision_argument("head")),
+    Command(("db", "downgrade"), _db_downgrade, "undo database migrations", _revision_argument("-1")),
+    Command(("db", "current"), _db_current, "show the database schema revision"),
+    Command(("audit", "inventory"), _audit_inventory, "a worker's inventory now, as of a seq or a time",
+            _audit_inventory_arguments),
+    Command(("audit", "block"), _audit_block, "the history of one block", _audit_block_arguments),
+    Command(("audit", "decision"), _audit_decision, "what a decision saw", _audit_decision_arguments),
+    Command(("audit", "gaps"), _audit_gaps, "gaps and uncertain periods per worker", _audit_gaps_arguments),
+    Command(("audit", "dead-letters"), _audit_dead_letters, "records that could not be used",
+            _audit_dead_letters_arguments),
+    Command(("audit", "workers"), _audit_workers, "every worker and where its stream stands", _json_flag),
     Command(
         ("config", "show"),
         _config_show,
@@ -94,6 +241,8 @@ COMMANDS: tuple[Command, ...] = (
 
 _GROUP_HELP: Mapping[str, str] = {
     "config": "inspect settings",
+    "db": "manage the audit database schema",
+    "audit": "query the audit database",
 }
 
 

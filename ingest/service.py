@@ -1,0 +1,55 @@
+"""`kvledger ingest`: run the bridge until SIGTERM or Ctrl-C, then shut down cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from ingest.bridge import Bridge
+from ingest.endpoints import EndpointError, parse_endpoints, stream_sources
+from ingest.publisher import StreamConflictError
+from kvledger.nats_options import describe_server
+from kvledger.settings import Settings
+
+log = logging.getLogger("kvledger.ingest")
+
+
+def sources_from(settings: Settings, publishers: Sequence[str]):
+    """The engine streams to follow, from `ingest.endpoints` (flags or file) and `--publisher` names."""
+    endpoints = parse_endpoints(settings.ingest.endpoints, publishers, settings.ingest.publisher)
+    if not endpoints:
+        raise EndpointError("no endpoints: give --endpoint tcp://HOST:PORT --publisher NAME (or ingest.endpoints)")
+    return stream_sources(endpoints)
+
+
+async def serve(settings: Settings, publishers: Sequence[str]) -> None:
+    sources = sources_from(settings, publishers)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    async with Bridge(settings, sources) as bridge:
+        log.info(
+            "ingest: %d engine streams -> %s (metrics and health on :%d)",
+            len(sources), describe_server(settings.nats), bridge.http_port,
+        )
+        await bridge.wait_ready()
+        log.info("ingest: ready")
+        await stop.wait()
+        log.info("ingest: stopping, flushing unacknowledged batches")
+
+
+def run(settings: Settings, publishers: Sequence[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(settings, publishers))
+    except EndpointError as error:
+        print(f"kvledger ingest: {error}", file=sys.stderr)
+        return 2
+    except (StreamConflictError, TimeoutError) as error:
+        print(f"kvledger ingest: {error}", file=sys.stderr)
+        return 1
+    return 0
