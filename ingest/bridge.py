@@ -9,16 +9,19 @@ lost last message is noticed too. All publishing goes through one ordered publis
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import nats
 import nats.js.errors
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ingest.endpoints import StreamSource
 from ingest.publisher import JetStreamPublisher
@@ -27,7 +30,8 @@ from ingest.sequence import Emit, SequenceTracker
 from ingest.subscriber import EngineSubscriber
 from ingest.wire import WireError, decode_payload, split_publisher_frames
 from kvledger.events import (
-    DeadLetter, EventBatch, Gap, GapReason, Provenance, decode_batch, encode_batch, encode_dead_letter, events_subject,
+    DeadLetter, EventBatch, Gap, GapReason, Provenance, decode_batch, encode_batch,
+    encode_dead_letter, events_subject,
 )
 from kvledger.http import health_routes, serve_connection
 from kvledger.nats_options import connect_options
@@ -41,24 +45,63 @@ DEAD_LETTER_FRAME_LIMIT = 256 * 1024  # a dead letter must fit in one NATS messa
 
 
 class IngestMetrics:
+    """Counters are plain ints on the hot path, turned into Prometheus families at scrape time."""
+
     def __init__(self) -> None:
+        self.batches_in: collections.Counter[str] = collections.Counter()  # per publisher
+        self.events: collections.Counter[str] = collections.Counter()  # per event kind
+        self.gaps: collections.Counter[str] = collections.Counter()  # per reason
+        self.dead_letters: collections.Counter[str] = collections.Counter()  # per publisher
+        self.remote_skipped = 0
+        self.streams: list[EngineStream] = []
+        self.publisher: JetStreamPublisher | None = None
         self.registry = CollectorRegistry()
         r = self.registry
-        self.batches_in = Counter("kvledger_ingest_batches_in", "engine batches received (SUB and replay)", ["publisher"], registry=r)
-        self.batches_out = Counter("kvledger_ingest_batches_out", "canonical batches acknowledged by JetStream", registry=r)
-        self.events = Counter("kvledger_ingest_events", "canonical events published", ["kind"], registry=r)
-        self.gaps = Counter("kvledger_ingest_gaps", "Gap events synthesised", ["reason"], registry=r)
-        self.replays = Counter("kvledger_ingest_replays", "replay requests sent to engines", ["publisher"], registry=r)
-        self.duplicates = Counter("kvledger_ingest_duplicates", "engine batches dropped as already published", registry=r)
-        self.dead_letters = Counter("kvledger_ingest_dead_letters", "malformed inputs dead-lettered", ["publisher"], registry=r)
-        self.remote_skipped = Counter("kvledger_ingest_remote_events_skipped", "events about REMOTE blocks kept out", registry=r)
         self.publish_latency = Histogram(
             "kvledger_ingest_publish_latency_seconds", "from queueing to JetStream ack", registry=r,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
-        self.in_flight = Gauge("kvledger_ingest_in_flight", "publishes awaiting an ack", registry=r)
-        self.buffered = Gauge("kvledger_ingest_buffered", "batches buffered until acknowledged", registry=r)
-        self.ready_streams = Gauge("kvledger_ingest_ready_streams", "engine streams subscribed and caught up", registry=r)
+        self.engine_to_ack = Histogram(
+            "kvledger_ingest_engine_to_ack_seconds", "from the engine's batch timestamp to the JetStream ack "
+            "(includes clock skew between hosts)", registry=r,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60),
+        )
+        r.register(self)
+
+    def collect(self):
+        """The prometheus_client collector protocol: current values as metric families."""
+
+        def family(name: str, help_text: str, label: str | None, values) -> CounterMetricFamily:
+            metric = CounterMetricFamily(name, help_text, labels=[label] if label else None)
+            for key, value in (values.items() if label else [((), values)]):
+                metric.add_metric([key] if label else [], value)
+            return metric
+
+        trackers = [stream.tracker for stream in self.streams if stream.tracker is not None]
+        yield family("kvledger_ingest_batches_in", "engine batches received (SUB and replay)", "publisher", self.batches_in)
+        yield family("kvledger_ingest_events", "canonical events published", "kind", self.events)
+        yield family("kvledger_ingest_gaps", "Gap events synthesised", "reason", self.gaps)
+        yield family("kvledger_ingest_dead_letters", "malformed inputs dead-lettered", "publisher", self.dead_letters)
+        yield family("kvledger_ingest_remote_events_skipped", "events about REMOTE blocks kept out", None, self.remote_skipped)
+        yield family("kvledger_ingest_replays", "replay requests sent to engines", None, sum(t.counters.replays for t in trackers))
+        yield family("kvledger_ingest_duplicates", "engine batches dropped as already published", None,
+                     sum(t.counters.duplicates for t in trackers))
+        yield family("kvledger_ingest_engine_restarts", "engine restarts detected", None, sum(t.counters.restarts for t in trackers))
+        ready = GaugeMetricFamily("kvledger_ingest_ready_streams", "engine streams subscribed and caught up")
+        ready.add_metric([], sum(stream.ready.is_set() for stream in self.streams))
+        yield ready
+        if self.publisher is not None:
+            counters = self.publisher.counters
+            yield family("kvledger_ingest_batches_out", "canonical batches acknowledged by JetStream", None, counters.published)
+            yield family("kvledger_ingest_publish_retries", "publishes sent again after a failure", None, counters.retries)
+            yield family("kvledger_ingest_nats_reconnects", "NATS connections re-established", None, counters.reconnects)
+            for name, help_text, value in (
+                ("kvledger_ingest_in_flight", "publishes awaiting an ack", self.publisher.in_flight),
+                ("kvledger_ingest_buffered", "batches buffered until acknowledged", self.publisher.buffered),
+            ):
+                gauge = GaugeMetricFamily(name, help_text)
+                gauge.add_metric([], value)
+                yield gauge
 
 
 class EngineStream:
@@ -94,18 +137,15 @@ class EngineStream:
             # while ingest was down) comes from the engine's buffer, in order.
             await self._publish(await self.tracker.catch_up())
             self.ready.set()
-            self._bridge.metrics.ready_streams.inc()
             log.info("%s: ready", self.name)
             while True:
-                frames = await subscriber.recv(IDLE_PROBE_S)
-                if frames is None:
-                    emits = await self.tracker.catch_up()
-                else:
-                    emits = await self._on_frames(frames)
-                await self._publish(emits)
+                burst = await subscriber.recv_burst(IDLE_PROBE_S)
+                if not burst:
+                    await self._publish(await self.tracker.catch_up())
+                for frames in burst:
+                    await self._publish(await self._on_frames(frames))
 
     async def _fetch(self, start: int) -> list[tuple[int, bytes]]:
-        self._bridge.metrics.replays.labels(self.source.worker.publisher).inc()
         return await self._replay.fetch(start)
 
     async def _on_frames(self, frames: list[bytes]) -> list[Emit]:
@@ -119,7 +159,7 @@ class EngineStream:
     async def _publish(self, emits: list[Emit]) -> None:
         metrics = self._bridge.metrics
         for emit in emits:
-            metrics.batches_in.labels(self.source.worker.publisher).inc()
+            metrics.batches_in[self.source.worker.publisher] += 1
             events: tuple = emit.gaps
             engine_ts = 0.0
             try:
@@ -131,17 +171,17 @@ class EngineStream:
             else:
                 engine_ts = decoded.engine_ts
                 events = (*emit.gaps, *decoded.events)
-                metrics.remote_skipped.inc(decoded.skipped_remote)
+                metrics.remote_skipped += decoded.skipped_remote
             for event in events:
-                kind = type(event).__name__
-                metrics.events.labels(kind).inc()
-                if kind == "Gap":
-                    metrics.gaps.labels(event.reason.value).inc()
+                metrics.events[type(event).__name__] += 1
+                if type(event) is Gap:
+                    metrics.gaps[event.reason.value] += 1
             batch = EventBatch(
                 self.source.worker, emit.epoch, emit.seq, engine_ts, time.time(), self.source.provenance, events,
             )
-            await self._bridge.publisher.publish(batch.subject, encode_batch(batch), batch.msg_id)
-        metrics.buffered.set(self._bridge.publisher.buffered)
+            await self._bridge.publisher.publish(
+                batch.subject, encode_batch(batch), batch.msg_id, engine_ts if engine_ts > 0 else None,
+            )
 
 
 class Bridge:
@@ -168,10 +208,14 @@ class Bridge:
             )
             for source in sources
         ]
+        self.metrics.streams = self.streams
+        self.metrics.publisher = self.publisher
         self._reader: nats.NATS | None = None
         self._tasks: list[asyncio.Task] = []
         self._http: asyncio.Server | None = None
         self.http_port: int | None = None
+        # Benchmarks hook here to see every engine-send → JetStream-ack latency.
+        self.ack_observer: Callable[[float], None] | None = None
 
     async def __aenter__(self) -> Bridge:
         await self.publisher.__aenter__()
@@ -258,7 +302,7 @@ class Bridge:
     async def dead_letter(self, source: StreamSource, reason: str, frames: list[bytes], emit: Emit | None = None) -> None:
         worker = source.worker
         log.warning("%s: dead-lettered: %s", worker.name, reason)
-        self.metrics.dead_letters.labels(worker.publisher).inc()
+        self.metrics.dead_letters[worker.publisher] += 1
         kept = tuple(bytes(frame[:DEAD_LETTER_FRAME_LIMIT]) for frame in frames)
         if any(len(frame) > DEAD_LETTER_FRAME_LIMIT for frame in frames):
             reason = f"{reason} (frames truncated to {DEAD_LETTER_FRAME_LIMIT} bytes)"
@@ -270,7 +314,10 @@ class Bridge:
         )
         await self.publisher.publish(dead_letter_subject(worker.publisher), encode_dead_letter(letter), msg_id)
 
-    def _acked(self, latency_s: float) -> None:
-        self.metrics.batches_out.inc()
+    def _acked(self, latency_s: float, engine_ts: float | None) -> None:
         self.metrics.publish_latency.observe(latency_s)
-        self.metrics.in_flight.set(self.publisher.in_flight)
+        if engine_ts is not None:
+            end_to_end = time.time() - engine_ts
+            self.metrics.engine_to_ack.observe(end_to_end)
+            if self.ack_observer is not None:
+                self.ack_observer(end_to_end)

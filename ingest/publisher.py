@@ -45,6 +45,7 @@ class _Pending:
     payload: bytes
     msg_id: str
     enqueued: float
+    origin_ts: float | None
 
 
 @attrs.define
@@ -99,7 +100,7 @@ class JetStreamPublisher:
         window: int = 256,
         max_buffered: int = 10000,
         ack_timeout_s: float = 5.0,
-        on_ack: Callable[[float], None] | None = None,
+        on_ack: Callable[[float, float | None], None] | None = None,
     ) -> None:
         self._nats_settings = nats_settings
         self._streams = streams
@@ -145,12 +146,15 @@ class JetStreamPublisher:
     def buffered(self) -> int:
         return len(self._pending)
 
-    async def publish(self, subject: str, payload: bytes, msg_id: str) -> None:
-        """Queue one message; waits while the buffer is full (that wait is the backpressure)."""
+    async def publish(self, subject: str, payload: bytes, msg_id: str, origin_ts: float | None = None) -> None:
+        """Queue one message; waits while the buffer is full (that wait is the backpressure).
+
+        `origin_ts` (wall clock, e.g. the engine's batch ts) comes back with the ack, for latency.
+        """
         if self._task is not None and self._task.done():
             self._task.result()
         await self._space.acquire()
-        self._pending.append(_Pending(subject, payload, msg_id, time.perf_counter()))
+        self._pending.append(_Pending(subject, payload, msg_id, time.perf_counter(), origin_ts))
         self._drained.clear()
         self._work.set()
 
@@ -270,7 +274,7 @@ class JetStreamPublisher:
                 if ack.duplicate:
                     self.counters.duplicates += 1
                 if self._on_ack is not None:
-                    self._on_ack(time.perf_counter() - entry.enqueued)
+                    self._on_ack(time.perf_counter() - entry.enqueued, entry.origin_ts)
 
     @staticmethod
     async def _wait_for(*awaitables, timeout: float | None = None) -> None:

@@ -65,6 +65,27 @@ class EngineSubscriber:
             return None
         return await self._sock.recv_multipart()
 
+    async def recv_burst(self, timeout_s: float, limit: int = 512) -> list[list[bytes]]:
+        """Wait up to `timeout_s` for a message, then take every one already queued (up to `limit`).
+
+        Handling a burst before yielding lets the publisher put many batches on the wire in
+        one write instead of one system call per batch.
+        """
+        burst: list[list[bytes]] = []
+        try:
+            burst.append(self._sock.recv_multipart(zmq.NOBLOCK).result())
+        except zmq.Again:
+            first = await self.recv(timeout_s)  # only an empty queue pays for polling
+            if first is None:
+                return []
+            burst.append(first)
+        while len(burst) < limit:
+            try:
+                burst.append(self._sock.recv_multipart(zmq.NOBLOCK).result())
+            except zmq.Again:
+                break
+        return burst
+
     async def _watch(self) -> None:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())

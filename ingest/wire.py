@@ -7,6 +7,7 @@ anything else raises `WireError` with a reason that ends up in the dead-letter c
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,7 +148,11 @@ def _fields(event: object) -> tuple[str, dict[str, Any]]:
 def _hash_list(value: object, field: str) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
         raise WireError(f"{field} must be a list, got {type(value).__name__}")
-    return tuple(block_hash(item) for item in value)
+    try:
+        # The common case, plain u64 ints, converted at C speed; anything else goes one by one.
+        return tuple(array.array("Q", value))
+    except (OverflowError, TypeError):
+        return tuple(block_hash(item) for item in value)
 
 
 def _optional_str(fields: dict[str, Any], name: str) -> str | None:

@@ -99,3 +99,14 @@ async def wait_until(check: Callable[[], object], timeout: float, what: str, int
             return last
         await asyncio.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+async def http_get(port: int, path: str) -> tuple[int, str]:
+    """A plain HTTP/1.1 GET on 127.0.0.1, returning (status, body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    await writer.drain()
+    raw = await reader.read()
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()

@@ -54,7 +54,7 @@ def test_lora_and_salt_give_disjoint_blocks_and_none_equals_empty() -> None:
     assert block_seed("ab", "") != block_seed("a", "b")
 
 
-@pytest.mark.parametrize("tokens", [[-1] * 16, [2**32] * 16, ["x"] * 16, [1.5] * 16, [True] * 16, [[1]] * 16, [2**70] * 16])
+@pytest.mark.parametrize("tokens", [[-1] * 16, [2**32] * 16, ["x"] * 16, [1.5] * 16, [None] * 16, [[1]] * 16, [2**70] * 16])
 def test_tokens_outside_u32_are_rejected(tokens: list) -> None:
     with pytest.raises(ValueError, match="token ids"):
         local_block_hashes(tokens, 16)

@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from services import free_ports
-from engines import engine_endpoints, one_block, read_batches, read_stream, settings_for, wait_until
+from engines import engine_endpoints, http_get, one_block, read_batches, read_stream, settings_for, wait_until
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
 from ingest.replay import ReplayClient
@@ -199,6 +199,8 @@ async def test_many_publishers_with_dp_ranks_and_one_sending_garbage(nats_server
             await wait_until(lambda: _count(nats_server.url, expected), 20, f"{expected} batches")
             await bridge.publisher.flush(10)
             assert bridge.is_ready()
+            assert (await http_get(bridge.http_port, "/readyz"))[0] == 200
+            status, metrics = await http_get(bridge.http_port, "/metrics")
     finally:
         for engine in engines:
             await engine.close()
@@ -212,6 +214,11 @@ async def test_many_publishers_with_dp_ranks_and_one_sending_garbage(nats_server
     assert all(isinstance(e, Stored) for b in clean for e in b.events)
     dirty = [b for b in batches if b.worker.publisher == "engine-05"]
     assert all(b.events == (Gap(b.seq, b.seq + 1, GapReason.MISSED),) for b in dirty)
+    assert status == 200
+    assert 'kvledger_ingest_dead_letters_total{publisher="engine-05"} 10.0' in metrics
+    assert f"kvledger_ingest_batches_out_total {expected + 10}.0" in metrics  # batches and dead letters
+    assert 'kvledger_ingest_gaps_total{reason="missed"} 5.0' in metrics
+    assert "kvledger_ingest_ready_streams 19.0" in metrics
     letters = [decode_dead_letter(data) for _, _, data in await read_stream(nats_server.url, "KV_DEAD_LETTERS")]
     assert {letter.publisher for letter in letters} == {"engine-05"}
     reasons = sorted(letter.reason.split(":")[0] for letter in letters)
@@ -282,3 +289,30 @@ async def test_kill_9_of_ingest_resumes_from_jetstream_and_replay(nats_server) -
     assert [b.seq for b in batches] == list(range(4000)), "nothing lost, nothing duplicated, in order"
     assert {b.epoch for b in batches} == {0}
     assert gaps_of(batches) == []
+
+
+async def test_a_lost_last_message_is_found_by_the_idle_replay_probe(nats_server) -> None:
+    pub, replay = engine_endpoints()
+    async with SimulatedEngine(pub, replay) as engine:
+        async with Bridge(settings_for(nats_server.url), [source(WorkerId("w"), engine)]) as bridge:
+            await bridge.wait_ready(timeout=10)
+            await engine.publish([one_block(1)])
+            await engine.publish([one_block(2)], send=False)  # nothing after it reveals the loss
+            await wait_until(lambda: _count(nats_server.url, 2), 10, "the lost tail batch")
+            await bridge.publisher.flush(10)
+    batches = await read_batches(nats_server.url)
+    assert [b.seq for b in batches] == [0, 1] and gaps_of(batches) == []
+
+
+async def test_readiness_is_observable_before_and_after(nats_server) -> None:
+    pub, replay = engine_endpoints()
+    async with SimulatedEngine(pub, replay) as engine:
+        silent = SimulatedEngine("tcp://127.0.0.1:1", None)  # never started: nothing to connect to
+        sources = [source(WorkerId("up"), engine), StreamSource(WorkerId("down"), silent.pub_endpoint, None, Provenance.NATIVE)]
+        async with Bridge(settings_for(nats_server.url), sources) as bridge:
+            await bridge.streams[0].ready.wait()
+            assert not bridge.is_ready()
+            assert (await http_get(bridge.http_port, "/readyz"))[0] == 503
+            assert (await http_get(bridge.http_port, "/healthz"))[0] == 200
+            with pytest.raises(TimeoutError):
+                await bridge.wait_ready(timeout=0.5)

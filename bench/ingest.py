@@ -1,0 +1,156 @@
+"""Ingest throughput and latency, against raw JetStream `publish_async` on the same server.
+
+    python bench/ingest.py [--batches 40000] [--latency-batches 10000]
+
+A simulated engine in its own process publishes batches of 16 stored blocks × 16 tokens
+plus 16 removals over real ZMQ; ingest (this process) bridges them into JetStream and we
+count acknowledged batches. The yardstick, measured in the same run on the same embedded
+nats-server: publishing the very canonical payloads ingest produced with `publish_async`
+and the same in-flight window. Then the engine is paced at half of ingest's maximum rate
+and every engine-send → JetStream-ack latency is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nats
+from nats.js.api import StorageType, StreamConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ingest.bridge import Bridge  # noqa: E402
+from ingest.endpoints import StreamSource  # noqa: E402
+from ingest.simulator import SimulatedEngine  # noqa: E402
+from ingest.wire import VllmBlockRemoved, VllmBlockStored, decode_payload, encode_vllm_batch  # noqa: E402
+from kvledger.embedded import EmbeddedNats  # noqa: E402
+from kvledger.events import EventBatch, Provenance, WorkerId, encode_batch  # noqa: E402
+from kvledger.settings import load_settings  # noqa: E402
+
+BLOCKS, TOKENS = 16, 16
+
+
+def engine_events(index: int) -> list:
+    first = index * BLOCKS
+    stored = VllmBlockStored(
+        tuple(range(first, first + BLOCKS)), first - 1 if index else None,
+        tuple((first * TOKENS + t) % 32000 for t in range(BLOCKS * TOKENS)), TOKENS, "GPU",
+    )
+    if index < 4:
+        return [stored]
+    old = (index - 4) * BLOCKS
+    return [stored, VllmBlockRemoved(tuple(range(old, old + BLOCKS)))]
+
+
+def run_engine(pub: str, replay: str, batches: int, rate: float, go, done) -> None:
+    """The engine process: pre-encodes at full speed, or encodes at send time when paced."""
+
+    async def main() -> None:
+        async with SimulatedEngine(pub, replay, buffer_steps=batches + 10) as engine:
+            payloads = [engine.encode(engine_events(i)) for i in range(batches)] if rate <= 0 else []
+            go.wait()
+            if rate <= 0:
+                for payload in payloads:
+                    await engine.publish_payload(payload)
+            else:
+                start = time.perf_counter()
+                for i in range(batches):
+                    delay = start + i / rate - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    await engine.publish(engine_events(i))
+            done.wait()
+
+    asyncio.run(main())
+
+
+async def count_in_stream(url: str, stream: str) -> int:
+    nc = await nats.connect(url)
+    try:
+        return (await nc.jetstream().stream_info(stream)).state.messages
+    finally:
+        await nc.close()
+
+
+async def raw_publish_rate(url: str, payloads: list[tuple[str, bytes, str]], window: int) -> float:
+    """The yardstick: publish_async of ready canonical payloads, `window` in flight, all acked."""
+    nc = await nats.connect(url)
+    js = nc.jetstream(publish_async_max_pending=window)
+    await js.add_stream(StreamConfig(name="RAW", subjects=["raw.>"], storage=StorageType.FILE, duplicate_window=120))
+    start = time.perf_counter()
+    futures = [await js.publish_async("raw." + subject, payload, headers={"Nats-Msg-Id": msg_id}) for subject, payload, msg_id in payloads]
+    await asyncio.gather(*futures)
+    elapsed = time.perf_counter() - start
+    await nc.close()
+    return len(payloads) / elapsed
+
+
+async def run_ingest(url: str, batches: int, rate: float, port: int) -> tuple[float, list[float]]:
+    pub, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+    context = multiprocessing.get_context("spawn")
+    go, done = context.Event(), context.Event()
+    engine = context.Process(target=run_engine, args=(pub, replay, batches, rate, go, done), daemon=True)
+    engine.start()
+    settings = load_settings(environ={}, overrides={"nats.url": url, "ingest.http_port": 0}).settings
+    latencies: list[float] = []
+    worker = WorkerId(f"bench-{port}")
+    try:
+        async with Bridge(settings, [StreamSource(worker, pub, replay, Provenance.NATIVE)]) as bridge:
+            bridge.ack_observer = latencies.append
+            await bridge.wait_ready(timeout=30)
+            start = time.perf_counter()
+            go.set()
+            while bridge.publisher.counters.published < batches:
+                await asyncio.sleep(0.01)
+            elapsed = time.perf_counter() - start
+    finally:
+        done.set()
+        engine.join(10)
+    return batches / elapsed, latencies
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] if len(values) > 1 else float("nan")
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=40_000)
+    parser.add_argument("--latency-batches", type=int, default=10_000)
+    parser.add_argument("--window", type=int, default=256)
+    args = parser.parse_args()
+
+    # The canonical payloads ingest will produce, for the yardstick.
+    worker = WorkerId("raw")
+    canonical = []
+    for i in range(args.batches):
+        decoded = decode_payload(encode_vllm_batch(time.time(), engine_events(i), 0))
+        batch = EventBatch(worker, 0, i, decoded.engine_ts, time.time(), Provenance.NATIVE, decoded.events)
+        canonical.append((batch.subject, encode_batch(batch), batch.msg_id))
+
+    with tempfile.TemporaryDirectory() as store, EmbeddedNats(store) as server:
+        raw_rate = await raw_publish_rate(server.url, canonical, args.window)
+        ingest_rate, _ = await run_ingest(server.url, args.batches, 0, 47100)
+        paced = ingest_rate / 2
+        _, latencies = await run_ingest(server.url, args.latency_batches, paced, 47200)
+
+    ms = [value * 1000 for value in latencies]
+    print(f"engine batches: {BLOCKS} stored blocks x {TOKENS} tokens + {BLOCKS} removals; window {args.window}")
+    print(f"raw publish_async (yardstick): {raw_rate:10.0f} batches/s  {raw_rate * BLOCKS:12.0f} blocks/s")
+    print(f"ingest (ZMQ -> JetStream acked): {ingest_rate:8.0f} batches/s  {ingest_rate * BLOCKS:12.0f} blocks/s")
+    print(f"ratio ingest / raw: {ingest_rate / raw_rate:.2f}  (goal >= 0.70)")
+    print(
+        f"latency engine send -> JetStream ack at {paced:.0f} batches/s (half of max), {len(ms)} batches: "
+        f"p50 {percentile(ms, 0.50):.2f} ms  p99 {percentile(ms, 0.99):.2f} ms"
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
