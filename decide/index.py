@@ -1,0 +1,299 @@
+"""The decide index: every worker's inventory as a hash table from sequence hash to bitmasks.
+
+One row per sequence hash holds four classes of worker bitmasks (native device, native
+host, native disk, retained device), `words` 64-bit words per class so any number of
+workers fits. The index owns its own `InventoryFold`; after each batch it re-reads the
+fold's `holds` for the (worker, sequence hash) pairs the batch touched, so every fold rule
+(retained conflicts, reference counting, restarts) is inherited rather than re-implemented.
+
+The lookup table is open addressing with linear probing over numpy arrays, laid out so
+the cuda backend can mirror it on the device and apply the same probe sequence; changes
+since the device last synced are kept as dirty table slots and dirty rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from kvledger.events import EventBatch, Provenance, Tier, WorkerId
+from kvledger.fold import (
+    BlockRecord,
+    BlockRemovedFact,
+    BlockStoredFact,
+    Fact,
+    InventoryClearedFact,
+    InventoryFold,
+    RetainedConflictFact,
+)
+
+NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
+
+# The four stored classes, in the order of a row's bitmask planes.
+CLASSES: tuple[tuple[Provenance, Tier], ...] = (
+    (NATIVE, Tier.DEVICE),
+    (NATIVE, Tier.HOST),
+    (NATIVE, Tier.DISK),
+    (RETAINED, Tier.DEVICE),
+)
+NATIVE_DEVICE, NATIVE_HOST, NATIVE_DISK, RETAINED_DEVICE = range(4)
+_CLASS_OF = {key: position for position, key in enumerate(CLASSES)}
+
+# Fibonacci hashing: the slot is the top bits of key × 2^64/φ. Sequence hashes are XXH3
+# outputs already, but a request can carry arbitrary local hashes, so they are mixed once.
+HASH_MULTIPLIER = 0x9E3779B97F4A7C15
+_U64 = (1 << 64) - 1
+EMPTY_ROW = -1
+MISSING_ROW = 0  # row 0 is all zeros: a hash nobody holds reads as "no worker"
+_MAX_LOAD = 0.5
+_MIN_TABLE_BITS = 10
+
+
+def slot_of(key: int, bits: int) -> int:
+    return ((key * HASH_MULTIPLIER) & _U64) >> (64 - bits)
+
+
+class InventoryIndex:
+    """Sequence hash → per-class worker bitmasks, following an `InventoryFold`."""
+
+    def __init__(self, fold: InventoryFold | None = None) -> None:
+        self.fold = fold if fold is not None else InventoryFold()
+        self.inventory_seq = self.fold.inventory_seq
+        self.workers: list[WorkerId] = []  # by slot, in order of first appearance
+        self._slot_of_worker: dict[WorkerId, int] = {}
+        self.slots_in_order = np.zeros(0, dtype=np.int32)  # worker slots sorted by worker order
+        self.order_rank = np.zeros(0, dtype=np.int32)  # slot -> its position in worker order
+        self.words = 1
+        self._row_of: dict[int, int] = {}
+        self._row_hash: list[int] = [0]
+        self._free_rows: list[int] = []
+        self.masks = np.zeros((1024, len(CLASSES), self.words), dtype=np.uint64)
+        self.table_bits = _MIN_TABLE_BITS
+        self.table_keys = np.zeros(1 << self.table_bits, dtype=np.uint64)
+        self.table_rows = np.full(1 << self.table_bits, EMPTY_ROW, dtype=np.int32)
+        # per (worker slot, class): the sequence hashes whose bit is set, so a Cleared
+        # knows what to re-read without the fold having to list it
+        self._held: list[list[set[int]]] = []
+        # What the device mirror has not seen yet; `generation` changes when the arrays
+        # are reallocated, which forces a whole upload instead of a scatter.
+        self.generation = 0
+        self.track_dirty = False  # set by a device mirror; cpu alone needs no change lists
+        self.dirty_rows: set[int] = set()
+        self.dirty_table_slots: set[int] = set()
+        self._uncertain_cache: tuple[int, tuple[str, ...]] | None = None
+        for worker in self.fold.workers():
+            self._add_worker(worker)
+        self._index_all_records(self.fold.iter_records())
+
+    # --- following the fold ------------------------------------------------------------
+
+    def apply(self, batch: EventBatch, stream_seq: int) -> list[Fact]:
+        """Fold one KV_EVENTS batch and bring the bitmasks up to date with what it touched."""
+        facts = self.fold.apply(batch, stream_seq)
+        self.inventory_seq = max(self.inventory_seq, stream_seq)
+        if batch.worker not in self._slot_of_worker and self.fold.worker_state(batch.worker) is not None:
+            self._add_worker(batch.worker)
+        touched: dict[tuple[int, int], None] = {}
+        for fact in facts:
+            kind = type(fact)
+            if kind is BlockStoredFact or kind is RetainedConflictFact or kind is BlockRemovedFact:
+                record = fact.record
+                touched[(self._slot_of_worker[record.worker], record.sequence_hash)] = None
+            elif kind is InventoryClearedFact:
+                slot = self._slot_of_worker[fact.worker]
+                for position, (provenance, _tier) in enumerate(CLASSES):
+                    if provenance is fact.provenance:
+                        for sequence_hash in self._held[slot][position]:
+                            touched[(slot, sequence_hash)] = None
+        for slot, sequence_hash in touched:
+            self._refresh(slot, sequence_hash)
+        if facts:
+            self._uncertain_cache = None
+        return facts
+
+    def skip(self, stream_seq: int) -> None:
+        """A stream message that could not be decoded still moves the index past its seq."""
+        self.inventory_seq = max(self.inventory_seq, stream_seq)
+
+    def _refresh(self, slot: int, sequence_hash: int) -> None:
+        worker = self.workers[slot]
+        holds = self.fold.holds
+        wanted = [holds(worker, provenance, tier, sequence_hash) for provenance, tier in CLASSES]
+        row = self._row_of.get(sequence_hash)
+        if row is None:
+            if not any(wanted):
+                return
+            row = self._new_row(sequence_hash)
+        word, bit = divmod(slot, 64)
+        flag = np.uint64(1 << bit)
+        held = self._held[slot]
+        plane = self.masks[row, :, word]
+        changed = False
+        for position, want in enumerate(wanted):
+            has = bool(plane[position] & flag)
+            if want and not has:
+                plane[position] |= flag
+                held[position].add(sequence_hash)
+                changed = True
+            elif has and not want:
+                plane[position] &= ~flag
+                held[position].discard(sequence_hash)
+                changed = True
+        if changed:
+            if self.track_dirty:
+                self.dirty_rows.add(row)
+            if not self.masks[row].any():
+                self._release_row(sequence_hash, row)
+
+    def _index_all_records(self, records: Iterable[BlockRecord]) -> None:
+        for record in records:
+            position = _CLASS_OF.get((record.provenance, record.tier))
+            if position is None or record.conflict:
+                continue  # external tier, or retained records that lost to native topology
+            slot = self._slot_of_worker[record.worker]
+            row = self._row_of.get(record.sequence_hash)
+            if row is None:
+                row = self._new_row(record.sequence_hash)
+            word, bit = divmod(slot, 64)
+            self.masks[row, position, word] |= np.uint64(1 << bit)
+            self._held[slot][position].add(record.sequence_hash)
+        self.generation += 1
+
+    # --- workers -------------------------------------------------------------------------
+
+    def _add_worker(self, worker: WorkerId) -> None:
+        slot = len(self.workers)
+        self.workers.append(worker)
+        self._slot_of_worker[worker] = slot
+        self._held.append([set() for _ in CLASSES])
+        if len(self.workers) > self.words * 64:
+            grown = np.zeros((self.masks.shape[0], len(CLASSES), self.words * 2), dtype=np.uint64)
+            grown[:, :, : self.words] = self.masks
+            self.masks, self.words = grown, self.words * 2
+            self.generation += 1
+        ordered = sorted(range(len(self.workers)), key=self.workers.__getitem__)
+        self.slots_in_order = np.array(ordered, dtype=np.int32)
+        rank = np.empty(len(ordered), dtype=np.int32)
+        rank[self.slots_in_order] = np.arange(len(ordered), dtype=np.int32)
+        self.order_rank = rank
+        self._uncertain_cache = None
+
+    def slot(self, worker: WorkerId) -> int | None:
+        return self._slot_of_worker.get(worker)
+
+    @property
+    def worker_count(self) -> int:
+        return len(self.workers)
+
+    def uncertain_names(self) -> tuple[str, ...]:
+        if self._uncertain_cache is None or self._uncertain_cache[0] != self.inventory_seq:
+            names = tuple(worker.name for worker in self.fold.uncertain_workers())
+            self._uncertain_cache = (self.inventory_seq, names)
+        return self._uncertain_cache[1]
+
+    # --- rows and the hash table ---------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Sequence hashes held by at least one worker in at least one class."""
+        return len(self._row_of)
+
+    def _new_row(self, sequence_hash: int) -> int:
+        if self._free_rows:
+            row = self._free_rows.pop()
+            self._row_hash[row] = sequence_hash
+        else:
+            row = len(self._row_hash)
+            self._row_hash.append(sequence_hash)
+            if row >= self.masks.shape[0]:
+                grown = np.zeros((self.masks.shape[0] * 2, len(CLASSES), self.words), dtype=np.uint64)
+                grown[: self.masks.shape[0]] = self.masks
+                self.masks = grown
+                self.generation += 1
+        self._row_of[sequence_hash] = row
+        if len(self._row_of) + self._dead_slots > _MAX_LOAD * len(self.table_keys):
+            self._rebuild_table(self.table_bits + 1)
+        else:
+            self._table_insert(sequence_hash, row)
+        return row
+
+    def _release_row(self, sequence_hash: int, row: int) -> None:
+        # Linear probing cannot simply empty a slot (later keys would become unreachable),
+        # so the key stays pointing at the all-zero row 0 until the next rebuild.
+        del self._row_of[sequence_hash]
+        self._free_rows.append(row)
+        position = self._table_find(sequence_hash)
+        self.table_rows[position] = MISSING_ROW
+        if self.track_dirty:
+            self.dirty_table_slots.add(position)
+        self._dead_slots += 1
+        if self._dead_slots > len(self._row_of) and self._dead_slots > 4096:
+            self._rebuild_table(self.table_bits)
+
+    _dead_slots = 0
+
+    def _table_find(self, key: int) -> int:
+        mask = len(self.table_keys) - 1
+        position = slot_of(key, self.table_bits)
+        keys, rows = self.table_keys, self.table_rows
+        while True:
+            if rows[position] == EMPTY_ROW or int(keys[position]) == key:
+                return position
+            position = (position + 1) & mask
+
+    def _table_insert(self, key: int, row: int) -> None:
+        position = self._table_find(key)
+        if self.table_rows[position] == MISSING_ROW and int(self.table_keys[position]) == key:
+            self._dead_slots -= 1
+        self.table_keys[position] = key
+        self.table_rows[position] = row
+        if self.track_dirty:
+            self.dirty_table_slots.add(position)
+
+    def _rebuild_table(self, bits: int) -> None:
+        self.table_bits = max(bits, _MIN_TABLE_BITS)
+        self.table_keys = np.zeros(1 << self.table_bits, dtype=np.uint64)
+        self.table_rows = np.full(1 << self.table_bits, EMPTY_ROW, dtype=np.int32)
+        self._dead_slots = 0
+        for key, row in self._row_of.items():
+            position = self._table_find(key)
+            self.table_keys[position] = key
+            self.table_rows[position] = row
+        self.generation += 1
+        self.dirty_table_slots.clear()
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Rows of many sequence hashes at once (MISSING_ROW where nobody holds one)."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        result = np.full(keys.shape, MISSING_ROW, dtype=np.int32)
+        if not keys.size:
+            return result
+        mask = np.uint64(len(self.table_keys) - 1)
+        with np.errstate(over="ignore"):
+            positions = (keys * np.uint64(HASH_MULTIPLIER)) >> np.uint64(64 - self.table_bits)
+        pending = np.arange(keys.size)
+        table_keys, table_rows = self.table_keys, self.table_rows
+        # Vectorised linear probing: every pending key advances one slot per round.
+        while pending.size:
+            rows = table_rows[positions]
+            found = (rows != EMPTY_ROW) & (table_keys[positions] == keys[pending])
+            result[pending[found]] = rows[found]
+            going_on = (rows != EMPTY_ROW) & ~found
+            pending, positions = pending[going_on], (positions[going_on] + np.uint64(1)) & mask
+        return result
+
+    def take_dirty(self) -> tuple[np.ndarray, np.ndarray]:
+        """Hand the device mirror the table slots and rows changed since the last call."""
+        slots = np.fromiter(self.dirty_table_slots, dtype=np.int64, count=len(self.dirty_table_slots))
+        rows = np.fromiter(self.dirty_rows, dtype=np.int64, count=len(self.dirty_rows))
+        self.dirty_table_slots.clear()
+        self.dirty_rows.clear()
+        return np.sort(slots), np.sort(rows)
+
+
+def index_from_batches(batches: Iterable[tuple[EventBatch, int]]) -> InventoryIndex:
+    index = InventoryIndex()
+    for batch, stream_seq in batches:
+        index.apply(batch, stream_seq)
+    return index

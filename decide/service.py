@@ -1,0 +1,450 @@
+"""`kvledger decide`: the reuse decision service (DESIGN §4, §6).
+
+Warm-starts the index from the newest KV_SNAPSHOTS object (or replays KV_EVENTS from the
+start), follows KV_EVENTS live with an ordered consumer, answers `kvledger.decide` and
+`kvledger.decide.batch` over NATS and `POST /v1/decide[/batch]` over HTTP, and appends
+every answer to KV_DECISIONS with Nats-Msg-Id = request id so a retried request is
+recorded once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import msgspec
+import nats
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvledger.decision_codec import RequestError, decision_to_json, request_from_json
+from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
+from kvledger.http import Request, Response, health_routes, serve_connection
+from kvledger.nats_options import connect_options
+from kvledger.reuse import Decision, Reason, ReuseRequest
+from kvledger.settings import Settings
+from kvledger.snapshot import SnapshotError, decode_snapshot
+from kvledger.streams import (
+    DECIDE_BATCH_SUBJECT,
+    DECIDE_SUBJECT,
+    DECISIONS_SUBJECT,
+    SNAPSHOTS_BUCKET,
+    StreamSpec,
+    decisions_stream,
+    events_stream,
+    snapshot_seq,
+)
+
+from decide.cpu import CpuBackend
+from decide.index import InventoryIndex
+
+log = logging.getLogger("kvledger.decide")
+
+QUEUE_GROUP = "kvledger-decide"
+MAX_BATCH_REQUESTS = 65536
+_MEDIA_TYPES = ("application/json", "application/msgpack")
+
+
+class StartupError(RuntimeError):
+    """decide cannot start as configured; the message says what to change."""
+
+
+# --- backend choice ----------------------------------------------------------------------
+
+
+def choose_backend(wanted: str, index: InventoryIndex) -> tuple[Any, str]:
+    """The ranking backend for `decide.backend`, and a line saying what was chosen and why."""
+    if wanted == "cpu":
+        return CpuBackend(index), "backend cpu (as configured)"
+    from decide.cuda import CudaBackend, CudaUnavailable, device_unavailable_reason
+
+    reason = device_unavailable_reason()
+    if reason is None:
+        try:
+            backend = CudaBackend(index)
+            return backend, f"backend cuda on {backend.device.name} ({backend.arch})" + (
+                " (auto: a CUDA device answered)" if wanted == "auto" else " (as configured)"
+            )
+        except (CudaUnavailable, RuntimeError) as error:
+            reason = str(error)
+    if wanted == "cuda":
+        raise StartupError(f"decide.backend = cuda, but {reason}; use backend = auto or cpu")
+    return CpuBackend(index), f"backend cpu (auto: {reason})"
+
+
+# --- streams -------------------------------------------------------------------------------
+
+
+async def ensure_stream(js: nats.js.JetStreamContext, spec: StreamSpec) -> None:
+    """Create the stream if missing; refuse to start if it exists with other settings."""
+    wanted = {
+        "subjects": sorted(spec.subjects),
+        "storage": StorageType.FILE,
+        "duplicate_window": spec.duplicate_window_s,
+        "max_age": spec.max_age_s,
+        "max_bytes": spec.max_bytes,
+        "num_replicas": spec.replicas,
+    }
+    try:
+        info = await js.stream_info(spec.name)
+    except nats.js.errors.NotFoundError:
+        try:
+            await js.add_stream(StreamConfig(name=spec.name, **wanted))
+            return
+        except nats.js.errors.BadRequestError:
+            info = await js.stream_info(spec.name)  # another stage created it meanwhile
+    config = info.config
+    found = {
+        "subjects": sorted(config.subjects or []),
+        "storage": config.storage,
+        "duplicate_window": config.duplicate_window,
+        "max_age": config.max_age or 0.0,
+        "max_bytes": config.max_bytes if config.max_bytes is not None else -1,
+        "num_replicas": config.num_replicas or 1,
+    }
+    different = {key: (found[key], value) for key, value in wanted.items() if found[key] != value}
+    if different:
+        details = ", ".join(f"{key}: stream has {have!r}, settings want {want!r}"
+                            for key, (have, want) in sorted(different.items()))
+        raise StartupError(f"stream {spec.name} exists with different settings ({details}); "
+                           "change the settings to match or migrate the stream by hand")
+
+
+async def newest_snapshot(js: nats.js.JetStreamContext) -> tuple[InventoryIndex, str] | None:
+    """The index rebuilt from the newest KV_SNAPSHOTS object, or None without bucket or snapshot."""
+    try:
+        store = await js.object_store(SNAPSHOTS_BUCKET)
+        objects = await store.list()
+    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError):
+        return None
+    named = sorted(((snapshot_seq(info.name), info.name) for info in objects
+                    if not info.deleted and snapshot_seq(info.name) is not None), reverse=True)
+    for _seq, name in named:
+        try:
+            result = await store.get(name)
+            return InventoryIndex(decode_snapshot(result.data)), name
+        except (SnapshotError, nats.js.errors.Error) as error:
+            log.warning("decide: snapshot %s unusable (%s); trying an older one", name, error)
+    return None
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class DecideMetrics:
+    registry: CollectorRegistry
+    decisions: Counter
+    latency: Histogram
+    batch_size: Histogram
+    budget_exhausted: Counter
+    malformed: Counter
+    index_size: Gauge
+    workers: Gauge
+    inventory_seq: Gauge
+    inventory_lag: Gauge
+    undecodable_events: Counter
+
+    @classmethod
+    def create(cls) -> DecideMetrics:
+        registry = CollectorRegistry()
+        return cls(
+            registry,
+            Counter("kvledger_decide_decisions", "Decisions answered.", ["backend", "reason"], registry=registry),
+            Histogram("kvledger_decide_latency_seconds", "Time to rank one request or one batch.",
+                      ["backend", "kind"], registry=registry,
+                      buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)),
+            Histogram("kvledger_decide_batch_size", "Requests per batch.", registry=registry,
+                      buckets=(1, 2, 4, 16, 64, 256, 1024, 4096, 16384, 65536)),
+            Counter("kvledger_decide_budget_exhausted", "Answers whose scan stopped at the lookup budget.",
+                    registry=registry),
+            Counter("kvledger_decide_malformed_requests", "Requests refused, by offending field.", ["field"],
+                    registry=registry),
+            Gauge("kvledger_decide_index_size", "Sequence hashes held by at least one worker.", registry=registry),
+            Gauge("kvledger_decide_workers", "Workers in the index.", registry=registry),
+            Gauge("kvledger_decide_inventory_seq", "KV_EVENTS stream sequence the index reflects.", registry=registry),
+            Gauge("kvledger_decide_inventory_lag", "KV_EVENTS messages not yet applied to the index.",
+                  registry=registry),
+            Counter("kvledger_decide_undecodable_events", "KV_EVENTS messages that could not be decoded.",
+                    registry=registry),
+        )
+
+
+# --- the service -----------------------------------------------------------------------------
+
+
+class DecideService:
+    """The running decision service; `async with DecideService(settings) as service:`."""
+
+    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.settings = settings
+        self.metrics = DecideMetrics.create()
+        self.index = InventoryIndex()
+        self.backend: Any = None
+        self.backend_line = ""
+        self.http_port: int | None = None
+        self.started_from: str | None = None  # the snapshot object of a warm start
+        self._clock = clock
+        self._nc: nats.NATS | None = None
+        self._js: nats.js.JetStreamContext | None = None
+        self._subscriptions: list[Any] = []
+        self._http: asyncio.base_events.Server | None = None
+        self._ready = asyncio.Event()
+        self._warm_target = 0
+        self._stopped = asyncio.Event()
+
+    # lifetime
+
+    async def __aenter__(self) -> DecideService:
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        settings = self.settings
+        self._nc = await nats.connect(**connect_options(settings.nats, name="kvledger-decide"))
+        js = self._js = self._nc.jetstream()
+        events_spec = events_stream(settings.stream)
+        await ensure_stream(js, events_spec)
+        await ensure_stream(js, decisions_stream(settings.stream))
+
+        snapshot = await newest_snapshot(js)
+        if snapshot is not None:
+            self.index, name = snapshot
+            self.started_from = name
+            log.info("decide: warm start from snapshot %s (inventory_seq %d)", name, self.index.inventory_seq)
+        else:
+            log.info("decide: no snapshot in %s; replaying %s from the start", SNAPSHOTS_BUCKET, events_spec.name)
+        self.backend, self.backend_line = choose_backend(settings.decide.backend, self.index)
+        log.info("decide: %s", self.backend_line)
+
+        info = await js.stream_info(events_spec.name)
+        self._warm_target = info.state.last_seq
+        start_seq = max(self.index.inventory_seq + 1, info.state.first_seq, 1)
+        self._check_warm()
+        self._subscriptions.append(await js.subscribe(
+            f"{EVENTS_SUBJECT_PREFIX}.>", stream=events_spec.name, cb=self._on_event, ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq),
+        ))
+        self._subscriptions.append(await self._nc.subscribe(DECIDE_SUBJECT, queue=QUEUE_GROUP, cb=self._on_single))
+        self._subscriptions.append(await self._nc.subscribe(DECIDE_BATCH_SUBJECT, queue=QUEUE_GROUP, cb=self._on_batch))
+        self._http = await asyncio.start_server(
+            functools.partial(serve_connection, router=self._routes()), host="0.0.0.0", port=settings.decide.http_port,
+        )
+        self.http_port = self._http.sockets[0].getsockname()[1]
+        log.info("decide: NATS %s and %s; HTTP front, metrics and health on :%d",
+                 DECIDE_SUBJECT, DECIDE_BATCH_SUBJECT, self.http_port)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            await self._http.wait_closed()
+            self._http = None
+        for subscription in self._subscriptions:
+            try:
+                await subscription.unsubscribe()
+            except Exception:  # the connection may already be gone; nothing left to undo
+                pass
+        self._subscriptions.clear()
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.drain()
+        self._nc = None
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+        self._stopped.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Return once the index has caught up with KV_EVENTS as it was at startup."""
+        await asyncio.wait_for(self._ready.wait(), timeout)
+
+    def _check_warm(self) -> None:
+        if not self._ready.is_set() and self.index.inventory_seq >= self._warm_target:
+            self._ready.set()
+            log.info("decide: ready at inventory_seq %d", self.index.inventory_seq)
+
+    # following KV_EVENTS
+
+    async def _on_event(self, msg: Msg) -> None:
+        metadata = msg.metadata
+        stream_seq = metadata.sequence.stream
+        try:
+            batch = decode_batch(msg.data)
+        except RecordError as error:
+            # ingest dead-letters what it cannot normalise; a record that still fails here is
+            # counted and passed over rather than stopping the index.
+            self.metrics.undecodable_events.inc()
+            log.warning("decide: KV_EVENTS seq %d undecodable (%s); skipped", stream_seq, error)
+            self.index.skip(stream_seq)
+        else:
+            self.index.apply(batch, stream_seq)
+        self.metrics.inventory_lag.set(metadata.num_pending)
+        self.metrics.inventory_seq.set(self.index.inventory_seq)
+        self._check_warm()
+
+    # answering
+
+    def decide_many(self, requests: Sequence[ReuseRequest]) -> list[Decision]:
+        """Rank requests with the chosen backend and record the metrics."""
+        started = time.perf_counter()
+        decisions = self.backend.decide_batch(requests, self.settings.reuse, clock=self._clock)
+        elapsed = time.perf_counter() - started
+        name = self.backend.name
+        self.metrics.latency.labels(name, "single" if len(requests) == 1 else "batch").observe(elapsed)
+        self.metrics.batch_size.observe(len(requests))
+        for decision in decisions:
+            self.metrics.decisions.labels(name, decision.reason).inc()
+            if decision.reason == Reason.BUDGET_EXHAUSTED:
+                self.metrics.budget_exhausted.inc()
+        self.metrics.index_size.set(self.index.size)
+        self.metrics.workers.set(self.index.worker_count)
+        return decisions
+
+    async def answer(self, bodies: Sequence[object]) -> list[dict[str, Any]]:
+        """Answers (or error objects naming the field) for parsed request bodies, recorded in KV_DECISIONS."""
+        answers: list[dict[str, Any] | None] = [None] * len(bodies)
+        valid: list[tuple[int, ReuseRequest]] = []
+        for position, body in enumerate(bodies):
+            try:
+                valid.append((position, request_from_json(body)))
+            except RequestError as error:
+                self.metrics.malformed.labels(error.field).inc()
+                answers[position] = error.as_json(body.get("request_id") if isinstance(body, dict) else None)
+        decisions = self.decide_many([request for _, request in valid]) if valid else []
+        payloads = []
+        for (position, _), decision in zip(valid, decisions):
+            answer = decision_to_json(decision)
+            answers[position] = answer
+            payloads.append((decision.request_id, json.dumps(answer).encode()))
+        await self._record(payloads)
+        return answers  # type: ignore[return-value]
+
+    async def _record(self, payloads: list[tuple[str, bytes]]) -> None:
+        """Append answers to KV_DECISIONS and wait for the acks, so a client's answer is on record."""
+        assert self._js is not None
+        stream = self.settings.stream.decisions_stream
+        await asyncio.gather(*(
+            self._js.publish(DECISIONS_SUBJECT, payload, stream=stream, headers={"Nats-Msg-Id": request_id})
+            for request_id, payload in payloads
+        ))
+
+    async def _on_single(self, msg: Msg) -> None:
+        await self._reply(msg, batch=False)
+
+    async def _on_batch(self, msg: Msg) -> None:
+        await self._reply(msg, batch=True)
+
+    async def _reply(self, msg: Msg, *, batch: bool) -> None:
+        body, error = _parse_json(msg.data)
+        if error is None and batch:
+            error = _batch_problem(body)
+        if error is not None:
+            self.metrics.malformed.labels(error.field).inc()
+            await msg.respond(json.dumps(error.as_json()).encode())
+            return
+        try:
+            answers = await self.answer(body if batch else [body])
+        except Exception as failure:  # e.g. KV_DECISIONS unreachable: say so rather than let the client time out
+            log.exception("decide: request failed")
+            await msg.respond(json.dumps({"request_id": None, "error": {
+                "field": None, "message": f"internal error: {type(failure).__name__}: {failure}"}}).encode())
+            return
+        await msg.respond(json.dumps(answers if batch else answers[0]).encode())
+
+    # HTTP front
+
+    def _routes(self) -> dict[tuple[str, str], Any]:
+        routes = health_routes(lambda: self.ready, lambda: generate_latest(self.metrics.registry))
+        routes[("POST", "/v1/decide")] = functools.partial(self._http_decide, batch=False)
+        routes[("POST", "/v1/decide/batch")] = functools.partial(self._http_decide, batch=True)
+        return routes
+
+    async def _http_decide(self, request: Request, *, batch: bool) -> Response:
+        media_type = request.media_type
+        if media_type not in _MEDIA_TYPES:
+            return Response.json(self.settings.decide.reject_media_status_code, RequestError(
+                "content-type", f"expected application/json or application/msgpack, got {media_type or 'none'!r}",
+            ).as_json())
+        if media_type == "application/msgpack":
+            body, error = _parse_msgpack(request.body)
+        else:
+            body, error = _parse_json(request.body)
+        if error is None and batch:
+            error = _batch_problem(body)
+        if error is not None:
+            self.metrics.malformed.labels(error.field).inc()
+            return _encoded(400, error.as_json(), media_type)
+        answers = await self.answer(body if batch else [body])
+        if batch:
+            return _encoded(200, answers, media_type)
+        return _encoded(400 if "error" in answers[0] else 200, answers[0], media_type)
+
+
+def _parse_json(data: bytes) -> tuple[object, RequestError | None]:
+    try:
+        return json.loads(data), None
+    except (ValueError, UnicodeDecodeError) as error:
+        return None, RequestError("request", f"not valid JSON: {error}")
+
+
+def _parse_msgpack(data: bytes) -> tuple[object, RequestError | None]:
+    try:
+        return msgspec.msgpack.decode(data), None
+    except msgspec.DecodeError as error:
+        return None, RequestError("request", f"not valid msgpack: {error}")
+
+
+def _batch_problem(body: object) -> RequestError | None:
+    if not isinstance(body, list):
+        return RequestError("requests", f"expected a JSON list of requests, got {type(body).__name__}")
+    if len(body) > MAX_BATCH_REQUESTS:
+        return RequestError("requests", f"more than {MAX_BATCH_REQUESTS} requests in one batch")
+    return None
+
+
+def _encoded(status: int, value: object, media_type: str) -> Response:
+    if media_type == "application/msgpack":
+        return Response(status, msgspec.msgpack.encode(value), "application/msgpack")
+    return Response.json(status, value)
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+async def serve(settings: Settings) -> None:
+    """Run until SIGINT or SIGTERM, then shut down cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    async with DecideService(settings):
+        await stop.wait()
+
+
+def run(settings: Settings) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(settings))
+    except StartupError as error:
+        log.error("decide: %s", error)
+        return 2
+    return 0

@@ -1,0 +1,130 @@
+"""One parity suite for decide's ranking backends: every answer equals the reference model's.
+
+Parametrised over backends (STYLE: one mechanism, several backends, one contract test);
+cuda runs where a GPU answers and is skipped, with the reason, everywhere else.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvledger.events import Provenance, Tier, WorkerId
+from kvledger.fold import InventoryFold
+from kvledger.reuse import Reason, ReuseRequest, decide
+from kvledger.settings import ReuseSettings
+from builders import BLOCK_SIZE, Stream, local_hashes, stored
+
+from decide.index import InventoryIndex
+from decide_inventories import batches, requests, reuse_settings
+
+BACKENDS = ("cpu", "cuda")
+
+
+def make_backend(name: str, index: InventoryIndex):
+    if name == "cpu":
+        from decide.cpu import CpuBackend
+
+        return CpuBackend(index)
+    from decide.cuda import CudaBackend, device_unavailable_reason
+
+    reason = device_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cuda backend not exercised: {reason}")
+    return CudaBackend(index)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_name(request: pytest.FixtureRequest) -> str:
+    if request.param == "cuda":
+        from decide.cuda import device_unavailable_reason
+
+        reason = device_unavailable_reason()
+        if reason is not None:
+            pytest.skip(f"cuda backend not exercised: {reason}")
+    return request.param
+
+
+def _fold_and_index(stream) -> tuple[InventoryFold, InventoryIndex]:
+    fold, index = InventoryFold(), InventoryIndex()
+    for batch, stream_seq in stream:
+        fold.apply(batch, stream_seq)
+        index.apply(batch, stream_seq)
+    return fold, index
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(stream=batches(), asked=st.lists(requests(), min_size=1, max_size=6), reuse=reuse_settings())
+def test_every_answer_equals_the_reference_model(backend_name: str, stream, asked, reuse: ReuseSettings) -> None:
+    fold, index = _fold_and_index(stream)
+    backend = make_backend(backend_name, index)
+    asked = [attrs.evolve(request, request_id=f"r{i}") for i, request in enumerate(asked)]
+    expected = [decide(fold, request, reuse, backend=backend_name) for request in asked]
+    assert backend.decide_batch(asked, reuse) == expected
+    assert backend.decide(asked[0], reuse) == expected[0]
+    for answer in expected:
+        event(f"reason {answer.reason}")
+        event(f"uncertain workers: {bool(answer.uncertain_workers)}; credit {answer.credited_blocks > 0}")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(stream=batches(max_batches=60), asked=st.lists(requests(), min_size=1, max_size=3), reuse=reuse_settings())
+def test_answers_stay_equal_while_the_index_follows_the_stream(backend_name: str, stream, asked, reuse) -> None:
+    """Asked after every batch, so incremental updates (and the device scatter) are exercised."""
+    fold, index = InventoryFold(), InventoryIndex()
+    backend = make_backend(backend_name, index)
+    for batch, stream_seq in stream:
+        fold.apply(batch, stream_seq)
+        index.apply(batch, stream_seq)
+        assert backend.decide_batch(asked, reuse) == [decide(fold, r, reuse, backend=backend_name) for r in asked]
+
+
+def test_many_workers_span_several_mask_words(backend_name: str) -> None:
+    """200 workers: bitmasks of four 64-bit words, and worker order differing from arrival order."""
+    stream = Stream()
+    fold, index = InventoryFold(), InventoryIndex()
+    ids = list(range(1, 11))
+    for n in range(200):
+        worker = WorkerId(f"w{(n * 37) % 200:03d}", n % 3)
+        tier = (Tier.DEVICE, Tier.HOST, Tier.DISK)[n % 3]
+        batch = stream.batch(worker, stored(ids[: 1 + n % 10], tier=tier, engine_offset=1 << 63),
+                             provenance=Provenance.RETAINED if n % 7 == 0 else Provenance.NATIVE)
+        fold.apply(*batch)
+        index.apply(*batch)
+    assert index.words == 4
+    backend = make_backend(backend_name, index)
+    reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True,
+                          minimum_transfer_prefix_blocks=1, minimum_estimated_ttft_saving_ms=0.0,
+                          transfer_source_lookup_budget_ms=1e12)
+    asked = [ReuseRequest(f"r{n}", local_hashes(ids[:n]), BLOCK_SIZE, target)
+             for n, target in itertools.product(range(11), (None, WorkerId("w005", 2), WorkerId("w100")))]
+    answers = backend.decide_batch(asked, reuse)
+    assert answers == [decide(fold, request, reuse, backend=backend_name) for request in asked]
+    assert any(len(answer.candidates) > 50 for answer in answers)
+
+
+def test_an_exhausted_budget_stops_the_scan_like_the_reference(backend_name: str) -> None:
+    """A clock that jumps a second per reading exhausts a zero budget before the first worker."""
+    stream = Stream()
+    fold, index = InventoryFold(), InventoryIndex()
+    for worker, n in ((WorkerId("source"), 12), (WorkerId("target"), 2)):
+        batch = stream.batch(worker, stored(list(range(1, n + 1))))
+        fold.apply(*batch)
+        index.apply(*batch)
+    reuse = ReuseSettings(enable_decode_to_prefill_gpu_reuse=True, transfer_source_prefill_token_us=1000.0,
+                          transfer_source_lookup_budget_ms=0.0)
+    request = ReuseRequest("r", local_hashes(list(range(1, 13))), BLOCK_SIZE, WorkerId("target"))
+
+    def jumping_clock(readings=itertools.count()) -> float:
+        return float(next(readings))
+
+    expected = decide(fold, request, reuse, clock=jumping_clock, backend=backend_name)
+    answer = make_backend(backend_name, index).decide(request, reuse, clock=jumping_clock)
+    assert answer.reason == Reason.BUDGET_EXHAUSTED
+    assert answer == expected
+    roomy = attrs.evolve(reuse, transfer_source_lookup_budget_ms=1e12)
+    assert make_backend(backend_name, index).decide(request, roomy).reason == Reason.CHOSEN

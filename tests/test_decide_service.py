@@ -1,0 +1,238 @@
+"""`kvledger decide` end to end over a real nats-server: events in, reference answers out, on record."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import msgspec
+import nats
+import pytest
+
+from kvledger.decision_codec import decision_from_json, decision_to_json
+from kvledger.events import WorkerId, encode_batch
+from kvledger.fold import InventoryFold
+from kvledger.reuse import ReuseRequest, decide
+from kvledger.settings import DecideSettings, load_settings
+from kvledger.snapshot import encode_snapshot
+from kvledger.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, SNAPSHOTS_BUCKET, snapshot_object_name
+from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
+
+from decide.index import InventoryIndex
+from decide.service import DecideService, StartupError, choose_backend, ensure_stream
+from kvledger.streams import StreamSpec, events_stream
+
+pytestmark = pytest.mark.service
+
+TARGET, SOURCE = WorkerId("target"), WorkerId("source", 1)
+DEADLINE_S = 20.0
+
+
+def decide_settings(url: str, **reuse: object):
+    overrides = {"nats.url": url, "decide.http_port": 0, "decide.backend": "auto",
+                 "reuse.enable_decode_to_prefill_gpu_reuse": True, "reuse.enable_decode_to_prefill_reuse": True,
+                 "reuse.transfer_source_prefill_token_us": 1000.0, "reuse.transfer_source_lookup_budget_ms": 1e9}
+    overrides.update({f"reuse.{key}": value for key, value in reuse.items()})
+    return load_settings(environ={}, overrides=overrides).settings
+
+
+def scenario() -> tuple[list, list]:
+    """Five batches: the source holds 12 blocks, the target 3, then the source loses its tail."""
+    stream = Stream()
+    early = [
+        stream.batch(SOURCE, stored(list(range(1, 9)), engine_offset=1 << 63)),
+        stream.batch(TARGET, stored([1, 2, 3])),
+    ]
+    late = [
+        stream.batch(SOURCE, stored(list(range(9, 13)), parent=8 + (1 << 63), engine_offset=1 << 63)),
+        stream.batch(WorkerId("other"), stored([1, 2, 3, 4, 5])),
+        stream.batch(SOURCE, removed([12 + (1 << 63)])),
+    ]
+    return early, late
+
+
+def request_body(request_id: str, target: str | None = "target", blocks: int = 12) -> dict:
+    return {"request_id": request_id, "target": target, "local_hashes": [str(h) for h in local_hashes(list(range(1, blocks + 1)))],
+            "block_size": BLOCK_SIZE}
+
+
+async def publish(js, batches) -> None:
+    for batch, _ in batches:
+        await js.publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id})
+
+
+async def ask(nc, subject: str, body: object) -> object:
+    reply = await nc.request(subject, json.dumps(body).encode(), timeout=10)
+    return json.loads(reply.data)
+
+
+async def answer_at(nc, body: dict, inventory_seq: int) -> dict:
+    """Ask until the answer reflects `inventory_seq` (the index follows the stream asynchronously)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        answer = await ask(nc, DECIDE_SUBJECT, body)
+        if answer["inventory_seq"] >= inventory_seq or time.monotonic() > deadline:
+            return answer
+        await asyncio.sleep(0.02)
+
+
+def http(port: int, path: str, body: bytes | None = None, content_type: str = "application/json") -> tuple[int, bytes, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method="POST" if body is not None else "GET",
+                                     headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read(), response.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as error:
+        return error.code, error.read(), error.headers.get("Content-Type", "")
+
+
+async def test_answers_equal_the_reference_and_are_recorded_once_in_kv_decisions(nats_server) -> None:
+    settings = decide_settings(nats_server.url)
+    early, late = scenario()
+    async with await nats.connect(nats_server.url) as nc:
+        js = nc.jetstream()
+        await ensure_stream(js, events_stream(settings.stream))
+        await publish(js, early)  # replayed at startup
+        async with DecideService(settings) as service:
+            await service.wait_ready(DEADLINE_S)
+            assert service.index.inventory_seq == 2
+            await publish(js, late)  # followed live
+            fold = InventoryFold()
+            fold.apply_all(early + late)
+            request = ReuseRequest("r-1", local_hashes(list(range(1, 13))), BLOCK_SIZE, TARGET)
+            expected = decide(fold, request, settings.reuse, backend=service.backend.name)
+
+            answer = await answer_at(nc, request_body("r-1"), 5)
+            assert answer == decision_to_json(expected)
+            assert expected.chosen is not None and expected.chosen.source == "source"
+            assert answer["backend"] in ("cpu", "cuda")
+
+            record = await js.get_last_msg(settings.stream.decisions_stream, DECISIONS_SUBJECT)
+            assert record.headers["Nats-Msg-Id"] == "r-1"
+            assert decision_from_json(json.loads(record.data)) == expected
+            before = (await js.stream_info(settings.stream.decisions_stream)).state.messages
+            assert await ask(nc, DECIDE_SUBJECT, request_body("r-1")) == answer  # a retry
+            assert (await js.stream_info(settings.stream.decisions_stream)).state.messages == before
+
+
+async def test_malformed_requests_get_an_error_naming_the_field_and_the_service_goes_on(nats_server) -> None:
+    settings = decide_settings(nats_server.url)
+    async with await nats.connect(nats_server.url) as nc:
+        async with DecideService(settings) as service:
+            await service.wait_ready(DEADLINE_S)
+            missing = request_body("bad-1")
+            del missing["block_size"]
+            assert (await ask(nc, DECIDE_SUBJECT, missing))["error"]["field"] == "block_size"
+            reply = await nc.request(DECIDE_SUBJECT, b"{not json", timeout=10)
+            assert json.loads(reply.data)["error"]["field"] == "request"
+            hashes = request_body("bad-2")
+            hashes["local_hashes"][1] = -5
+            assert (await ask(nc, DECIDE_SUBJECT, hashes))["error"]["field"] == "local_hashes[1]"
+            assert (await ask(nc, DECIDE_BATCH_SUBJECT, {"not": "a list"}))["error"]["field"] == "requests"
+
+            answers = await ask(nc, DECIDE_BATCH_SUBJECT, [request_body("ok-1"), {"request_id": "bad-3"}, request_body("ok-2", None)])
+            assert [a.get("request_id") for a in answers] == ["ok-1", "bad-3", "ok-2"]
+            assert answers[1]["error"]["field"] == "block_size"
+            assert answers[0]["reason"] == "no_candidates" and answers[2]["reason"] == "no_workers"
+            assert (await ask(nc, DECIDE_SUBJECT, request_body("ok-3")))["request_id"] == "ok-3"
+            text = (await asyncio.to_thread(http, service.http_port, "/metrics"))[1].decode()
+            assert 'kvledger_decide_malformed_requests_total{field="block_size"} 2.0' in text
+
+
+async def test_warm_start_from_the_newest_snapshot_then_replay_after_it(nats_server) -> None:
+    settings = decide_settings(nats_server.url)
+    early, late = scenario()
+    async with await nats.connect(nats_server.url) as nc:
+        js = nc.jetstream()
+        await ensure_stream(js, events_stream(settings.stream))
+        await publish(js, early + late)
+        snapshots = await js.create_object_store(SNAPSHOTS_BUCKET)
+        older, newer = InventoryFold(), InventoryFold()
+        older.apply_all(early[:1])
+        newer.apply_all(early)
+        await snapshots.put(snapshot_object_name(1), encode_snapshot(older))
+        await snapshots.put(snapshot_object_name(2), encode_snapshot(newer))
+        async with DecideService(settings) as service:
+            assert service.started_from == snapshot_object_name(2)
+            await service.wait_ready(DEADLINE_S)
+            fold = InventoryFold()
+            fold.apply_all(early + late)
+            request = ReuseRequest("warm", local_hashes(list(range(1, 13))), BLOCK_SIZE, None)
+            answer = await answer_at(nc, request_body("warm", None), 5)
+            assert answer == decision_to_json(decide(fold, request, settings.reuse, backend=service.backend.name))
+
+
+async def test_http_front_answers_json_and_msgpack_and_refuses_other_media_types(nats_server) -> None:
+    settings = decide_settings(nats_server.url)
+    async with await nats.connect(nats_server.url) as nc:
+        async with DecideService(settings) as service:
+            await service.wait_ready(DEADLINE_S)
+            port = service.http_port
+            assert (await asyncio.to_thread(http, port, "/healthz"))[0] == 200
+            assert (await asyncio.to_thread(http, port, "/readyz"))[0] == 200
+            status, body, _ = await asyncio.to_thread(http, port, "/v1/decide", json.dumps(request_body("h-1")).encode())
+            assert status == 200
+            assert json.loads(body) == await ask(nc, DECIDE_SUBJECT, request_body("h-1"))
+            status, body, media = await asyncio.to_thread(
+                http, port, "/v1/decide/batch", msgspec.msgpack.encode([request_body("h-2"), request_body("h-3")]),
+                "application/msgpack")
+            assert status == 200 and media == "application/msgpack"
+            assert [a["request_id"] for a in msgspec.msgpack.decode(body)] == ["h-2", "h-3"]
+            status, body, _ = await asyncio.to_thread(http, port, "/v1/decide", b"request_id=x", "text/plain")
+            assert status == 415
+            assert json.loads(body)["error"]["field"] == "content-type"
+            status, body, _ = await asyncio.to_thread(http, port, "/v1/decide", b'{"request_id": "x"}')
+            assert status == 400 and json.loads(body)["error"]["field"] == "block_size"
+            metrics = (await asyncio.to_thread(http, port, "/metrics"))[1].decode()
+            for name in ("kvledger_decide_decisions_total", "kvledger_decide_latency_seconds_bucket",
+                         "kvledger_decide_batch_size_bucket", "kvledger_decide_index_size",
+                         "kvledger_decide_inventory_lag"):
+                assert name in metrics
+
+
+async def test_the_refusal_status_comes_from_settings(nats_server) -> None:
+    settings = decide_settings(nats_server.url)
+    settings = load_settings(environ={}, overrides={"nats.url": nats_server.url, "decide.http_port": 0,
+                                                    "decide.reject_media_status_code": 406}).settings
+    async with DecideService(settings) as service:
+        await service.wait_ready(DEADLINE_S)
+        status, _, _ = await asyncio.to_thread(http, service.http_port, "/v1/decide", b"<x/>", "application/xml")
+        assert status == 406
+
+
+def test_the_media_refusal_status_defaults_to_415_without_any_environment() -> None:
+    assert load_settings(environ={}).settings.decide.reject_media_status_code == 415
+    assert DecideSettings().reject_media_status_code == 415
+
+
+async def test_a_conflicting_decisions_stream_is_a_clear_startup_error(nats_server) -> None:
+    settings = decide_settings(nats_server.url)
+    async with await nats.connect(nats_server.url) as nc:
+        await ensure_stream(nc.jetstream(), StreamSpec(settings.stream.decisions_stream, ("kv.dec",), 600.0, 0.0, -1, 1))
+        with pytest.raises(StartupError, match="KV_DECISIONS exists with different settings.*duplicate_window"):
+            async with DecideService(settings):
+                pass
+
+
+def test_auto_picks_cuda_only_when_a_device_answers_and_says_which() -> None:
+    from decide.cuda import device_unavailable_reason
+
+    backend, line = choose_backend("auto", InventoryIndex())
+    if device_unavailable_reason() is None:
+        assert backend.name == "cuda" and "cuda" in line
+    else:
+        assert backend.name == "cpu"
+        assert line.startswith("backend cpu (auto: no CUDA device answers")
+    with pytest.raises(StartupError, match="backend = cuda") if device_unavailable_reason() else _nothing():
+        choose_backend("cuda", InventoryIndex())
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
