@@ -75,9 +75,22 @@ def parse_endpoint(spec: str, publisher: str | None = None) -> EndpointSpec:
     if not ranks.isdigit() or int(ranks) < 1:
         raise EndpointError(f"endpoint {spec!r}: dp_ranks must be a positive integer")
     replay = values.get("replay")
+    if replay and int(ranks) > 1:
+        _check_rank_ports(url, replay, int(ranks), spec)
     return EndpointSpec(
         name, _check_url(url, spec), _check_url(replay, spec) if replay else None, provenance, int(ranks),
     )
+
+
+def _check_rank_ports(pub_url: str, replay_url: str, ranks: int, spec: str) -> None:
+    """Rank r uses port + r for both sockets, so the two port ranges must not overlap on one host."""
+    pub_host, _, pub_port = pub_url.rpartition(":")
+    replay_host, _, replay_port = replay_url.rpartition(":")
+    if pub_host == replay_host and abs(int(pub_port) - int(replay_port)) < ranks:
+        raise EndpointError(
+            f"endpoint {spec!r}: with dp_ranks={ranks}, ranks use ports {pub_port}+r and {replay_port}+r, which overlap; "
+            f"put the replay port at least {ranks} away from the publish port"
+        )
 
 
 def parse_endpoints(specs: Sequence[str], publishers: Sequence[str], default_publisher: str | None = None) -> list[EndpointSpec]:

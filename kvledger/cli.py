@@ -6,9 +6,13 @@ dependencies (and DESIGN's import rule stays true).
 """
 
 import argparse
+import asyncio
+import contextlib
 import json
+import logging
 import os
 import sys
+from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
@@ -16,6 +20,7 @@ import attrs
 import kvledger
 from kvledger.settings import (
     LoadedSettings,
+    Settings,
     SettingsError,
     as_display_rows,
     as_json_records,
@@ -108,6 +113,250 @@ def _store(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     from store.commands import run_store
 
     return run_store(loaded.settings)
+
+
+def _up_arguments(parser: argparse.ArgumentParser) -> None:
+    _ingest_arguments(parser)
+    parser.add_argument("--data-dir", default=".kvledger", metavar="DIR",
+                        help="where the embedded nats-server and SQLite keep their data (default .kvledger)")
+
+
+def _stage_services(settings: Settings, sources: list) -> dict:
+    """ingest (when there are engine streams), store and decide as services for kvledger.system."""
+    from decide.service import DecideService
+    from ingest.bridge import Bridge
+    from store.projector import StoreService
+
+    async def store(stop: asyncio.Event) -> None:
+        await StoreService(settings).run(stop)
+
+    async def decide(stop: asyncio.Event) -> None:
+        async with DecideService(settings):
+            await stop.wait()
+
+    services = {"store": store, "decide": decide}
+    if sources:
+        async def ingest(stop: asyncio.Event) -> None:
+            async with Bridge(settings, sources):
+                await stop.wait()
+
+        services["ingest"] = ingest
+    return services
+
+
+@contextlib.contextmanager
+def _local_system(loaded: LoadedSettings, data_dir: str, extra: Mapping[str, object] | None = None):
+    """Settings for `up`/`demo`: an embedded nats-server and a migrated SQLite unless URLs were given."""
+    from kvledger.embedded import EmbeddedNats
+    from kvledger.system import local_overrides, wants_embedded_nats
+    from store import database
+
+    overrides = {**local_overrides(loaded, data_dir), **(extra or {})}
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        if wants_embedded_nats(loaded):
+            port = int(loaded.settings.nats.url.rsplit(":", 1)[1])
+            server = stack.enter_context(EmbeddedNats(Path(data_dir) / "nats", port=port))
+            overrides["nats.url"] = server.url
+        settings = _with_overrides(loaded, overrides)
+        with database.opened(settings.db.url) as engine:
+            database.upgrade(engine)
+        yield settings
+
+
+def _with_overrides(loaded: LoadedSettings, overrides: Mapping[str, object]) -> Settings:
+    merged = {**{key: value for key, value in _flat(loaded.settings).items() if loaded.sources[key] != "default"}, **overrides}
+    return load_settings(None, environ={}, overrides=merged).settings
+
+
+def _flat(settings: Settings) -> dict[str, object]:
+    return {f"{section}.{key}": value for section, fields in attrs.asdict(settings).items() for key, value in fields.items()}
+
+
+def _up(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    """Run every stage in this process until Ctrl-C or SIGTERM; run it again to resume."""
+    from ingest.service import sources_from
+    from kvledger.system import install_stop_signals, run_services
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    async def main(settings: Settings) -> None:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        sources = sources_from(settings, args.publisher) if settings.ingest.endpoints else []
+        logging.getLogger("kvledger.up").info(
+            "kvledger up: NATS %s, database %s, %d engine streams", settings.nats.url, settings.db.url, len(sources),
+        )
+        await run_services(_stage_services(settings, sources), stop)
+
+    with _local_system(loaded, args.data_dir) as settings:
+        asyncio.run(main(settings))
+    return 0
+
+
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", default=".kvledger/demo", metavar="DIR", help="demo state (default .kvledger/demo)")
+    parser.add_argument("--duration", type=float, default=45.0, metavar="SECONDS", help="how long to send requests (default 45)")
+    parser.add_argument("--workers", type=int, default=4, help="simulated engines (default 4)")
+    parser.add_argument("--trace", metavar="FILE", help="a Mooncake-format JSONL trace instead of the built-in workload")
+    parser.add_argument("--enable-reuse", action="store_true", help="turn on decode-to-prefill reuse (GPU and host)")
+    parser.add_argument("--gpu-blocks", type=int, default=256, help="GPU cache per worker, in blocks (default 256)")
+    parser.add_argument("--cpu-blocks", type=int, default=1024, help="CPU tier per worker, in blocks (default 1024)")
+
+
+def _demo(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    """`up` plus simulated engines replaying a workload through the decision service, then a summary."""
+    import shutil
+
+    if args.workers < 1:
+        print("kvledger demo: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if args.trace and not Path(args.trace).is_file():
+        print(f"kvledger demo: trace file {args.trace} not found", file=sys.stderr)
+        return 2
+    shutil.rmtree(args.data_dir, ignore_errors=True)  # each demo starts from a clean slate
+    extra: dict[str, object] = {"ingest.http_port": 0, "store.http_port": 0, "decide.http_port": 0}
+    if args.enable_reuse:
+        extra |= {"reuse.enable_decode_to_prefill_reuse": True, "reuse.enable_decode_to_prefill_gpu_reuse": True}
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    with _local_system(loaded, args.data_dir, extra) as settings:
+        return asyncio.run(_run_demo(settings, args))
+
+
+async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
+    import nats
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    from ingest.endpoints import StreamSource
+    from ingest.fleet import SimulatedFleet
+    from kvledger.demo import DemoScore, run_closed_loop
+    from kvledger.events import Provenance
+    from kvledger.nats_options import connect_options
+    from kvledger.streams import DECIDE_SUBJECT
+    from kvledger.system import run_services
+    from kvledger.workload import DEMO_BLOCK_SIZE, mooncake_requests, request_tokens, synthetic_requests
+    from store import database
+
+    console = Console()
+    requests = mooncake_requests(args.trace) if args.trace else synthetic_requests(100_000)
+    async with SimulatedFleet(args.workers, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks) as fleet:
+        sources = [
+            StreamSource(w.worker, w.engine.pub_endpoint, w.engine.replay_endpoint, Provenance.NATIVE) for w in fleet.workers
+        ]
+        services = _stage_services(settings, sources)
+        stop = asyncio.Event()
+        score = DemoScore()
+
+        def progress_line(current: DemoScore) -> Table:
+            table = Table.grid(padding=(0, 2))
+            table.add_row(
+                f"{current.elapsed_s:5.1f}/{args.duration:.0f}s", f"[bold]{current.requests}[/] requests",
+                f"hits [green]{current.hit_rate:5.1%}[/] kvledger", f"[yellow]{current.baseline_hit_rate:5.1%}[/] round-robin",
+                f"reuse {current.reuse_chosen}",
+            )
+            return table
+
+        async def driver(stop: asyncio.Event) -> None:
+            nonlocal score
+            nc = await nats.connect(**connect_options(settings.nats, name="kvledger-demo"))
+            try:
+                await _wait_decide_ready(nc)
+
+                async def ask(request):
+                    body = {"request_id": request.request_id, "token_ids": request_tokens(request), "block_size": DEMO_BLOCK_SIZE}
+                    reply = await nc.request(DECIDE_SUBJECT, json.dumps(body).encode(), timeout=10)
+                    return json.loads(reply.data)
+
+                with Live(progress_line(score), console=console, refresh_per_second=4) as live:
+                    score = await run_closed_loop(
+                        fleet.workers, requests, ask, duration_s=args.duration,
+                        on_progress=lambda current: live.update(progress_line(current)),
+                    )
+                console.print("[dim]waiting for the store to catch up...[/]")
+                await _wait_store_caught_up(nc, settings)
+            finally:
+                await nc.close()
+                stop.set()
+
+        await run_services({**services, "demo": driver}, stop)
+
+    with database.opened(settings.db.url) as engine, engine.connect() as connection:
+        def scalar(sql: str) -> int:
+            return connection.exec_driver_sql(sql).scalar() or 0
+
+        bridged = scalar("SELECT COUNT(DISTINCT stream_seq) FROM event_log")
+        events = scalar("SELECT COUNT(*) FROM event_log")
+        inventory = scalar("SELECT COUNT(*) FROM block_residency WHERE removed_seq IS NULL")
+        decisions = scalar("SELECT COUNT(*) FROM decisions")
+    summary = Table(title="kvledger demo", show_header=False, min_width=72)
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    rows = [
+        ("workload", args.trace or "built-in multi-turn conversations"),
+        ("workers", str(args.workers)),
+        ("requests served", f"{score.requests} in {score.elapsed_s:.1f}s"),
+        ("batches bridged (in SQL)", str(bridged)),
+        ("events (in SQL)", str(events)),
+        ("blocks in inventory now", str(inventory)),
+        ("decisions recorded", str(decisions)),
+        ("routed by kvledger credit", str(score.routed_by_credit)),
+        ("reuse candidates chosen", f"{score.reuse_chosen}" + ("" if args.enable_reuse else " (reuse off: --enable-reuse)")),
+        ("estimated TTFT saved by routing", f"{score.routing_saving_ms(DEMO_BLOCK_SIZE, settings.reuse) / 1000:.1f} s"),
+        ("estimated TTFT saved by reuse transfers", f"{score.reuse_saving_ms / 1000:.1f} s"),
+        ("prefix hit rate with kvledger", f"{score.hit_rate:.1%}"),
+        ("prefix hit rate round-robin", f"{score.baseline_hit_rate:.1%}"),
+    ]
+    for name, value in rows:
+        summary.add_row(name, value)
+    console.print(summary)
+    db = settings.db.url
+    first = fleet.workers[0].worker.name
+    print(f"Try these audit queries (the data stays in {args.data_dir}):")
+    print(f"  kvledger audit workers --db {db}")
+    print(f"  kvledger audit inventory --worker {first} --tier device --db {db}")
+    print(f"  kvledger audit gaps --db {db}")
+    return 0
+
+
+async def _wait_decide_ready(nc) -> None:
+    """The decision service answers once it is up; until then requests find no responder."""
+    import nats.errors
+
+    from kvledger.streams import DECIDE_SUBJECT
+
+    deadline = asyncio.get_running_loop().time() + 60
+    probe = json.dumps({"request_id": "demo-probe", "local_hashes": [], "block_size": 16}).encode()
+    while True:
+        try:
+            await nc.request(DECIDE_SUBJECT, probe, timeout=2)
+            return
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def _wait_store_caught_up(nc, settings: Settings, timeout: float = 60) -> None:
+    """Until the store's checkpoints reach the ends of KV_EVENTS and KV_DECISIONS."""
+    from store import database
+
+    js = nc.jetstream()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        ends = {
+            name: (await js.stream_info(name)).state.last_seq
+            for name in (settings.stream.events_stream, settings.stream.decisions_stream)
+        }
+        with database.opened(settings.db.url) as engine, engine.connect() as connection:
+            done = {
+                stream: seq for stream, seq in connection.exec_driver_sql("SELECT stream, MAX(stream_seq) FROM checkpoints GROUP BY stream")
+            }
+        if all(done.get(name, 0) >= end for name, end in ends.items()):
+            return
+        await asyncio.sleep(0.2)
 
 
 def _revision_argument(default: str) -> Callable[[argparse.ArgumentParser], None]:
@@ -217,6 +466,8 @@ class Command:
 # Every subcommand is registered here and nowhere else. A stage command imports its package
 # inside its function (`from ingest.bridge import ...`), so `kvledger config show` never does.
 COMMANDS: tuple[Command, ...] = (
+    Command(("up",), _up, "run ingest, store and decide with an embedded NATS and SQLite", _up_arguments),
+    Command(("demo",), _demo, "up plus simulated engines replaying a workload, then a summary", _demo_arguments),
     Command(("ingest",), _ingest, "bridge engine KV events from ZMQ into JetStream", _ingest_arguments),
     Command(("store",), _store, "project the event, decision and dead-letter streams into SQL"),
     Command(("decide",), _decide, "answer reuse decisions over NATS and HTTP", _decide_arguments),

@@ -37,6 +37,7 @@ def test_endpoint_specs_with_every_option() -> None:
         ("tcp://h:1,colour=red", "a", "unknown option 'colour=red'"),
         ("tcp://h:1,provenance=maybe", "a", "provenance must be native or retained"),
         ("tcp://h:1,dp_ranks=0", "a", "dp_ranks must be a positive integer"),
+        ("tcp://h:5557,replay=tcp://h:5558,dp_ranks=4", "a", "which overlap"),
     ],
 )
 def test_bad_endpoint_specs_are_refused_with_the_spec_quoted(spec: str, publisher: str | None, message: str) -> None:
