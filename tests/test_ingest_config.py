@@ -16,12 +16,12 @@ from kvledger.streams import events_stream
 
 
 def test_endpoint_specs_with_every_option() -> None:
-    spec = parse_endpoint("tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,provenance=retained,dp_ranks=2", "vllm-a")
-    assert spec == EndpointSpec("vllm-a", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", Provenance.RETAINED, 2)
+    spec = parse_endpoint("tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5657,provenance=retained,dp_ranks=2", "vllm-a")
+    assert spec == EndpointSpec("vllm-a", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5657", Provenance.RETAINED, 2)
     sources = stream_sources([spec])
     assert [(s.worker, s.pub_url, s.replay_url) for s in sources] == [
-        (WorkerId("vllm-a", 0), "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558"),
-        (WorkerId("vllm-a", 1), "tcp://10.0.0.5:5558", "tcp://10.0.0.5:5559"),
+        (WorkerId("vllm-a", 0), "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5657"),
+        (WorkerId("vllm-a", 1), "tcp://10.0.0.5:5558", "tcp://10.0.0.5:5658"),
     ]
     assert parse_endpoint("tcp://h:1,publisher=own", "flag").publisher == "own"
 
