@@ -24,7 +24,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import StorageType, StreamConfig
 
-from kvledger.nats_options import connect_options, describe_server
+from kvledger.nats_options import auth_failure, connect_options, describe_server, is_auth_error
 from kvledger.settings import NatsSettings
 from kvledger.streams import StreamSpec
 
@@ -196,6 +196,8 @@ class JetStreamPublisher:
             except StreamConflictError:
                 raise
             except _RETRYABLE as error:
+                if is_auth_error(error):
+                    raise auth_failure(self._nats_settings, error) from None
                 self.last_error = f"{type(error).__name__}: {error}"
                 self.counters.reconnects += 1
                 log.warning("JetStream publishing interrupted (%s); resending unacknowledged batches", self.last_error)

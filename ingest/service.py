@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from ingest.bridge import Bridge
 from ingest.endpoints import EndpointError, parse_endpoints, stream_sources
 from ingest.publisher import StreamConflictError
-from kvledger.nats_options import describe_server
+from kvledger.nats_options import NatsAuthError, describe_server
 from kvledger.settings import Settings
 
 log = logging.getLogger("kvledger.ingest")
@@ -49,7 +49,7 @@ def run(settings: Settings, publishers: Sequence[str]) -> int:
     except EndpointError as error:
         print(f"kvledger ingest: {error}", file=sys.stderr)
         return 2
-    except (StreamConflictError, TimeoutError) as error:
+    except (StreamConflictError, TimeoutError, NatsAuthError) as error:
         print(f"kvledger ingest: {error}", file=sys.stderr)
         return 1
     return 0

@@ -40,6 +40,7 @@ class SimulatedEngine:
         self.dp_rank = dp_rank
         self.topic = topic
         self.next_seq = 0
+        self.batches_published = 0  # over every restart, sent or not
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._context = context or zmq.asyncio.Context.instance()
         self._pub: zmq.asyncio.Socket | None = None
@@ -88,6 +89,7 @@ class SimulatedEngine:
         """Publish raw payload bytes under the next seq (tests use it for malformed batches)."""
         seq = self.next_seq
         self.next_seq += 1
+        self.batches_published += 1
         self._buffer.append((seq, payload))
         if send:
             await self._pub.send_multipart(publisher_frames(self.topic, seq, payload))
@@ -101,6 +103,10 @@ class SimulatedEngine:
         """What an engine restart looks like from outside: the counter and the buffer start over."""
         self.next_seq = 0
         self._buffer.clear()
+
+    def shrink_replay_buffer(self, steps: int) -> None:
+        """Keep only the last `steps` batches for replay from now on (an engine with a short memory)."""
+        self._buffer = deque(self._buffer, maxlen=steps)
 
     @property
     def buffered_seqs(self) -> list[int]:

@@ -555,6 +555,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"kvledger: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        # A refused NATS login is a configuration problem: say so in one line, not a traceback.
+        from kvledger.nats_options import auth_failure, is_auth_error
+
+        if not is_auth_error(exc):
+            raise
+        print(f"kvledger: {auth_failure(loaded.settings.nats, exc)}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         # The reader (`kvledger config show | head`) left; keep the interpreter's final
         # flush from raising again, as the Python docs on SIGPIPE recommend.

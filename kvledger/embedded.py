@@ -38,11 +38,15 @@ def find_nats_server() -> str:
 class EmbeddedNats:
     """`with EmbeddedNats(store_dir) as server: server.url` — JetStream on a loopback port."""
 
-    def __init__(self, store_dir: str | os.PathLike, *, port: int = -1, host: str = "127.0.0.1", timeout_s: float = 15.0) -> None:
+    def __init__(
+        self, store_dir: str | os.PathLike, *, port: int = -1, host: str = "127.0.0.1", timeout_s: float = 15.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port  # -1: the server picks a free one and logs it
         self.timeout_s = timeout_s
+        self.extra_args = extra_args  # e.g. ("--user", "u", "--pass", "p") for a server that requires a login
         self.url = ""
         self._process: subprocess.Popen[str] | None = None
         self._log_tail: list[str] = []
@@ -56,7 +60,7 @@ class EmbeddedNats:
 
     def start(self) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        args = [find_nats_server(), "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)]
+        args = [find_nats_server(), "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port), *self.extra_args]
         self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         ready = threading.Event()
         threading.Thread(target=self._follow_log, args=(ready,), daemon=True, name="nats-server-log").start()

@@ -48,3 +48,32 @@ def describe_server(settings: NatsSettings) -> str:
         scheme, sep, rest = url.strip().partition("://")
         cleaned.append(f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url.strip())
     return ",".join(cleaned)
+
+
+class NatsAuthError(RuntimeError):
+    """The NATS server refused our credentials: retrying cannot help, so services stop with this."""
+
+
+_AUTH_MARKERS = ("authorization violation", "authentication", "user authentication expired", "permissions violation")
+
+
+def is_auth_error(error: BaseException) -> bool:
+    """Whether a nats-py error means the server rejected who we are (not that it is unreachable)."""
+    if isinstance(error, BaseExceptionGroup):  # from a TaskGroup of services
+        return any(is_auth_error(inner) for inner in error.exceptions)
+    text = str(error).lower()
+    return any(marker in text for marker in _AUTH_MARKERS)
+
+
+def auth_failure(settings: NatsSettings, error: BaseException) -> NatsAuthError:
+    """A clear, secret-free message for a refused login."""
+    used = [
+        name for name, value in (
+            ("nats.token", settings.token), ("nats.user/nats.password", settings.user or settings.password),
+            ("nats.creds_file", settings.creds_file),
+        ) if value
+    ]
+    credentials = ", ".join(used) if used else "no credentials (set nats.user/nats.password, nats.token or nats.creds_file)"
+    while isinstance(error, BaseExceptionGroup):
+        error = next(inner for inner in error.exceptions if is_auth_error(inner))
+    return NatsAuthError(f"NATS at {describe_server(settings)} refused the login ({error}); credentials used: {credentials}")
