@@ -244,6 +244,9 @@ class StoreSettings:
     snapshot_every_s: float = _setting(
         300.0, "Write an inventory snapshot at least this often, in seconds.", rule=_positive()
     )
+    snapshot_keep: int = _setting(
+        3, "Newest inventory snapshots kept in KV_SNAPSHOTS; older ones are deleted.", rule=_at_least(1)
+    )
     http_port: int = _setting(
         9102, "Port of store's metrics and health endpoint (0 = any free port).", rule=_PORT
     )

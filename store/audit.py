@@ -1,0 +1,229 @@
+"""Audit queries over the store's tables: plain SQL that runs unchanged in sqlite3 and psql.
+
+Each query here is printed verbatim in docs/audit.md (a test checks), so what the CLI
+answers and what an auditor types are the same statement. Parameters are `:name`
+placeholders: SQLAlchemy binds them here, `.parameter set` does in sqlite3, and `\\set`
+does in psql. Hashes in the tables are signed 64-bit; results here are converted to u64.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+import attrs
+import sqlalchemy as sa
+
+from kvledger.events import Tier, WorkerId
+from store.tables import to_signed, to_unsigned
+
+
+@attrs.frozen
+class Query:
+    name: str
+    title: str
+    sql: str
+    params: tuple[str, ...]
+    # columns holding signed hashes, shown unsigned
+    hash_columns: tuple[str, ...] = ()
+
+
+_RESIDENCY_HASHES = ("engine_hash", "sequence_hash", "parent_hash")
+
+SEQ_AT_TIME = Query(
+    "seq_at_time",
+    "The stream seq in effect at a time: the last event ingested at or before it",
+    """SELECT COALESCE(MAX(stream_seq), 0) AS stream_seq
+FROM event_log
+WHERE ingest_ts = (SELECT MAX(ingest_ts) FROM event_log WHERE ingest_ts <= :ts);""",
+    ("ts",),
+)
+
+INVENTORY_AT_SEQ = Query(
+    "inventory_at_seq",
+    "Inventory of one worker's tier as of a stream seq",
+    """SELECT publisher, dp_rank, tier, provenance, engine_hash, sequence_hash, parent_hash,
+       stored_seq, stored_ts,
+       CASE WHEN conflict_since <= :seq THEN 1 ELSE 0 END AS conflict
+FROM block_residency
+WHERE publisher = :publisher AND dp_rank = :dp_rank AND tier = :tier
+  AND stored_seq <= :seq AND (removed_seq IS NULL OR removed_seq > :seq)
+ORDER BY provenance, stored_seq, slot;""",
+    ("publisher", "dp_rank", "tier", "seq"),
+    _RESIDENCY_HASHES,
+)
+
+INVENTORY_SUMMARY_AT_SEQ = Query(
+    "inventory_summary_at_seq",
+    "How many blocks one worker held per tier and provenance as of a stream seq",
+    """SELECT tier, provenance, COUNT(*) AS blocks,
+       SUM(CASE WHEN conflict_since <= :seq THEN 1 ELSE 0 END) AS conflicting
+FROM block_residency
+WHERE publisher = :publisher AND dp_rank = :dp_rank
+  AND tier IN ('device', 'host', 'disk', 'external')
+  AND stored_seq <= :seq AND (removed_seq IS NULL OR removed_seq > :seq)
+GROUP BY tier, provenance
+ORDER BY tier, provenance;""",
+    ("publisher", "dp_rank", "seq"),
+)
+
+BLOCK_HISTORY = Query(
+    "block_history",
+    "Every stay of one block (by its engine hash, signed) on every worker and tier",
+    """SELECT publisher, dp_rank, tier, provenance, engine_hash, sequence_hash, parent_hash,
+       stored_seq, stored_ts, conflict_since, removed_seq, removed_ts,
+       COALESCE(removal_cause, 'stored') AS state
+FROM block_residency
+WHERE engine_hash = :hash
+ORDER BY stored_seq, slot;""",
+    ("hash",),
+    _RESIDENCY_HASHES,
+)
+
+DECISION = Query(
+    "decision",
+    "A decision and what it saw: inventory seq, target, baseline, candidates",
+    """SELECT stream_seq, request_id, inventory_seq, target, credited_blocks, baseline_blocks,
+       chosen_source, chosen_dp_rank, chosen_tier, chosen_transfer_blocks, chosen_saving_ms,
+       reason, backend, settings_digest, uncertain_workers, candidates, worker_overlaps, decided_ts
+FROM decisions
+WHERE request_id = :request_id
+ORDER BY stream_seq;""",
+    ("request_id",),
+)
+
+GAPS = Query(
+    "gaps",
+    "Sequence gaps ingest recorded, per worker",
+    """SELECT publisher, dp_rank, stream_seq, provenance, epoch, engine_seq,
+       gap_reason, gap_expected_seq, gap_received_seq, ingest_ts
+FROM event_log
+WHERE kind = 'gap'
+ORDER BY publisher, dp_rank, stream_seq;""",
+    (),
+)
+
+UNCERTAIN_PERIODS = Query(
+    "uncertain_periods",
+    "Periods during which a worker's inventory was uncertain (after a gap, until a clear or restart)",
+    """SELECT publisher, dp_rank, provenance, since_seq, since_ts, reason,
+       until_seq, until_ts, COALESCE(resolved_by, 'still uncertain') AS resolved_by
+FROM uncertain_periods
+ORDER BY publisher, dp_rank, since_seq;""",
+    (),
+)
+
+WORKERS = Query(
+    "workers",
+    "Every worker: epoch, last engine seq, uncertainty, stream seqs seen",
+    """SELECT publisher, dp_rank, epoch, engine_seq, uncertain_since,
+       retained_epoch, retained_engine_seq, retained_uncertain_since,
+       first_stream_seq, last_stream_seq, last_ingest_ts
+FROM workers
+ORDER BY publisher, dp_rank;""",
+    (),
+)
+
+DEAD_LETTERS = Query(
+    "dead_letters",
+    "Records that could not be used, newest first, with why",
+    """SELECT source, stream_seq, subject, publisher, dp_rank, endpoint, reason,
+       frames, LENGTH(raw) AS raw_bytes, ingest_ts, recorded_ts
+FROM dead_letters
+ORDER BY recorded_ts DESC, source, stream_seq
+LIMIT :limit;""",
+    ("limit",),
+)
+
+CHECKPOINTS = Query(
+    "checkpoints",
+    "How far each projector has committed",
+    """SELECT name, stream, stream_seq, updated_ts
+FROM checkpoints
+ORDER BY name;""",
+    (),
+)
+
+QUERIES: tuple[Query, ...] = (
+    SEQ_AT_TIME, INVENTORY_AT_SEQ, INVENTORY_SUMMARY_AT_SEQ, BLOCK_HISTORY, DECISION, GAPS,
+    UNCERTAIN_PERIODS, WORKERS, DEAD_LETTERS, CHECKPOINTS,
+)  # fmt: skip
+
+
+def run(connection: sa.Connection, query: Query, **params: object) -> list[dict]:
+    """Run one audit query; hash columns come back unsigned."""
+    missing = set(query.params) - set(params)
+    if missing:
+        raise TypeError(f"{query.name} needs {sorted(missing)}")
+    rows = connection.execute(sa.text(query.sql.rstrip(";")), params).mappings().all()
+    result = []
+    for row in rows:
+        out = dict(row)
+        for column in query.hash_columns:
+            if out.get(column) is not None:
+                out[column] = to_unsigned(out[column])
+        result.append(out)
+    return result
+
+
+class Audit:
+    """The audit questions of DESIGN §6, answered from SQL."""
+
+    def __init__(self, connection: sa.Connection) -> None:
+        self.connection = connection
+
+    def checkpoint(self, name: str = "events") -> int:
+        for row in run(self.connection, CHECKPOINTS):
+            if row["name"] == name:
+                return row["stream_seq"]
+        return 0
+
+    def seq_at_time(self, ts: float) -> int:
+        return run(self.connection, SEQ_AT_TIME, ts=ts)[0]["stream_seq"] or 0
+
+    def inventory(self, worker: WorkerId, tiers: Sequence[Tier], seq: int) -> list[dict]:
+        rows = []
+        for tier in tiers:
+            rows += run(
+                self.connection, INVENTORY_AT_SEQ, publisher=worker.publisher, dp_rank=worker.dp_rank,
+                tier=tier.value, seq=seq,
+            )  # fmt: skip
+        return rows
+
+    def inventory_summary(self, worker: WorkerId, seq: int) -> list[dict]:
+        return run(self.connection, INVENTORY_SUMMARY_AT_SEQ, publisher=worker.publisher, dp_rank=worker.dp_rank, seq=seq)
+
+    def block_history(self, block_hash: int) -> list[dict]:
+        """`block_hash` is u64 (parse user input with store.tables.parse_hash)."""
+        return run(self.connection, BLOCK_HISTORY, hash=to_signed(block_hash))
+
+    def decision(self, request_id: str) -> list[dict]:
+        """Each recording of the decision, with its candidates and the target's inventory at its seq."""
+        found = []
+        for row in run(self.connection, DECISION, request_id=request_id):
+            row = dict(row)
+            for column in ("uncertain_workers", "candidates", "worker_overlaps"):
+                row[column] = json.loads(row[column])
+            row["target_inventory"] = (
+                self.inventory_summary(WorkerId.parse(row["target"]), row["inventory_seq"]) if row["target"] else []
+            )
+            found.append(row)
+        return found
+
+    def gaps(self, worker: WorkerId | None = None) -> list[dict]:
+        return _for_worker(run(self.connection, GAPS), worker)
+
+    def uncertain_periods(self, worker: WorkerId | None = None) -> list[dict]:
+        return _for_worker(run(self.connection, UNCERTAIN_PERIODS), worker)
+
+    def workers(self) -> list[dict]:
+        return run(self.connection, WORKERS)
+
+    def dead_letters(self, limit: int = 100) -> list[dict]:
+        return run(self.connection, DEAD_LETTERS, limit=limit)
+
+
+def _for_worker(rows: list[Mapping], worker: WorkerId | None) -> list[dict]:
+    if worker is None:
+        return [dict(row) for row in rows]
+    return [dict(row) for row in rows if row["publisher"] == worker.publisher and row["dp_rank"] == worker.dp_rank]

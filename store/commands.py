@@ -1,0 +1,250 @@
+"""What the `kvledger store`, `kvledger db …` and `kvledger audit …` commands do.
+
+kvledger/cli.py parses arguments and calls these; they print and return an exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import functools
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+
+from kvledger.events import Tier, WorkerId
+from kvledger.settings import Settings
+from store import database
+from store.audit import Audit
+from store.tables import parse_hash
+
+
+def run_store(settings: Settings) -> int:
+    from kvledger.nats_options import NatsAuthError
+    from store.jetstream import StreamConflictError
+    from store.projector import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(settings))
+    except (database.SchemaError, StreamConflictError) as error:
+        print(f"kvledger store: {error}", file=sys.stderr)
+        return 2
+    except NatsAuthError as error:
+        print(f"kvledger store: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def db_upgrade(settings: Settings, revision: str) -> int:
+    with database.opened(settings.db.url) as engine:
+        before = database.current_revision(engine)
+        database.upgrade(engine, revision)
+        after = database.current_revision(engine)
+    print(f"database schema: {before or 'empty'} -> {after}")
+    return 0
+
+
+def db_downgrade(settings: Settings, revision: str) -> int:
+    with database.opened(settings.db.url) as engine:
+        before = database.current_revision(engine)
+        database.downgrade(engine, revision)
+        after = database.current_revision(engine)
+    print(f"database schema: {before or 'empty'} -> {after or 'empty'}")
+    return 0
+
+
+def db_current(settings: Settings) -> int:
+    with database.opened(settings.db.url) as engine:
+        current = database.current_revision(engine)
+    print(f"current: {current or 'empty'}  head: {database.head_revision()}")
+    return 0
+
+
+# --- audit ------------------------------------------------------------------------------
+
+
+def _display(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6f}".rstrip("0").rstrip(".")
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str] | None = None, out=None) -> None:
+    out = out or sys.stdout
+    if not rows:
+        print("(no rows)", file=out)
+        return
+    columns = list(columns or rows[0].keys())
+    cells = [[_display(row.get(column)) for column in columns] for row in rows]
+    widths = [max(len(column), *(len(line[i]) for line in cells)) for i, column in enumerate(columns)]
+    print("  ".join(column.ljust(width) for column, width in zip(columns, widths)).rstrip(), file=out)
+    for line in cells:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip(), file=out)
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def _emit(rows, as_json: bool, columns: Sequence[str] | None = None) -> None:
+    if as_json:
+        # Hashes stay integers: JSON has no limit, and decimal strings would invite mistakes.
+        print(json.dumps(rows, indent=2, default=_json_default))
+    else:
+        print_table(rows, columns)
+
+
+def _parse_time(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    moment = datetime.datetime.fromisoformat(text)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return moment.timestamp()
+
+
+def _refusing_old_schemas(function):
+    """Audit commands print a schema problem as one line (with the command to fix it), exit 2."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs) -> int:
+        try:
+            return function(*args, **kwargs)
+        except database.SchemaError as error:
+            print(f"kvledger audit: {error}", file=sys.stderr)
+            return 2
+
+    return wrapper
+
+
+def _audit(settings: Settings) -> tuple[sa.Engine, Audit, sa.Connection]:
+    engine = database.create_engine(settings.db.url)
+    database.require_current(engine, settings.db.url)
+    connection = engine.connect()
+    return engine, Audit(connection), connection
+
+
+@_refusing_old_schemas
+def audit_inventory(settings: Settings, worker: str, tier: str | None, at_seq: int | None, at_time: str | None, as_json: bool) -> int:
+    engine, audit, connection = _audit(settings)
+    try:
+        if at_time is not None:
+            seq = audit.seq_at_time(_parse_time(at_time))
+        elif at_seq is not None:
+            seq = at_seq
+        else:
+            seq = audit.checkpoint()
+        tiers = [Tier(tier)] if tier else list(Tier)
+        rows = audit.inventory(WorkerId.parse(worker), tiers, seq)
+        if as_json:
+            _emit({"worker": worker, "stream_seq": seq, "blocks": rows}, True)
+        else:
+            print(f"inventory of {worker} as of stream seq {seq}: {len(rows)} block(s)")
+            print_table(rows, ["tier", "provenance", "engine_hash", "sequence_hash", "parent_hash", "stored_seq", "conflict"])
+    finally:
+        connection.close()
+        engine.dispose()
+    return 0
+
+
+@_refusing_old_schemas
+def audit_block(settings: Settings, block_hash: str, as_json: bool) -> int:
+    try:
+        value = parse_hash(block_hash)
+    except ValueError as error:
+        print(f"kvledger audit block: {error}", file=sys.stderr)
+        return 2
+    engine, audit, connection = _audit(settings)
+    try:
+        rows = audit.block_history(value)
+        if as_json:
+            _emit({"hash": value, "history": rows}, True)
+        else:
+            print(f"block {value} (0x{value:016x}): {len(rows)} stay(s)")
+            print_table(rows, [
+                "publisher", "dp_rank", "tier", "provenance", "engine_hash", "sequence_hash", "parent_hash",
+                "stored_seq", "removed_seq", "state",
+            ])  # fmt: skip
+    finally:
+        connection.close()
+        engine.dispose()
+    return 0 if rows else 1
+
+
+@_refusing_old_schemas
+def audit_decision(settings: Settings, request_id: str, as_json: bool) -> int:
+    engine, audit, connection = _audit(settings)
+    try:
+        found = audit.decision(request_id)
+        if as_json:
+            _emit(found, True)
+        elif not found:
+            print(f"no decision {request_id!r}")
+        for row in [] if as_json else found:
+            print(f"decision {row['request_id']} (KV_DECISIONS seq {row['stream_seq']})")
+            for key in ("inventory_seq", "target", "credited_blocks", "baseline_blocks", "reason", "backend",
+                        "settings_digest", "uncertain_workers"):  # fmt: skip
+                print(f"  {key}: {_display(row[key])}")
+            chosen = row["chosen_source"]
+            print(f"  chosen: {chosen}/{row['chosen_dp_rank']} {row['chosen_tier']}" if chosen else "  chosen: none")
+            print("candidates:")
+            print_table(row["candidates"])
+            print(f"target inventory as of seq {row['inventory_seq']}:")
+            print_table(row["target_inventory"])
+    finally:
+        connection.close()
+        engine.dispose()
+    return 0 if found else 1
+
+
+@_refusing_old_schemas
+def audit_gaps(settings: Settings, worker: str | None, as_json: bool) -> int:
+    engine, audit, connection = _audit(settings)
+    try:
+        who = WorkerId.parse(worker) if worker else None
+        gaps, periods = audit.gaps(who), audit.uncertain_periods(who)
+        if as_json:
+            _emit({"gaps": gaps, "uncertain_periods": periods}, True)
+        else:
+            print("gaps:")
+            print_table(gaps)
+            print("uncertain periods:")
+            print_table(periods)
+    finally:
+        connection.close()
+        engine.dispose()
+    return 0
+
+
+@_refusing_old_schemas
+def audit_dead_letters(settings: Settings, limit: int, as_json: bool) -> int:
+    engine, audit, connection = _audit(settings)
+    try:
+        _emit(audit.dead_letters(limit), as_json)
+    finally:
+        connection.close()
+        engine.dispose()
+    return 0
+
+
+@_refusing_old_schemas
+def audit_workers(settings: Settings, as_json: bool) -> int:
+    engine, audit, connection = _audit(settings)
+    try:
+        _emit(audit.workers(), as_json)
+    finally:
+        connection.close()
+        engine.dispose()
+    return 0

@@ -1,0 +1,105 @@
+"""Opening the audit database and keeping its schema current (Alembic, configured in code)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from kvledger.resources import data_dir
+
+
+class SchemaError(RuntimeError):
+    """The database schema is not the one this kvledger needs; the message says what to run."""
+
+
+def create_engine(url: str) -> sa.Engine:
+    """An engine for `url`; SQLite files get WAL mode so audit readers never block the projector."""
+    parsed = sa.make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database
+        if database and database != ":memory:":
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(url, connect_args={"timeout": 30})
+
+        @sa.event.listens_for(engine, "connect")
+        def _pragmas(dbapi_connection, _record) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode loses at most the last commits on power loss, never
+            # consistency; a process crash (kill -9) loses nothing committed.
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            # Hash indexes take inserts at random places; a page cache that holds them
+            # (rather than SQLite's 2 MB default) keeps projection from waiting on reads.
+            cursor.execute("PRAGMA cache_size=-262144")
+            cursor.close()
+
+        return engine
+    if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3, not the psycopg2 default
+    return sa.create_engine(parsed, pool_pre_ping=True)
+
+
+@contextlib.contextmanager
+def opened(url: str) -> Iterator[sa.Engine]:
+    engine = create_engine(url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def _config(connection: sa.Connection) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(data_dir("migrations")))
+    config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str:
+    config = Config()
+    config.set_main_option("script_location", str(data_dir("migrations")))
+    return ScriptDirectory.from_config(config).get_current_head()
+
+
+def current_revision(engine: sa.Engine) -> str | None:
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def upgrade(engine: sa.Engine, revision: str = "head") -> None:
+    with engine.begin() as connection:
+        command.upgrade(_config(connection), revision)
+
+
+def downgrade(engine: sa.Engine, revision: str) -> None:
+    with engine.begin() as connection:
+        command.downgrade(_config(connection), revision)
+
+
+def require_current(engine: sa.Engine, url: str) -> None:
+    """Refuse to run on a schema older (or newer) than this kvledger's head."""
+    current, head = current_revision(engine), head_revision()
+    if current == head:
+        return
+    shown = sa.make_url(url).render_as_string(hide_password=True)
+    if current is None:
+        raise SchemaError(f"database {shown} has no kvledger schema; run `kvledger db upgrade --db {shown}`")
+    script = ScriptDirectory(str(data_dir("migrations")))
+    known = {revision.revision for revision in script.walk_revisions()}
+    if current not in known:
+        raise SchemaError(
+            f"database {shown} has schema revision {current}, newer than this kvledger knows (head {head}); "
+            "upgrade kvledger"
+        )
+    raise SchemaError(
+        f"database {shown} has schema revision {current}, this kvledger needs {head}; "
+        f"run `kvledger db upgrade --db {shown}`"
+    )

@@ -1,0 +1,145 @@
+"""The JetStream side of store: connecting, making sure streams exist as specified, consumers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import nats
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+
+from kvledger.nats_options import NatsAuthError, auth_failure, connect_options, describe_server, is_auth_error
+from kvledger.settings import NatsSettings
+from kvledger.streams import StreamSpec
+
+log = logging.getLogger("kvledger.store")
+
+
+class StreamConflictError(RuntimeError):
+    """An existing stream differs from the spec all stages agree on; store will not change it."""
+
+
+async def connect(settings: NatsSettings, stop: asyncio.Event) -> nats.NATS | None:
+    """Connect, retrying with backoff until it works or `stop` is set (then None).
+
+    A refused login is not retried: it raises NatsAuthError, whose one line says which
+    credentials were used (never their values).
+    """
+    delay = 0.1
+    while not stop.is_set():
+        refused = asyncio.Event()
+        errors: list[Exception] = []
+
+        async def on_error(error: Exception) -> None:
+            # nats-py keeps retrying a refused login on its own; notice it and stop instead.
+            if is_auth_error(error):
+                errors.append(error)
+                refused.set()
+
+        # Once connected, never give up: the projector waits out a NATS restart.
+        connecting = asyncio.ensure_future(nats.connect(
+            **connect_options(settings, name="kvledger-store"), max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+            error_cb=on_error,
+        ))  # fmt: skip
+        watching = asyncio.ensure_future(refused.wait())
+        try:
+            await asyncio.wait({connecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+            if not connecting.done():
+                connecting.cancel()
+                raise auth_failure(settings, errors[0])
+            return connecting.result()
+        except NatsAuthError:
+            raise
+        except Exception as error:  # nats-py raises several unrelated types for "not reachable"
+            if is_auth_error(error):
+                raise auth_failure(settings, error) from None
+            log.warning("NATS at %s not reachable (%s); retrying in %.1fs", describe_server(settings), error, delay)
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except TimeoutError:
+                pass
+            delay = min(delay * 2, 5.0)
+        finally:
+            watching.cancel()
+    return None
+
+
+def stream_config(spec: StreamSpec) -> StreamConfig:
+    return StreamConfig(
+        name=spec.name,
+        subjects=list(spec.subjects),
+        storage=StorageType.FILE,
+        duplicate_window=spec.duplicate_window_s,
+        max_age=spec.max_age_s,
+        max_bytes=spec.max_bytes,
+        num_replicas=spec.replicas,
+    )
+
+
+def _differences(spec: StreamSpec, config: StreamConfig) -> list[str]:
+    found = {
+        "subjects": sorted(config.subjects or []),
+        "storage": StorageType(config.storage).value if config.storage else None,
+        "duplicate_window_s": float(config.duplicate_window or 0),
+        "max_age_s": float(config.max_age or 0),
+        "max_bytes": config.max_bytes if config.max_bytes is not None else -1,
+        "replicas": config.num_replicas or 1,
+    }
+    wanted = {
+        "subjects": sorted(spec.subjects),
+        "storage": StorageType.FILE.value,
+        "duplicate_window_s": float(spec.duplicate_window_s),
+        "max_age_s": float(spec.max_age_s),
+        "max_bytes": spec.max_bytes,
+        "replicas": spec.replicas,
+    }
+    return [f"{key}: has {found[key]!r}, expected {wanted[key]!r}" for key in wanted if found[key] != wanted[key]]
+
+
+async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> None:
+    """Create the stream if missing; if it exists with other settings, refuse (never modify it)."""
+    try:
+        info = await js.stream_info(spec.name)
+    except NotFoundError:
+        try:
+            await js.add_stream(stream_config(spec))
+            log.info("created stream %s on %s", spec.name, ", ".join(spec.subjects))
+            return
+        except nats.js.errors.BadRequestError:
+            # Another stage created it meanwhile; check what it made.
+            info = await js.stream_info(spec.name)
+    differences = _differences(spec, info.config)
+    if differences:
+        raise StreamConflictError(
+            f"stream {spec.name} exists with settings kvledger does not expect ({'; '.join(differences)}); "
+            "store does not modify an existing stream: fix the stream or the stream settings"
+        )
+
+
+async def bind_consumer(
+    js: JetStreamContext, stream: str, durable: str, after_seq: int, *, batch_size: int
+) -> JetStreamContext.PullSubscription:
+    """A durable pull consumer delivering from `after_seq + 1`.
+
+    The SQL checkpoint, not the consumer's ack floor, is the truth about what is done, so
+    the consumer is recreated at it on every start: a consumer left ahead of the database
+    (a restored or replaced database) would otherwise skip messages.
+    """
+    try:
+        await js.delete_consumer(stream, durable)
+    except NotFoundError:
+        pass
+    config = ConsumerConfig(
+        durable_name=durable,
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after_seq > 0 else DeliverPolicy.ALL,
+        opt_start_seq=after_seq + 1 if after_seq > 0 else None,
+        # One ack per transaction acknowledges everything before it.
+        ack_policy=AckPolicy.ALL,
+        ack_wait=120.0,
+        max_ack_pending=max(4 * batch_size, 1024),
+        max_waiting=16,
+    )
+    await js.add_consumer(stream, config)
+    return await js.pull_subscribe_bind(durable=durable, stream=stream)

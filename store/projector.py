@@ -1,0 +1,438 @@
+"""The projector: KV_EVENTS (and KV_DECISIONS, KV_DEAD_LETTERS) into SQL, exactly once.
+
+A fetched batch of messages is folded in memory, written in one transaction together
+with the checkpoint (the last stream seq), and only then acknowledged. Messages at or
+below the checkpoint are skipped, so redeliveries change nothing. When the database
+fails, nothing is acknowledged; the fold is rebuilt from SQL once the database is back,
+and the consumer restarts at the checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import signal
+import sqlite3
+import time
+from collections.abc import Callable
+
+import attrs
+import nats.errors
+import psycopg
+import sqlalchemy as sa
+import sqlalchemy.exc
+from nats.js import JetStreamContext
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvledger.decision_codec import decision_from_json
+from kvledger.events import RecordError, decode_batch, decode_dead_letter
+from kvledger.fold import InventoryFold
+from kvledger.http import health_routes, serve_connection
+from kvledger.settings import Settings
+from kvledger.streams import dead_letters_stream, decisions_stream, events_stream
+from store import tables
+from store.changes import ChangeBuilder, ResidencyIndex
+from store.database import create_engine, require_current
+from store.jetstream import bind_consumer, connect, ensure_stream
+from store.recorder import SQL_CHECKPOINT, load_fold, read_checkpoint
+from store.writer import RecorderProcess, WriterError
+from store.snapshots import SnapshotWriter
+
+log = logging.getLogger("kvledger.store")
+
+EVENTS_DURABLE = "kvledger-store-events"
+DECISIONS_DURABLE = "kvledger-store-decisions"
+DEAD_LETTERS_DURABLE = "kvledger-store-dead-letters"
+FETCH_TIMEOUT_S = 1.0
+
+# Errors after which the database state is unknown: roll back, rebuild, retry. (Not
+# OSError: TimeoutError is one, and a slow fetch is no reason to distrust the fold.)
+DATABASE_ERRORS = (sa.exc.SQLAlchemyError, psycopg.Error, sqlite3.Error, WriterError)
+NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError)
+
+
+class StoreMetrics:
+    """The projector's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.messages = Counter("kvledger_store_messages", "Stream messages projected", ["stream"], registry=r)
+        self.skipped = Counter(
+            "kvledger_store_skipped_messages", "Redelivered messages at or below the checkpoint", ["stream"], registry=r
+        )
+        self.blocks = Counter("kvledger_store_block_changes", "Block stores and removals written", registry=r)
+        self.dead_letters = Counter("kvledger_store_dead_letters", "Records that could not be decoded", ["stream"], registry=r)
+        self.transactions = Counter("kvledger_store_transactions", "Committed transactions", ["stream"], registry=r)
+        self.database_errors = Counter("kvledger_store_database_errors", "Failed database transactions", registry=r)
+        self.nats_errors = Counter("kvledger_store_nats_errors", "NATS errors that restarted a consumer", registry=r)
+        self.snapshots = Counter("kvledger_store_snapshots", "Inventory snapshots written", registry=r)
+        self.checkpoint = Gauge("kvledger_store_checkpoint_seq", "Last committed stream seq", ["stream"], registry=r)
+        self.transaction_seconds = Histogram(
+            "kvledger_store_transaction_seconds", "Time to write one transaction", ["stream"], registry=r
+        )
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+@attrs.define
+class _Backoff:
+    delay: float = 0.05
+    limit: float = 2.0
+
+    async def wait(self, stop: asyncio.Event) -> None:
+        await _wait(stop, self.delay)
+        self.delay = min(self.delay * 2, self.limit)
+
+    def reset(self) -> None:
+        self.delay = 0.05
+
+
+class EventsProjector:
+    """KV_EVENTS → fold → event_log, block_residency, workers, uncertain_periods, checkpoint."""
+
+    def __init__(self, settings: Settings, engine: sa.Engine, metrics: StoreMetrics) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.metrics = metrics
+        self.stream = settings.stream.events_stream
+        self.fold: InventoryFold | None = None  # None: must be rebuilt from SQL before use
+        self.index: ResidencyIndex = {}
+        self.ready = False
+        self.snapshots: SnapshotWriter | None = None
+
+    async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
+        backoff = _Backoff()
+        self.snapshots = SnapshotWriter(js, self.engine, self.settings.store)
+        while not stop.is_set():
+            recorder = None
+            try:
+                recorder = RecorderProcess(self.settings.db.url, self.stream)
+                await asyncio.to_thread(recorder.wait_ready)
+                if self.fold is None:
+                    self.fold, self.index = await asyncio.to_thread(load_fold, self.engine)
+                    log.info("fold rebuilt from SQL at stream seq %d", self.fold.inventory_seq)
+                subscription = await bind_consumer(
+                    js, self.stream, EVENTS_DURABLE, self.fold.inventory_seq, batch_size=self.settings.store.batch_size
+                )
+                self.ready = True
+                backoff.reset()
+                await self._consume(subscription, recorder, stop)
+            except DATABASE_ERRORS as error:
+                # The transaction may or may not have committed: the SQL checkpoint decides.
+                self.fold = None
+                self.ready = False
+                self.metrics.database_errors.inc()
+                log.warning("database error on %s (%r); nothing acked, retrying", self.stream, error)
+                await backoff.wait(stop)
+            except NATS_ERRORS as error:
+                self.ready = False
+                self.metrics.nats_errors.inc()
+                log.warning("NATS error on %s (%s); rebinding the consumer", self.stream, error)
+                await backoff.wait(stop)
+            finally:
+                if recorder is not None:
+                    await asyncio.to_thread(recorder.close)
+        self.ready = False
+
+    async def _consume(self, subscription, recorder, stop: asyncio.Event) -> None:
+        # Two-stage pipeline: while transaction n is written (by the writer process), batch n+1 is
+        # fetched and folded. The fold then runs ahead of SQL, so any write failure throws
+        # the fold away; it is rebuilt from SQL, which holds exactly what was committed.
+        fold, builder = self.fold, ChangeBuilder(self.index)
+        batch_size = self.settings.store.batch_size
+        writing: asyncio.Task | None = None
+        # The next fetch is requested before this batch is folded, so the server's reply
+        # arrives in the socket buffer meanwhile instead of after a round trip. Every
+        # fetched batch is processed in order: with AckPolicy.ALL a skipped one would be
+        # acknowledged by the next ack.
+        fetching = asyncio.ensure_future(subscription.fetch(batch_size, timeout=FETCH_TIMEOUT_S))
+        try:
+            while not stop.is_set():
+                try:
+                    messages = await fetching
+                except TimeoutError:  # nats-py raises its own and asyncio's; both are this
+                    messages = None
+                fetching = asyncio.ensure_future(subscription.fetch(batch_size, timeout=FETCH_TIMEOUT_S))
+                if messages is None:
+                    writing = await self._drain(writing)
+                    await self._maybe_snapshot()
+                    continue
+                if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
+                    continue
+                changes = builder.begin(fold.inventory_seq + 1)
+                fresh = 0
+                for message in messages:
+                    seq = message.metadata.sequence.stream
+                    if seq <= fold.inventory_seq:
+                        self.metrics.skipped.labels(self.stream).inc()
+                        continue
+                    fresh += 1
+                    try:
+                        batch = decode_batch(message.data)
+                    except RecordError as error:
+                        # A bad record must not stop the log: keep it whole, move past it.
+                        builder.add_dead_letter(changes, seq, message.subject, str(error), message.data)
+                        fold.inventory_seq = seq
+                        self.metrics.dead_letters.labels(self.stream).inc()
+                        continue
+                    builder.add_batch(changes, batch, seq, fold.apply(batch, seq), fold)
+                if fresh:
+                    builder.finish(changes, fold)
+                    self.snapshots.count(fresh)
+                writing = await self._drain(writing)
+                writing = asyncio.create_task(self._commit(recorder, changes if fresh else None, fresh, messages[-1]))
+                if not recorder.overlaps_folding:
+                    writing = await self._drain(writing)
+                if self.snapshots.due(fold.inventory_seq):
+                    writing = await self._drain(writing)
+                    await self._maybe_snapshot()
+        finally:
+            fetching.cancel()
+            with contextlib.suppress(BaseException):
+                await fetching
+            # Let a transaction in flight finish either way, so shutdown never leaves it unacked
+            # (a write that already failed raises again here, the same error).
+            await asyncio.shield(self._drain(writing))
+
+    async def _drain(self, writing: asyncio.Task | None) -> None:
+        """Wait for the transaction in flight; on its failure the fold is no longer trusted."""
+        if writing is not None:
+            try:
+                await writing
+            except BaseException:
+                self.fold = None  # folded past what SQL holds
+                raise
+        return None
+
+    async def _commit(self, recorder, changes, fresh: int, last_message) -> None:
+        if changes is not None:
+            started = time.perf_counter()
+            await asyncio.to_thread(recorder.write, changes)
+            self.metrics.transaction_seconds.labels(self.stream).observe(time.perf_counter() - started)
+            self.metrics.transactions.labels(self.stream).inc()
+            self.metrics.messages.labels(self.stream).inc(fresh)
+            self.metrics.blocks.inc(changes.blocks)
+            self.metrics.checkpoint.labels(self.stream).set(changes.last_seq)
+        # Only after the commit: acking first could lose the batch in a crash.
+        await last_message.ack()
+
+    async def _maybe_snapshot(self) -> None:
+        if self.fold is not None and self.snapshots.due(self.fold.inventory_seq):
+            try:
+                await self.snapshots.write(self.fold)
+                self.metrics.snapshots.inc()
+            except DATABASE_ERRORS + NATS_ERRORS as error:  # a missed snapshot is retried later
+                log.warning("snapshot at seq %d failed: %s", self.fold.inventory_seq, error)
+
+
+# --- the small projectors: decisions and ingest's dead letters -------------------------
+
+RowMaker = Callable[[object], dict]
+
+
+def decision_row(message) -> dict:
+    body = json.loads(message.data)
+    decision = decision_from_json(body)
+    chosen = decision.chosen
+    return {
+        "stream_seq": message.metadata.sequence.stream,
+        "request_id": decision.request_id,
+        "inventory_seq": decision.inventory_seq,
+        "target": decision.target,
+        "credited_blocks": decision.credited_blocks,
+        "baseline_blocks": decision.baseline_blocks,
+        "chosen_source": chosen.source if chosen else None,
+        "chosen_dp_rank": chosen.dp_rank if chosen else None,
+        "chosen_tier": chosen.tier.value if chosen else None,
+        "chosen_transfer_blocks": chosen.transfer_blocks if chosen else None,
+        "chosen_saving_ms": chosen.saving_ms if chosen else None,
+        "reason": decision.reason,
+        "backend": decision.backend,
+        "settings_digest": decision.settings_digest,
+        "uncertain_workers": json.dumps(list(decision.uncertain_workers)),
+        "candidates": json.dumps(body["candidates"]),
+        "worker_overlaps": json.dumps(body["overlaps"], sort_keys=True),
+        "decided_ts": message.metadata.timestamp.timestamp() if message.metadata.timestamp else time.time(),
+    }
+
+
+def ingest_dead_letter_row(message) -> dict:
+    seq = message.metadata.sequence.stream
+    try:
+        letter = decode_dead_letter(message.data)
+    except RecordError as error:
+        return _undecodable_row("ingest", seq, message, str(error))
+    return {
+        "source": "ingest", "stream_seq": seq, "subject": message.subject, "publisher": letter.publisher,
+        "dp_rank": letter.dp_rank, "endpoint": letter.endpoint or None, "reason": letter.reason,
+        "frames": len(letter.frames), "raw": message.data, "ingest_ts": letter.ingest_ts, "recorded_ts": time.time(),
+    }  # fmt: skip
+
+
+def _undecodable_row(source: str, seq: int, message, reason: str) -> dict:
+    return {
+        "source": source, "stream_seq": seq, "subject": message.subject, "publisher": None, "dp_rank": None,
+        "endpoint": None, "reason": reason, "frames": 1, "raw": message.data, "ingest_ts": None, "recorded_ts": time.time(),
+    }  # fmt: skip
+
+
+@attrs.define
+class RowProjector:
+    """One stream → one table, a row per message, checkpointed in the same transaction."""
+
+    name: str  # checkpoint name
+    stream: str
+    durable: str
+    table: sa.Table
+    make_row: RowMaker
+    engine: sa.Engine
+    metrics: StoreMetrics
+    batch_size: int
+    ready: bool = False
+
+    async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
+        backoff = _Backoff()
+        while not stop.is_set():
+            try:
+                checkpoint = await asyncio.to_thread(self._checkpoint)
+                subscription = await bind_consumer(js, self.stream, self.durable, checkpoint, batch_size=self.batch_size)
+                self.ready = True
+                backoff.reset()
+                await self._consume(subscription, checkpoint, stop)
+            except DATABASE_ERRORS as error:
+                self.ready = False
+                self.metrics.database_errors.inc()
+                log.warning("database error on %s (%r); nothing acked, retrying", self.stream, error)
+                await backoff.wait(stop)
+            except NATS_ERRORS as error:
+                self.ready = False
+                self.metrics.nats_errors.inc()
+                log.warning("NATS error on %s (%s); rebinding the consumer", self.stream, error)
+                await backoff.wait(stop)
+        self.ready = False
+
+    def _checkpoint(self) -> int:
+        with self.engine.connect() as connection:
+            return read_checkpoint(connection, self.name)
+
+    async def _consume(self, subscription, checkpoint: int, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                messages = await subscription.fetch(self.batch_size, timeout=FETCH_TIMEOUT_S)
+            except TimeoutError:  # nats-py raises its own and asyncio's; both are this
+                continue
+            if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
+                continue
+            rows = []
+            for message in messages:
+                seq = message.metadata.sequence.stream
+                if seq <= checkpoint:
+                    self.metrics.skipped.labels(self.stream).inc()
+                    continue
+                try:
+                    rows.append(self.make_row(message))
+                except (ValueError, KeyError, TypeError) as error:
+                    # An unreadable decision is kept as a dead letter rather than stopping the stream.
+                    self.metrics.dead_letters.labels(self.stream).inc()
+                    rows.append(("dead", _undecodable_row(self.name, seq, message, f"unreadable: {error}")))
+                checkpoint = seq
+            if rows:
+                await asyncio.to_thread(self._write, rows, checkpoint)
+                self.metrics.transactions.labels(self.stream).inc()
+                self.metrics.messages.labels(self.stream).inc(len(rows))
+                self.metrics.checkpoint.labels(self.stream).set(checkpoint)
+            await messages[-1].ack()
+
+    def _write(self, rows: list, checkpoint: int) -> None:
+        own = [row for row in rows if not isinstance(row, tuple)]
+        dead = [row[1] for row in rows if isinstance(row, tuple)]
+        with self.engine.begin() as connection:
+            if own:
+                connection.execute(self.table.insert(), own)
+            if dead:
+                connection.execute(tables.dead_letters.insert(), dead)
+            _save_checkpoint(connection, self.name, self.stream, checkpoint)
+
+
+def _save_checkpoint(connection: sa.Connection, name: str, stream: str, seq: int) -> None:
+    statement = SQL_CHECKPOINT if connection.dialect.name == "sqlite" else SQL_CHECKPOINT.replace("?", "%s")
+    connection.exec_driver_sql(statement, (name, stream, seq, time.time(), "{}"))
+
+
+# --- the service ----------------------------------------------------------------------
+
+
+class StoreService:
+    """Everything `kvledger store` runs: three projectors, snapshots, and the health/metrics front."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = StoreMetrics()
+        self.engine = create_engine(settings.db.url)
+        self.events = EventsProjector(settings, self.engine, self.metrics)
+        batch = settings.store.batch_size
+        self.decisions = RowProjector(
+            "decisions", settings.stream.decisions_stream, DECISIONS_DURABLE, tables.decisions, decision_row,
+            self.engine, self.metrics, batch,
+        )  # fmt: skip
+        self.dead_letters = RowProjector(
+            "dead_letters", dead_letters_stream(settings.stream).name, DEAD_LETTERS_DURABLE, tables.dead_letters,
+            ingest_dead_letter_row, self.engine, self.metrics, batch,
+        )  # fmt: skip
+        self.http_port: int | None = None
+
+    def is_ready(self) -> bool:
+        return self.events.ready and self.decisions.ready and self.dead_letters.ready
+
+    async def run(self, stop: asyncio.Event) -> None:
+        # Refuse an old schema before touching NATS: the fix is a command, not a retry.
+        await asyncio.to_thread(require_current, self.engine, self.settings.db.url)
+        router = health_routes(self.is_ready, self.metrics.text)
+        server = await asyncio.start_server(
+            functools.partial(serve_connection, router=router), "0.0.0.0", self.settings.store.http_port
+        )
+        self.http_port = server.sockets[0].getsockname()[1]
+        log.info("store http on port %d", self.http_port)
+        try:
+            connection = await connect(self.settings.nats, stop)
+            if connection is None:
+                return
+            try:
+                js = connection.jetstream()
+                for spec in (
+                    events_stream(self.settings.stream),
+                    dead_letters_stream(self.settings.stream),
+                    decisions_stream(self.settings.stream),
+                ):
+                    await ensure_stream(js, spec)
+                async with asyncio.TaskGroup() as group:
+                    for projector in (self.events, self.decisions, self.dead_letters):
+                        group.create_task(projector.run(js, stop))
+            finally:
+                # Not drain(): every ack has been awaited already, and drain would wait out
+                # the pull requests still parked on the server.
+                with contextlib.suppress(Exception):
+                    await connection.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+            self.engine.dispose()
+
+
+async def serve(settings: Settings) -> None:
+    """Run the store service until SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await StoreService(settings).run(stop)

@@ -1,0 +1,266 @@
+"""Writing ChangeSets to SQL in one transaction each, and reading the fold back after a restart.
+
+One contract, two recorders: SQLite through `executemany` on the sqlite3 connection (WAL
+mode), PostgreSQL through psycopg 3 with COPY for the bulk rows. Both write the
+checkpoint in the same transaction as the rows, which is what makes projection
+exactly-once: a crash either keeps both or neither.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import time
+from collections.abc import Iterable
+
+import sqlalchemy as sa
+
+from kvledger.events import Provenance, Tier, WorkerId
+from kvledger.fold import BlockRecord, InventoryFold, WorkerState, attach_record
+from store import tables
+from store.changes import (
+    DEAD_LETTER_COLUMNS,
+    EVENT_LOG_COLUMNS,
+    RESIDENCY_COLUMNS,
+    UNCERTAIN_COLUMNS,
+    WORKER_COLUMNS,
+    ChangeSet,
+    ResidencyIndex,
+)
+from store.tables import to_unsigned
+
+EVENTS_CHECKPOINT = "events"
+
+
+def _insert(table: str, columns: Iterable[str]) -> str:
+    columns = tuple(columns)
+    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+
+
+def _upsert(table: str, columns: tuple[str, ...], key: tuple[str, ...], keep: tuple[str, ...] = ()) -> str:
+    updates = ", ".join(f"{column} = excluded.{column}" for column in columns if column not in key + keep)
+    return f"{_insert(table, columns)} ON CONFLICT ({', '.join(key)}) DO UPDATE SET {updates}"
+
+
+CHECKPOINT_COLUMNS = ("name", "stream", "stream_seq", "updated_ts", "counters")
+SQL_CHECKPOINT = _upsert("checkpoints", CHECKPOINT_COLUMNS, ("name",))
+SQL_WORKER = _upsert("workers", WORKER_COLUMNS, ("publisher", "dp_rank"), keep=("first_stream_seq",))
+SQL_EVENT = _insert("event_log", EVENT_LOG_COLUMNS)
+SQL_RESIDENCY = _insert("block_residency", RESIDENCY_COLUMNS)
+SQL_UNCERTAIN = _insert("uncertain_periods", UNCERTAIN_COLUMNS)
+SQL_DEAD_LETTER = _insert("dead_letters", DEAD_LETTER_COLUMNS)
+SQL_REMOVE = "UPDATE block_residency SET removed_seq = ?, removed_ts = ?, removal_cause = ? WHERE stored_seq = ? AND slot = ?"
+# `tier IN (...)` lets the (publisher, dp_rank, tier, removed_seq) index serve the scan.
+SQL_CLEAR = (
+    "UPDATE block_residency SET removed_seq = ?, removed_ts = ?, removal_cause = ? "
+    "WHERE publisher = ? AND dp_rank = ? AND tier IN ('device', 'host', 'disk', 'external') "
+    "AND removed_seq IS NULL AND provenance = ? AND stored_seq < ?"
+)
+SQL_CONFLICT = "UPDATE block_residency SET conflict_since = ? WHERE stored_seq = ? AND slot = ?"
+SQL_RESOLVE = (
+    "UPDATE uncertain_periods SET until_seq = ?, until_ts = ?, resolved_by = ? "
+    "WHERE publisher = ? AND dp_rank = ? AND provenance = ? AND until_seq IS NULL"
+)
+
+
+class Recorder(abc.ABC):
+    """Owns one database connection and writes ChangeSets, each in one transaction."""
+
+    overlaps_folding: bool  # whether a write may run in a thread while the next batch folds
+
+    def __init__(self, engine: sa.Engine, stream: str) -> None:
+        self.stream = stream
+        proxy = engine.raw_connection()
+        self.connection = proxy.driver_connection
+        # Detached: this connection lives and dies with the recorder, never back in the pool.
+        proxy.detach()
+        self._proxy = proxy
+
+    def close(self) -> None:
+        try:
+            self._proxy.close()
+        except Exception:  # closing a connection to a dead server may itself fail
+            pass
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def write(self, changes: ChangeSet) -> None:
+        checkpoint = (EVENTS_CHECKPOINT, self.stream, changes.last_seq, time.time(), changes.checkpoint_counters)
+        try:
+            self._write(changes, checkpoint)
+        except BaseException:
+            try:
+                self.connection.rollback()
+            except Exception:
+                pass
+            raise
+
+    @abc.abstractmethod
+    def _write(self, changes: ChangeSet, checkpoint: tuple) -> None: ...
+
+    def _updates(self, cursor, changes: ChangeSet, sql) -> None:
+        # Runs after the removals: a clear closes what is still open, and a block removed
+        # earlier in the transaction must keep its own cause.
+        for statement, rows in (
+            (SQL_CONFLICT, changes.conflicts),
+            (SQL_CLEAR, [(*row, changes.first_seq) for row in changes.clears]),
+            (SQL_RESOLVE, changes.resolved_uncertain),
+        ):
+            if rows:
+                cursor.executemany(sql(statement), rows)
+
+
+class SqliteRecorder(Recorder):
+    # sqlite3 binds parameters holding the GIL, row by row: overlapping it with folding
+    # makes both threads wait on the GIL, so SQLite writes run between folds instead.
+    overlaps_folding = False
+
+    def __init__(self, engine: sa.Engine, stream: str) -> None:
+        super().__init__(engine, stream)
+        self.connection.isolation_level = None  # explicit BEGIN/COMMIT below
+
+    def _write(self, changes: ChangeSet, checkpoint: tuple) -> None:
+        cursor = self.connection.cursor()
+        cursor.execute("BEGIN IMMEDIATE")
+        if changes.removals:
+            cursor.executemany(SQL_REMOVE, changes.removals)
+        self._updates(cursor, changes, lambda statement: statement)
+        if changes.event_rows:
+            cursor.executemany(SQL_EVENT, changes.event_rows)
+        if changes.new_residency:
+            cursor.executemany(SQL_RESIDENCY, changes.new_residency.values())
+        _write_common(cursor, changes, checkpoint, lambda statement: statement)
+        cursor.execute("COMMIT")
+
+
+def _write_common(cursor, changes: ChangeSet, checkpoint: tuple, sql) -> None:
+    uncertain = changes.uncertain_rows
+    if uncertain:
+        cursor.executemany(sql(SQL_UNCERTAIN), uncertain)
+    if changes.worker_rows:
+        cursor.executemany(sql(SQL_WORKER), changes.worker_rows)
+    if changes.dead_letters:
+        cursor.executemany(sql(SQL_DEAD_LETTER), changes.dead_letters)
+    cursor.execute(sql(SQL_CHECKPOINT), checkpoint)
+
+
+def _pg(statement: str) -> str:
+    return statement.replace("?", "%s")
+
+
+# Below this many rows a plain executemany beats creating a temporary table for COPY.
+_COPY_UPDATE_THRESHOLD = 64
+
+
+class PostgresRecorder(Recorder):
+    # COPY hands whole buffers to libpq and waits on the network without the GIL.
+    overlaps_folding = True
+
+    def _write(self, changes: ChangeSet, checkpoint: tuple) -> None:
+        connection = self.connection
+        with connection.cursor() as cursor:
+            if len(changes.removals) >= _COPY_UPDATE_THRESHOLD:
+                cursor.execute(
+                    "CREATE TEMPORARY TABLE IF NOT EXISTS removals_batch (removed_seq bigint, removed_ts double precision, "
+                    "removal_cause varchar(32), stored_seq bigint, slot integer) ON COMMIT DELETE ROWS"
+                )
+                with cursor.copy("COPY removals_batch FROM STDIN") as copy:
+                    for row in changes.removals:
+                        copy.write_row(row)
+                # A fresh temporary table has no statistics; without them the planner may
+                # join it to block_residency by scanning the whole table.
+                cursor.execute("ANALYZE removals_batch")
+                cursor.execute(
+                    "UPDATE block_residency AS r SET removed_seq = b.removed_seq, removed_ts = b.removed_ts, "
+                    "removal_cause = b.removal_cause FROM removals_batch AS b "
+                    "WHERE r.stored_seq = b.stored_seq AND r.slot = b.slot"
+                )
+            elif changes.removals:
+                cursor.executemany(_pg(SQL_REMOVE), changes.removals)
+            self._updates(cursor, changes, _pg)
+            if changes.event_rows:
+                with cursor.copy(f"COPY event_log ({', '.join(EVENT_LOG_COLUMNS)}) FROM STDIN") as copy:
+                    for row in changes.event_rows:
+                        copy.write_row(row)
+            if changes.new_residency:
+                with cursor.copy(f"COPY block_residency ({', '.join(RESIDENCY_COLUMNS)}) FROM STDIN") as copy:
+                    for row in changes.new_residency.values():
+                        copy.write_row(row)
+            _write_common(cursor, changes, checkpoint, _pg)
+        connection.commit()
+
+
+def open_recorder(engine: sa.Engine, stream: str) -> Recorder:
+    if engine.dialect.name == "sqlite":
+        return SqliteRecorder(engine, stream)
+    if engine.dialect.name == "postgresql":
+        return PostgresRecorder(engine, stream)
+    raise ValueError(f"unsupported database {engine.dialect.name!r}: use SQLite or PostgreSQL")
+
+
+# --- reading back -------------------------------------------------------------------
+
+
+def read_checkpoint(connection: sa.Connection, name: str) -> int:
+    seq = connection.execute(
+        sa.select(tables.checkpoints.c.stream_seq).where(tables.checkpoints.c.name == name)
+    ).scalar_one_or_none()
+    return seq or 0
+
+
+def load_fold(engine: sa.Engine) -> tuple[InventoryFold, ResidencyIndex]:
+    """Rebuild the fold as it was at the events checkpoint, from open residency rows and workers.
+
+    Records go back in (stored_seq, slot) order, the order the fold stored them, so
+    topology ends as folding left it (the same rule as snapshot restore).
+    """
+    fold = InventoryFold()
+    index: ResidencyIndex = {}
+    t = tables
+    with engine.connect() as connection:
+        row = connection.execute(
+            sa.select(t.checkpoints.c.stream_seq, t.checkpoints.c.counters).where(t.checkpoints.c.name == EVENTS_CHECKPOINT)
+        ).one_or_none()
+        if row is None:
+            return fold, index
+        fold.inventory_seq = row.stream_seq
+        fold.counters.update(json.loads(row.counters))
+        states: dict[WorkerId, WorkerState] = {}
+        for w in connection.execute(sa.select(t.workers)):
+            worker = WorkerId(w.publisher, w.dp_rank)
+            state = states[worker] = WorkerState(worker)
+            state.counters.update(json.loads(w.counters))
+            native, retained = state.by_provenance[Provenance.NATIVE], state.by_provenance[Provenance.RETAINED]
+            native.epoch, native.seq, native.uncertain_since = w.epoch, w.engine_seq, w.uncertain_since
+            retained.epoch, retained.seq, retained.uncertain_since = (
+                w.retained_epoch, w.retained_engine_seq, w.retained_uncertain_since,
+            )
+        r = t.block_residency.c
+        rows = connection.execution_options(yield_per=50_000).execute(
+            sa.select(
+                r.stored_seq, r.slot, r.publisher, r.dp_rank, r.tier, r.provenance, r.engine_hash,
+                r.sequence_hash, r.parent_hash, r.local_hash, r.conflict_since,
+            ).where(r.removed_seq.is_(None)).order_by(r.stored_seq, r.slot)
+        )
+        tiers = {tier.value: tier for tier in Tier}
+        provenances = {provenance.value: provenance for provenance in Provenance}
+        workers: dict[tuple[str, int], WorkerId] = {}
+        for stored_seq, slot, publisher, dp_rank, tier_name, provenance_name, engine, sequence, parent, local, conflict in rows:
+            worker = workers.get((publisher, dp_rank))
+            if worker is None:
+                worker = workers[(publisher, dp_rank)] = WorkerId(publisher, dp_rank)
+            tier, provenance = tiers[tier_name], provenances[provenance_name]
+            engine_hash = to_unsigned(engine)
+            record = BlockRecord(
+                worker, tier, provenance, engine_hash, to_unsigned(sequence),
+                None if parent is None else to_unsigned(parent), to_unsigned(local), stored_seq, conflict is not None,
+            )  # fmt: skip
+            attach_record(states[worker].by_provenance[provenance], record)
+            index.setdefault((worker, provenance), {}).setdefault(tier, {})[engine_hash] = (stored_seq, slot)
+    for state in states.values():
+        fold.restore_worker(state)
+    return fold, index

@@ -1,0 +1,196 @@
+"""The SQL schema of the audit database, as SQLAlchemy Core tables (DESIGN §6).
+
+Alembic's versions in `migrations/` create exactly these tables; a test compares the two.
+Block hashes are u64 in the core and stored as signed 64-bit two's complement, because
+neither SQLite nor PostgreSQL has an unsigned 64-bit integer that indexes.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+U64 = 1 << 64
+I64_LIMIT = 1 << 63
+
+metadata = sa.MetaData()
+
+
+def to_signed(value: int) -> int:
+    """u64 → the signed 64-bit integer with the same bits (what SQL stores)."""
+    return value - U64 if value >= I64_LIMIT else value
+
+
+def to_unsigned(value: int) -> int:
+    """Signed 64-bit from SQL → the u64 the core and the CLI speak."""
+    return value + U64 if value < 0 else value
+
+
+def parse_hash(text: str) -> int:
+    """A block hash as a user types it: unsigned decimal, signed decimal or hex (`0x…`); returns u64."""
+    cleaned = text.strip().replace("_", "")
+    try:
+        if cleaned.lower().startswith(("0x", "-0x")):
+            value = int(cleaned, 16)
+        else:
+            value = int(cleaned, 10)
+    except ValueError:
+        raise ValueError(f"not a block hash: {text!r} (give unsigned or signed decimal, or hex 0x…)") from None
+    if not -I64_LIMIT <= value < U64:
+        raise ValueError(f"block hash {text!r} does not fit in 64 bits")
+    return value % U64
+
+
+_SEQ = sa.BigInteger
+_HASH = sa.BigInteger
+_TS = sa.Double
+_PUBLISHER = sa.String(128)
+_NAME = sa.String(32)
+
+# One row per canonical event; a batch of n events has rows event_idx 0..n-1.
+event_log = sa.Table(
+    "event_log",
+    metadata,
+    sa.Column("stream_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("event_idx", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("publisher", _PUBLISHER, nullable=False),
+    sa.Column("dp_rank", sa.Integer, nullable=False),
+    sa.Column("epoch", _SEQ, nullable=False),
+    sa.Column("engine_seq", _SEQ, nullable=False),
+    sa.Column("provenance", _NAME, nullable=False),
+    sa.Column("kind", _NAME, nullable=False),  # stored | removed | cleared | gap
+    sa.Column("tier", _NAME),
+    sa.Column("block_count", sa.Integer, nullable=False),
+    sa.Column("gap_reason", _NAME),
+    sa.Column("gap_expected_seq", _SEQ),
+    sa.Column("gap_received_seq", _SEQ),
+    sa.Column("engine_ts", _TS, nullable=False),
+    sa.Column("ingest_ts", _TS, nullable=False),
+    sa.Index("ix_event_log_worker", "publisher", "dp_rank", "stream_seq"),
+    sa.Index("ix_event_log_ingest_ts", "ingest_ts", "stream_seq"),
+    # gaps are rare: a partial index finds them without scanning the log
+    sa.Index("ix_event_log_gaps", "publisher", "dp_rank", "stream_seq", sqlite_where=sa.text("kind = 'gap'"), postgresql_where=sa.text("kind = 'gap'")),
+)
+
+# One row per stay of a block on a worker's tier: current inventory is `removed_seq IS NULL`,
+# inventory as of seq S is `stored_seq <= S AND (removed_seq IS NULL OR removed_seq > S)`.
+# The key (stored_seq, slot) is the fact's position in the log, so every replay produces
+# the same rows.
+block_residency = sa.Table(
+    "block_residency",
+    metadata,
+    sa.Column("stored_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("slot", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("publisher", _PUBLISHER, nullable=False),
+    sa.Column("dp_rank", sa.Integer, nullable=False),
+    sa.Column("tier", _NAME, nullable=False),
+    sa.Column("provenance", _NAME, nullable=False),
+    sa.Column("engine_hash", _HASH, nullable=False),
+    sa.Column("sequence_hash", _HASH, nullable=False),
+    sa.Column("parent_hash", _HASH),
+    sa.Column("local_hash", _HASH, nullable=False),
+    sa.Column("stored_ts", _TS, nullable=False),
+    # stream seq from which a retained record disagreed with native topology (audit-only)
+    sa.Column("conflict_since", _SEQ),
+    sa.Column("removed_seq", _SEQ),
+    sa.Column("removed_ts", _TS),
+    sa.Column("removal_cause", _NAME),  # NULL while stored; removed | cleared | restart
+    sa.Index("ix_residency_worker_removed", "publisher", "dp_rank", "tier", "removed_seq"),
+    sa.Index("ix_residency_engine_hash", "engine_hash"),
+    # Clustered on (stored_seq, slot) in SQLite: one B-tree fewer to insert into per block.
+    sqlite_with_rowid=False,
+)
+
+# One row per worker: where each of its two announcement streams stands.
+workers = sa.Table(
+    "workers",
+    metadata,
+    sa.Column("publisher", _PUBLISHER, primary_key=True),
+    sa.Column("dp_rank", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("epoch", _SEQ),
+    sa.Column("engine_seq", _SEQ),
+    sa.Column("uncertain_since", _SEQ),
+    sa.Column("retained_epoch", _SEQ),
+    sa.Column("retained_engine_seq", _SEQ),
+    sa.Column("retained_uncertain_since", _SEQ),
+    sa.Column("first_stream_seq", _SEQ, nullable=False),
+    sa.Column("last_stream_seq", _SEQ, nullable=False),
+    sa.Column("last_ingest_ts", _TS, nullable=False),
+    sa.Column("counters", sa.Text, nullable=False),  # JSON: the fold's counters for this worker
+)
+
+uncertain_periods = sa.Table(
+    "uncertain_periods",
+    metadata,
+    sa.Column("publisher", _PUBLISHER, primary_key=True),
+    sa.Column("dp_rank", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("provenance", _NAME, primary_key=True),
+    sa.Column("since_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("since_ts", _TS, nullable=False),
+    sa.Column("reason", _NAME, nullable=False),
+    sa.Column("until_seq", _SEQ),
+    sa.Column("until_ts", _TS),
+    sa.Column("resolved_by", _NAME),
+)
+
+decisions = sa.Table(
+    "decisions",
+    metadata,
+    sa.Column("stream_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("request_id", sa.String(256), nullable=False),
+    sa.Column("inventory_seq", _SEQ, nullable=False),
+    sa.Column("target", sa.String(160)),
+    sa.Column("credited_blocks", sa.Double, nullable=False),
+    sa.Column("baseline_blocks", sa.Integer, nullable=False),
+    sa.Column("chosen_source", _PUBLISHER),
+    sa.Column("chosen_dp_rank", sa.Integer),
+    sa.Column("chosen_tier", _NAME),
+    sa.Column("chosen_transfer_blocks", sa.Integer),
+    sa.Column("chosen_saving_ms", sa.Double),
+    sa.Column("reason", _NAME, nullable=False),
+    sa.Column("backend", _NAME, nullable=False),
+    sa.Column("settings_digest", sa.String(128), nullable=False),
+    sa.Column("uncertain_workers", sa.Text, nullable=False),  # JSON list
+    sa.Column("candidates", sa.Text, nullable=False),  # JSON list, ranked
+    sa.Column("worker_overlaps", sa.Text, nullable=False),  # JSON object
+    sa.Column("decided_ts", _TS, nullable=False),
+    sa.Index("ix_decisions_request_id", "request_id"),
+)
+
+# One row per consumer: the last stream seq whose effects are committed.
+checkpoints = sa.Table(
+    "checkpoints",
+    metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("stream", sa.String(64), nullable=False),
+    sa.Column("stream_seq", _SEQ, nullable=False),
+    sa.Column("updated_ts", _TS, nullable=False),
+    sa.Column("counters", sa.Text, nullable=False),  # JSON
+)
+
+dead_letters = sa.Table(
+    "dead_letters",
+    metadata,
+    sa.Column("source", _NAME, primary_key=True),  # events (undecodable KV_EVENTS record) | ingest (KV_DEAD_LETTERS)
+    sa.Column("stream_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("subject", sa.String(256), nullable=False),
+    sa.Column("publisher", _PUBLISHER),
+    sa.Column("dp_rank", sa.Integer),
+    sa.Column("endpoint", sa.String(256)),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("frames", sa.Integer, nullable=False),
+    sa.Column("raw", sa.LargeBinary, nullable=False),
+    sa.Column("ingest_ts", _TS),
+    sa.Column("recorded_ts", _TS, nullable=False),
+)
+
+snapshots = sa.Table(
+    "snapshots",
+    metadata,
+    sa.Column("inventory_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("bucket", sa.String(64), nullable=False),
+    sa.Column("object_name", sa.String(128), nullable=False),
+    sa.Column("size_bytes", sa.BigInteger, nullable=False),
+    sa.Column("blocks", sa.BigInteger, nullable=False),
+    sa.Column("workers", sa.Integer, nullable=False),
+    sa.Column("created_ts", _TS, nullable=False),
+)

@@ -1,0 +1,132 @@
+"""A Recorder in a child process, so SQL writing runs on its own core.
+
+The fold and the SQL drivers are both CPU-bound Python; in one process they take turns
+on the GIL, so overlapping them in threads gains nothing. The child (`python -m
+store.writer`) owns the database connection; the parent sends each ChangeSet pickled
+over the child's stdin and reads "committed" or the error from its stdout. The child
+dies with its parent (PR_SET_PDEATHSIG), so a kill -9 of the projector also ends the
+transaction in flight, which the database rolls back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+from typing import BinaryIO
+
+from store.changes import ChangeSet
+
+_LENGTH = struct.Struct(">Q")
+
+
+class WriterError(RuntimeError):
+    """The child could not write a transaction (database error, or it died); the SQL checkpoint says what committed."""
+
+
+def _send(stream: BinaryIO, value: object) -> None:
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_LENGTH.pack(len(data)))
+    stream.write(data)
+    stream.flush()
+
+
+def _receive(stream: BinaryIO) -> object:
+    head = stream.read(_LENGTH.size)
+    if len(head) < _LENGTH.size:
+        raise EOFError("closed")
+    (length,) = _LENGTH.unpack(head)
+    data = stream.read(length)
+    if len(data) < length:
+        raise EOFError("closed mid-message")
+    return pickle.loads(data)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: EOF on stdin still ends the child
+        pass
+
+
+def serve(url: str, stream_name: str, requests: BinaryIO, replies: BinaryIO) -> int:
+    """The child's loop: one ChangeSet in, one transaction, one reply out; ends at EOF or on an error."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from store.database import create_engine
+    from store.recorder import open_recorder
+
+    engine = create_engine(url)
+    try:
+        recorder = open_recorder(engine, stream_name)
+    except Exception as error:
+        _send(replies, ("error", f"{type(error).__name__}: {error}"))
+        return 1
+    _send(replies, ("ready", ""))
+    try:
+        while True:
+            try:
+                changes = _receive(requests)
+            except EOFError:
+                return 0
+            try:
+                recorder.write(changes)
+            except Exception as error:
+                _send(replies, ("error", f"{type(error).__name__}: {error}"))
+                return 1  # the parent starts a new writer once the database is back
+            _send(replies, ("committed", ""))
+    finally:
+        recorder.close()
+        engine.dispose()
+
+
+class RecorderProcess:
+    """The Recorder interface (write, close), served by a child process."""
+
+    # The child writes while the parent folds the next batch: two cores, no GIL between them.
+    overlaps_folding = True
+
+    def __init__(self, url: str, stream: str) -> None:
+        # Started from the event loop's thread: the death signal is tied to the starting thread.
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "store.writer", url, stream],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+
+    def _reply(self) -> None:
+        try:
+            status, message = _receive(self._process.stdout)
+        except (EOFError, OSError) as error:
+            raise WriterError(f"the writer process died ({error})") from None
+        if status == "error":
+            raise WriterError(message)
+
+    def wait_ready(self) -> None:
+        """Block until the child holds its database connection (WriterError if it cannot)."""
+        self._reply()
+
+    def write(self, changes: ChangeSet) -> None:
+        try:
+            _send(self._process.stdin, changes)
+        except OSError as error:
+            raise WriterError(f"the writer process is gone ({error})") from None
+        self._reply()
+
+    def close(self) -> None:
+        try:
+            self._process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process.stdout.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve(sys.argv[1], sys.argv[2], sys.stdin.buffer, sys.stdout.buffer))
