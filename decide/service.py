@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvledger.decision_codec import RequestError, decision_to_json, request_from_json
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
 from kvledger.http import Request, Response, health_routes, serve_connection
-from kvledger.nats_options import connect_options
+from kvledger.nats_options import auth_failure, connect_options, is_auth_error
 from kvledger.reuse import Decision, Reason, ReuseRequest
 from kvledger.settings import Settings
 from kvledger.snapshot import SnapshotError, decode_snapshot
@@ -217,7 +217,15 @@ class DecideService:
 
     async def start(self) -> None:
         settings = self.settings
-        self._nc = await nats.connect(**connect_options(settings.nats, name="kvledger-decide"))
+        options = connect_options(settings.nats, name="kvledger-decide")
+        # nats-py keeps retrying a refused login forever; one attempt without reconnects
+        # turns bad credentials into an error at startup instead of a silent hang.
+        try:
+            await (await nats.connect(**options, allow_reconnect=False)).close()
+        except Exception as error:
+            if is_auth_error(error):
+                raise auth_failure(settings.nats, error) from None
+        self._nc = await nats.connect(**options)
         js = self._js = self._nc.jetstream()
         events_spec = events_stream(settings.stream)
         await ensure_stream(js, events_spec)

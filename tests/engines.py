@@ -53,9 +53,9 @@ def one_block(block_id: int, medium: str | None = "GPU", parent: int | None = No
     return VllmBlockStored((block_id,), parent, tuple([block_id % 50000] * block_size), block_size, medium)
 
 
-async def read_stream(nats_url: str, stream: str = "KV_EVENTS", subject: str | None = None) -> list[tuple[int, str, bytes]]:
+async def read_stream(nats_url: str, stream: str = "KV_EVENTS", subject: str | None = None, **connect) -> list[tuple[int, str, bytes]]:
     """Every message in the stream (optionally one subject), as (stream seq, subject, data)."""
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, **connect)
     try:
         js = nc.jetstream()
         try:
@@ -82,8 +82,8 @@ async def read_stream(nats_url: str, stream: str = "KV_EVENTS", subject: str | N
         await nc.close()
 
 
-async def read_batches(nats_url: str, subject: str | None = None) -> list[EventBatch]:
-    return [decode_batch(data) for _, _, data in await read_stream(nats_url, "KV_EVENTS", subject)]
+async def read_batches(nats_url: str, subject: str | None = None, **connect) -> list[EventBatch]:
+    return [decode_batch(data) for _, _, data in await read_stream(nats_url, "KV_EVENTS", subject, **connect)]
 
 
 async def wait_until(check: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
