@@ -23,7 +23,7 @@ import msgspec
 import nats
 import nats.js.errors
 from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvledger.decision_codec import RequestError, decision_to_json, request_from_json
@@ -34,11 +34,12 @@ from kvledger.reuse import Decision, Reason, ReuseRequest
 from kvledger.settings import Settings
 from kvledger.snapshot import SnapshotError, decode_snapshot
 from kvledger.streams import (
+    StreamConflictError,
+    ensure_stream,
     DECIDE_BATCH_SUBJECT,
     DECIDE_SUBJECT,
     DECISIONS_SUBJECT,
     SNAPSHOTS_BUCKET,
-    StreamSpec,
     decisions_stream,
     events_stream,
     snapshot_seq,
@@ -79,44 +80,6 @@ def choose_backend(wanted: str, index: InventoryIndex) -> tuple[Any, str]:
     if wanted == "cuda":
         raise StartupError(f"decide.backend = cuda, but {reason}; use backend = auto or cpu")
     return CpuBackend(index), f"backend cpu (auto: {reason})"
-
-
-# --- streams -------------------------------------------------------------------------------
-
-
-async def ensure_stream(js: nats.js.JetStreamContext, spec: StreamSpec) -> None:
-    """Create the stream if missing; refuse to start if it exists with other settings."""
-    wanted = {
-        "subjects": sorted(spec.subjects),
-        "storage": StorageType.FILE,
-        "duplicate_window": spec.duplicate_window_s,
-        "max_age": spec.max_age_s,
-        "max_bytes": spec.max_bytes,
-        "num_replicas": spec.replicas,
-    }
-    try:
-        info = await js.stream_info(spec.name)
-    except nats.js.errors.NotFoundError:
-        try:
-            await js.add_stream(StreamConfig(name=spec.name, **wanted))
-            return
-        except nats.js.errors.BadRequestError:
-            info = await js.stream_info(spec.name)  # another stage created it meanwhile
-    config = info.config
-    found = {
-        "subjects": sorted(config.subjects or []),
-        "storage": config.storage,
-        "duplicate_window": config.duplicate_window,
-        "max_age": config.max_age or 0.0,
-        "max_bytes": config.max_bytes if config.max_bytes is not None else -1,
-        "num_replicas": config.num_replicas or 1,
-    }
-    different = {key: (found[key], value) for key, value in wanted.items() if found[key] != value}
-    if different:
-        details = ", ".join(f"{key}: stream has {have!r}, settings want {want!r}"
-                            for key, (have, want) in sorted(different.items()))
-        raise StartupError(f"stream {spec.name} exists with different settings ({details}); "
-                           "change the settings to match or migrate the stream by hand")
 
 
 async def newest_snapshot(js: nats.js.JetStreamContext) -> tuple[InventoryIndex, str] | None:
@@ -452,7 +415,7 @@ def run(settings: Settings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         asyncio.run(serve(settings))
-    except StartupError as error:
+    except (StartupError, StreamConflictError) as error:
         log.error("decide: %s", error)
         return 2
     return 0

@@ -22,21 +22,16 @@ import attrs
 import nats
 import nats.errors
 import nats.js.errors
-from nats.js.api import StorageType, StreamConfig
 
 from kvledger.nats_options import auth_failure, connect_options, describe_server, is_auth_error
 from kvledger.settings import NatsSettings
-from kvledger.streams import StreamSpec
+from kvledger.streams import StreamConflictError, StreamSpec, ensure_stream
 
 log = logging.getLogger("kvledger.ingest.publisher")
 
 _RETRYABLE = (
     asyncio.TimeoutError, OSError, nats.errors.Error, nats.js.errors.Error,
 )
-
-
-class StreamConflictError(RuntimeError):
-    """The stream exists with settings other than ours; we refuse to change it silently."""
 
 
 @attrs.define
@@ -54,39 +49,6 @@ class PublisherCounters:
     duplicates: int = 0
     retries: int = 0
     reconnects: int = 0
-
-
-async def ensure_stream(js: nats.js.JetStreamContext, spec: StreamSpec) -> None:
-    """Create the stream if it is missing; fail clearly if it exists with other settings."""
-    wanted = {
-        "subjects": sorted(spec.subjects),
-        "storage": StorageType.FILE,
-        "duplicate_window": spec.duplicate_window_s,
-        "max_age": spec.max_age_s,
-        "max_bytes": spec.max_bytes,
-        "num_replicas": spec.replicas,
-    }
-    try:
-        info = await js.stream_info(spec.name)
-    except nats.js.errors.NotFoundError:
-        await js.add_stream(StreamConfig(name=spec.name, **wanted))
-        return
-    config = info.config
-    found = {
-        "subjects": sorted(config.subjects or []),
-        "storage": config.storage,
-        "duplicate_window": config.duplicate_window,
-        "max_age": config.max_age or 0.0,
-        "max_bytes": config.max_bytes if config.max_bytes is not None else -1,
-        "num_replicas": config.num_replicas or 1,
-    }
-    different = {key: (found[key], value) for key, value in wanted.items() if found[key] != value}
-    if different:
-        details = ", ".join(f"{key}: stream has {have!r}, settings want {want!r}" for key, (have, want) in sorted(different.items()))
-        raise StreamConflictError(
-            f"stream {spec.name} exists with different settings ({details}); "
-            "change the settings to match or migrate the stream by hand"
-        )
 
 
 class JetStreamPublisher:

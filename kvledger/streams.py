@@ -1,16 +1,24 @@
 """Names and shapes of the JetStream streams and subjects every stage agrees on.
 
-Pure values: each stage provisions or reads them with its own NATS client. A stage that
-finds an existing stream whose settings differ from these refuses to start rather than
-silently changing it.
+Every stage provisions the streams it touches with `ensure_stream`, through the JetStream
+context it opened itself (this module opens no connection). A stage that finds an
+existing stream whose settings differ from these refuses to start rather than silently
+changing it.
 """
 
 from __future__ import annotations
 
+import logging
+
 import attrs
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import StorageType, StreamConfig
 
 from kvledger.events import DEAD_LETTER_SUBJECT_PREFIX, EVENTS_SUBJECT_PREFIX
 from kvledger.settings import StreamSettings
+
+log = logging.getLogger("kvledger.streams")
 
 DEAD_LETTERS_STREAM = "KV_DEAD_LETTERS"
 SNAPSHOTS_BUCKET = "KV_SNAPSHOTS"
@@ -50,6 +58,58 @@ def decisions_stream(settings: StreamSettings) -> StreamSpec:
         settings.decisions_stream, (DECISIONS_SUBJECT,), settings.duplicate_window_s,
         settings.max_age_s, settings.max_bytes, settings.replicas,
     )
+
+
+class StreamConflictError(RuntimeError):
+    """An existing stream differs from the spec all stages agree on; no stage modifies it."""
+
+
+def stream_config(spec: StreamSpec) -> StreamConfig:
+    return StreamConfig(
+        name=spec.name, subjects=list(spec.subjects), storage=StorageType.FILE,
+        duplicate_window=spec.duplicate_window_s, max_age=spec.max_age_s, max_bytes=spec.max_bytes,
+        num_replicas=spec.replicas,
+    )
+
+
+def config_differences(spec: StreamSpec, config: StreamConfig) -> list[str]:
+    """How an existing stream's config differs from `spec`, one line per setting (empty: it agrees)."""
+    found = {
+        "subjects": sorted(config.subjects or []),
+        "storage": StorageType(config.storage).value if config.storage else None,
+        "duplicate_window_s": float(config.duplicate_window or 0),
+        "max_age_s": float(config.max_age or 0),
+        "max_bytes": config.max_bytes if config.max_bytes is not None else -1,
+        "replicas": config.num_replicas or 1,
+    }
+    wanted = {
+        "subjects": sorted(spec.subjects),
+        "storage": StorageType.FILE.value,
+        "duplicate_window_s": float(spec.duplicate_window_s),
+        "max_age_s": float(spec.max_age_s),
+        "max_bytes": spec.max_bytes,
+        "replicas": spec.replicas,
+    }
+    return [f"{key}: stream has {found[key]!r}, settings want {wanted[key]!r}" for key in wanted if found[key] != wanted[key]]
+
+
+async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> None:
+    """Create the stream if missing; if it exists with other settings, refuse (never modify it)."""
+    try:
+        info = await js.stream_info(spec.name)
+    except nats.js.errors.NotFoundError:
+        try:
+            await js.add_stream(stream_config(spec))
+            log.info("created stream %s on %s", spec.name, ", ".join(spec.subjects))
+            return
+        except nats.js.errors.BadRequestError:
+            info = await js.stream_info(spec.name)  # another stage created it meanwhile
+    differences = config_differences(spec, info.config)
+    if differences:
+        raise StreamConflictError(
+            f"stream {spec.name} exists with different settings ({'; '.join(differences)}); "
+            "change the settings to match, or migrate the stream by hand"
+        )
 
 
 def dead_letter_subject(publisher: str) -> str:

@@ -24,7 +24,7 @@ from store.tables import parse_hash
 
 def run_store(settings: Settings) -> int:
     from kvledger.nats_options import NatsAuthError
-    from store.jetstream import StreamConflictError
+    from kvledger.streams import StreamConflictError
     from store.projector import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

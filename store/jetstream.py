@@ -7,18 +7,13 @@ import logging
 
 import nats
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from kvledger.nats_options import NatsAuthError, auth_failure, connect_options, describe_server, is_auth_error
 from kvledger.settings import NatsSettings
-from kvledger.streams import StreamSpec
 
 log = logging.getLogger("kvledger.store")
-
-
-class StreamConflictError(RuntimeError):
-    """An existing stream differs from the spec all stages agree on; store will not change it."""
 
 
 async def connect(settings: NatsSettings, stop: asyncio.Event) -> nats.NATS | None:
@@ -64,58 +59,6 @@ async def connect(settings: NatsSettings, stop: asyncio.Event) -> nats.NATS | No
         finally:
             watching.cancel()
     return None
-
-
-def stream_config(spec: StreamSpec) -> StreamConfig:
-    return StreamConfig(
-        name=spec.name,
-        subjects=list(spec.subjects),
-        storage=StorageType.FILE,
-        duplicate_window=spec.duplicate_window_s,
-        max_age=spec.max_age_s,
-        max_bytes=spec.max_bytes,
-        num_replicas=spec.replicas,
-    )
-
-
-def _differences(spec: StreamSpec, config: StreamConfig) -> list[str]:
-    found = {
-        "subjects": sorted(config.subjects or []),
-        "storage": StorageType(config.storage).value if config.storage else None,
-        "duplicate_window_s": float(config.duplicate_window or 0),
-        "max_age_s": float(config.max_age or 0),
-        "max_bytes": config.max_bytes if config.max_bytes is not None else -1,
-        "replicas": config.num_replicas or 1,
-    }
-    wanted = {
-        "subjects": sorted(spec.subjects),
-        "storage": StorageType.FILE.value,
-        "duplicate_window_s": float(spec.duplicate_window_s),
-        "max_age_s": float(spec.max_age_s),
-        "max_bytes": spec.max_bytes,
-        "replicas": spec.replicas,
-    }
-    return [f"{key}: has {found[key]!r}, expected {wanted[key]!r}" for key in wanted if found[key] != wanted[key]]
-
-
-async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> None:
-    """Create the stream if missing; if it exists with other settings, refuse (never modify it)."""
-    try:
-        info = await js.stream_info(spec.name)
-    except NotFoundError:
-        try:
-            await js.add_stream(stream_config(spec))
-            log.info("created stream %s on %s", spec.name, ", ".join(spec.subjects))
-            return
-        except nats.js.errors.BadRequestError:
-            # Another stage created it meanwhile; check what it made.
-            info = await js.stream_info(spec.name)
-    differences = _differences(spec, info.config)
-    if differences:
-        raise StreamConflictError(
-            f"stream {spec.name} exists with settings kvledger does not expect ({'; '.join(differences)}); "
-            "store does not modify an existing stream: fix the stream or the stream settings"
-        )
 
 
 async def bind_consumer(

@@ -36,7 +36,8 @@ from kvledger.streams import dead_letters_stream, decisions_stream, events_strea
 from store import tables
 from store.changes import ChangeBuilder, ResidencyIndex
 from store.database import create_engine, require_current
-from store.jetstream import bind_consumer, connect, ensure_stream
+from kvledger.streams import ensure_stream
+from store.jetstream import bind_consumer, connect
 from store.recorder import SQL_CHECKPOINT, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError
 from store.snapshots import SnapshotWriter

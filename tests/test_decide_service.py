@@ -22,7 +22,8 @@ from kvledger.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUB
 from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
 
 from decide.index import InventoryIndex
-from decide.service import DecideService, StartupError, choose_backend, ensure_stream
+from decide.service import DecideService, StartupError, choose_backend
+from kvledger.streams import StreamConflictError, ensure_stream
 from kvledger.streams import StreamSpec, events_stream
 
 pytestmark = pytest.mark.service
@@ -212,7 +213,7 @@ async def test_a_conflicting_decisions_stream_is_a_clear_startup_error(nats_serv
     settings = decide_settings(nats_server.url)
     async with await nats.connect(nats_server.url) as nc:
         await ensure_stream(nc.jetstream(), StreamSpec(settings.stream.decisions_stream, ("kv.dec",), 600.0, 0.0, -1, 1))
-        with pytest.raises(StartupError, match="KV_DECISIONS exists with different settings.*duplicate_window"):
+        with pytest.raises(StreamConflictError, match="KV_DECISIONS exists with different settings.*duplicate_window"):
             async with DecideService(settings):
                 pass
 

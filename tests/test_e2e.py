@@ -162,7 +162,7 @@ async def test_the_pipeline_survives_faults_and_reports_exactly_what_it_lost(nat
             assert pipeline.sql_inventory() == truth_inventory(fleet)
             await wait_until(lambda: _certain(pipeline), 30, "no uncertain workers after Cleared")
             assert pipeline.sql(
-                f"SELECT COUNT(*) FROM workers WHERE uncertain_since IS NOT NULL"
+                "SELECT COUNT(*) FROM workers WHERE uncertain_since IS NOT NULL"
             ) == [(0,)]
 
 

@@ -36,7 +36,7 @@ from kvledger.settings import Settings, load_settings
 from kvledger.snapshot import decode_snapshot
 from kvledger.streams import SNAPSHOTS_BUCKET, events_stream
 from store import audit, database
-from store.jetstream import ensure_stream
+from kvledger.streams import ensure_stream
 from store.projector import StoreService
 from store.recorder import load_fold
 from store.tables import to_signed

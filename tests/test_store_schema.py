@@ -15,7 +15,7 @@ from kvledger.settings import Settings
 from kvledger.streams import StreamSpec, events_stream
 from store import database
 from store.database import SchemaError
-from store.jetstream import StreamConflictError, ensure_stream
+from kvledger.streams import StreamConflictError, ensure_stream
 from store.projector import StoreService
 from store.tables import metadata
 from test_store_projector import store_settings
@@ -76,7 +76,7 @@ async def test_a_conflicting_events_stream_is_refused_not_modified(nats_server, 
     try:
         js = connection.jetstream()
         await ensure_stream(js, other)
-        with pytest.raises(StreamConflictError, match=r"KV_EVENTS exists with settings .*subjects.*max_age_s"):
+        with pytest.raises(StreamConflictError, match=r"KV_EVENTS exists with different settings .*subjects.*max_age_s"):
             await StoreService(store_settings(nats_server.url, sqlite_url)).run(asyncio.Event())
         config = (await js.stream_info(spec.name)).config
         assert config.subjects == ["kv.other.>"] and config.max_age == 3600.0
