@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvledger.decision_codec import RequestError, decision_to_json, request_from_json
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
 from kvledger.http import Request, Response, health_routes, serve_connection
+from kvledger.lifetime import AsyncLifetime
 from kvledger.nats_options import auth_failure, connect_options, is_auth_error
 from kvledger.reuse import Decision, Reason, ReuseRequest
 from kvledger.settings import Settings
@@ -145,7 +146,7 @@ class DecideMetrics:
 # --- the service -----------------------------------------------------------------------------
 
 
-class DecideService:
+class DecideService(AsyncLifetime):
     """The running decision service; `async with DecideService(settings) as service:`."""
 
     def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -166,17 +167,6 @@ class DecideService:
         self._stopped = asyncio.Event()
 
     # lifetime
-
-    async def __aenter__(self) -> DecideService:
-        try:
-            await self.start()
-        except BaseException:
-            await self.close()
-            raise
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     async def start(self) -> None:
         settings = self.settings

@@ -34,6 +34,7 @@ from kvledger.events import (
     encode_dead_letter, events_subject,
 )
 from kvledger.http import health_routes, serve_connection
+from kvledger.lifetime import AsyncLifetime
 from kvledger.nats_options import connect_options
 from kvledger.settings import Settings
 from kvledger.streams import dead_letter_subject, dead_letters_stream, events_stream
@@ -184,7 +185,7 @@ class EngineStream:
             )
 
 
-class Bridge:
+class Bridge(AsyncLifetime):
     """Runs every engine stream, the publisher, and the health/metrics endpoint."""
 
     def __init__(self, settings: Settings, sources: list[StreamSource], *, http_port: int | None = None) -> None:
@@ -217,24 +218,16 @@ class Bridge:
         # Benchmarks hook here to see every engine-send → JetStream-ack latency.
         self.ack_observer: Callable[[float], None] | None = None
 
-    async def __aenter__(self) -> Bridge:
+    async def start(self) -> None:
         await self.publisher.__aenter__()
-        try:
-            await self.publisher.wait_connected(timeout=self.settings.nats.connect_timeout_s * 3)
-            self._reader = await nats.connect(**connect_options(self.settings.nats, name="kvledger-ingest-reader"))
-            router = health_routes(self.is_ready, lambda: generate_latest(self.metrics.registry))
-            self._http = await asyncio.start_server(
-                functools.partial(serve_connection, router=router), "0.0.0.0", self._http_port,
-            )
-            self.http_port = self._http.sockets[0].getsockname()[1]
-            self._tasks = [asyncio.create_task(self._supervise(stream), name=f"stream-{stream.name}") for stream in self.streams]
-        except BaseException:
-            await self.close()
-            raise
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
+        await self.publisher.wait_connected(timeout=self.settings.nats.connect_timeout_s * 3)
+        self._reader = await nats.connect(**connect_options(self.settings.nats, name="kvledger-ingest-reader"))
+        router = health_routes(self.is_ready, lambda: generate_latest(self.metrics.registry))
+        self._http = await asyncio.start_server(
+            functools.partial(serve_connection, router=router), "0.0.0.0", self._http_port,
+        )
+        self.http_port = self._http.sockets[0].getsockname()[1]
+        self._tasks = [asyncio.create_task(self._supervise(stream), name=f"stream-{stream.name}") for stream in self.streams]
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -13,6 +13,7 @@ import socket
 from ingest.simulator import SimulatedEngine
 from ingest.wire import VllmBlockRemoved, VllmBlockStored
 from kvledger.events import WorkerId
+from kvledger.lifetime import AsyncLifetime
 from kvledger.workload import CacheChange, EngineCache, Request, block_tokens
 
 
@@ -66,26 +67,18 @@ def _stored_runs(blocks: tuple[tuple[int, int | None, int], ...], size: int, med
     ]
 
 
-class SimulatedFleet:
+class SimulatedFleet(AsyncLifetime):
     """`async with SimulatedFleet(4) as fleet:` — workers `sim-0` … `sim-3` on free loopback ports."""
 
     def __init__(self, workers: int, *, gpu_blocks: int = 512, cpu_blocks: int = 2048, prefix: str = "sim") -> None:
         self._specs = [(WorkerId(f"{prefix}-{number}"), gpu_blocks, cpu_blocks) for number in range(workers)]
         self.workers: list[SimulatedWorker] = []
 
-    async def __aenter__(self) -> SimulatedFleet:
-        try:
-            for worker, gpu_blocks, cpu_blocks in self._specs:
-                engine = SimulatedEngine(f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}")
-                await engine.__aenter__()
-                self.workers.append(SimulatedWorker(worker, engine, EngineCache(gpu_blocks, cpu_blocks)))
-        except BaseException:
-            await self.close()
-            raise
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
+    async def start(self) -> None:
+        for worker, gpu_blocks, cpu_blocks in self._specs:
+            engine = SimulatedEngine(f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}")
+            await engine.__aenter__()
+            self.workers.append(SimulatedWorker(worker, engine, EngineCache(gpu_blocks, cpu_blocks)))
 
     async def close(self) -> None:
         for worker in self.workers:

@@ -59,12 +59,12 @@ async def test_a_late_subscriber_loses_one_shot_events_unless_it_awaits_the_hand
     pub_endpoint, replay_endpoint = engine_endpoints()
     try:
         async with SimulatedEngine(pub_endpoint, replay_endpoint, context=context) as engine:
-            # Without the barrier: connect and let the engine publish at once.
-            payload = engine.encode([one_block(1)])
+            # A subscriber that is late (still joining when the engine sends): ZMQ PUB sends
+            # only to subscriptions it already holds, so the one-shot event is gone for good.
+            await engine.publish([one_block(1)])
             hasty = context.socket(zmq.SUB)
             hasty.setsockopt(zmq.SUBSCRIBE, b"")
-            hasty.connect(engine.pub_endpoint)  # returns at once; the TCP and ZMTP handshakes follow
-            await engine.publish_payload(payload)
+            hasty.connect(engine.pub_endpoint)
             assert await _received_within(hasty, 0.5) is None, "the one-shot event should have been lost"
             hasty.close(linger=0)
             # With ingest's barrier: the handshake completed, then one round trip to the
