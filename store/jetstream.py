@@ -86,3 +86,33 @@ async def bind_consumer(
     )
     await js.add_consumer(stream, config)
     return await js.pull_subscribe_bind(durable=durable, stream=stream)
+
+
+class StalledConsumerError(nats.errors.Error):
+    """The durable consumer vanished or stopped delivering; the projector rebinds it."""
+
+
+class ConsumerWatch:
+    """Notices a pull consumer that stopped delivering — lost in a server crash, or a stale
+    subscription after a reconnect — so the projector rebinds it instead of idling forever."""
+
+    STALLED_AFTER = 3  # idle fetches in a row while the server says messages are pending
+
+    def __init__(self, js: JetStreamContext, stream: str, durable: str) -> None:
+        self._js, self._stream, self._durable = js, stream, durable
+        self._idle_with_pending = 0
+
+    async def idle(self) -> None:
+        """Call after a fetch that returned nothing; raises a NATS error when a rebind is due."""
+        info = await self._js.consumer_info(self._stream, self._durable)  # NotFoundError: it is gone
+        if not info.num_pending:
+            self._idle_with_pending = 0
+            return
+        self._idle_with_pending += 1
+        if self._idle_with_pending >= self.STALLED_AFTER:
+            raise StalledConsumerError(
+                f"consumer {self._durable} on {self._stream} has {info.num_pending} pending but delivers nothing"
+            )
+
+    def delivered(self) -> None:
+        self._idle_with_pending = 0

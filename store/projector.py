@@ -37,7 +37,7 @@ from store import tables
 from store.changes import ChangeBuilder, ResidencyIndex
 from store.database import create_engine, require_current
 from kvledger.streams import ensure_stream
-from store.jetstream import bind_consumer, connect
+from store.jetstream import ConsumerWatch, bind_consumer, connect
 from store.recorder import SQL_CHECKPOINT, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError
 from store.snapshots import SnapshotWriter
@@ -127,7 +127,7 @@ class EventsProjector:
                 )
                 self.ready = True
                 backoff.reset()
-                await self._consume(subscription, recorder, stop)
+                await self._consume(subscription, ConsumerWatch(js, self.stream, EVENTS_DURABLE), recorder, stop)
             except DATABASE_ERRORS as error:
                 # The transaction may or may not have committed: the SQL checkpoint decides.
                 self.fold = None
@@ -145,7 +145,7 @@ class EventsProjector:
                     await asyncio.to_thread(recorder.close)
         self.ready = False
 
-    async def _consume(self, subscription, recorder, stop: asyncio.Event) -> None:
+    async def _consume(self, subscription, watch: ConsumerWatch, recorder, stop: asyncio.Event) -> None:
         # Two-stage pipeline: while transaction n is written (by the writer process), batch n+1 is
         # fetched and folded. The fold then runs ahead of SQL, so any write failure throws
         # the fold away; it is rebuilt from SQL, which holds exactly what was committed.
@@ -167,7 +167,9 @@ class EventsProjector:
                 if messages is None:
                     writing = await self._drain(writing)
                     await self._maybe_snapshot()
+                    await watch.idle()
                     continue
+                watch.delivered()
                 if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                     continue
                 changes = builder.begin(fold.inventory_seq + 1)
@@ -309,7 +311,7 @@ class RowProjector:
                 subscription = await bind_consumer(js, self.stream, self.durable, checkpoint, batch_size=self.batch_size)
                 self.ready = True
                 backoff.reset()
-                await self._consume(subscription, checkpoint, stop)
+                await self._consume(subscription, ConsumerWatch(js, self.stream, self.durable), checkpoint, stop)
             except DATABASE_ERRORS as error:
                 self.ready = False
                 self.metrics.database_errors.inc()
@@ -326,12 +328,14 @@ class RowProjector:
         with self.engine.connect() as connection:
             return read_checkpoint(connection, self.name)
 
-    async def _consume(self, subscription, checkpoint: int, stop: asyncio.Event) -> None:
+    async def _consume(self, subscription, watch: ConsumerWatch, checkpoint: int, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 messages = await subscription.fetch(self.batch_size, timeout=FETCH_TIMEOUT_S)
             except TimeoutError:  # nats-py raises its own and asyncio's; both are this
+                await watch.idle()
                 continue
+            watch.delivered()
             if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                 continue
             rows = []

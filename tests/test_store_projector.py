@@ -354,7 +354,7 @@ async def test_health_metrics_and_redelivery_after_restart_change_nothing(nats_s
     before = content_digest(db_url)
 
     # Redelivery: a consumer handing the whole stream again (seq <= checkpoint) changes nothing.
-    from store.jetstream import bind_consumer
+    from store.jetstream import ConsumerWatch, bind_consumer
     from store.snapshots import SnapshotWriter
     from store.writer import RecorderProcess
 
@@ -369,7 +369,8 @@ async def test_health_metrics_and_redelivery_after_restart_change_nothing(nats_s
         subscription = await bind_consumer(js, "KV_EVENTS", "redelivery-test", 0, batch_size=50)
         await asyncio.to_thread(recorder.wait_ready)
         stop = asyncio.Event()
-        consuming = asyncio.create_task(projector._consume(subscription, recorder, stop))
+        watch = ConsumerWatch(js, "KV_EVENTS", "redelivery-test")
+        consuming = asyncio.create_task(projector._consume(subscription, watch, recorder, stop))
         skipped = service.metrics.skipped.labels("KV_EVENTS")
         await poll(lambda: skipped._value.get() >= last, "every message redelivered", watch=consuming)
         stop.set()
