@@ -44,6 +44,7 @@ class EngineSubscriber:
         self._monitor_task = asyncio.create_task(self._watch(), name=f"monitor-{self.endpoint}")
         sock.connect(self.endpoint)
         self._sock = sock
+        self._direct = zmq.Socket.shadow(sock.underlying)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -72,16 +73,19 @@ class EngineSubscriber:
         one write instead of one system call per batch.
         """
         burst: list[list[bytes]] = []
+        # Non-blocking reads go through a plain (synchronous) view of the same socket: no
+        # future per message. Only an empty queue pays for polling.
+        direct = self._direct
         try:
-            burst.append(self._sock.recv_multipart(zmq.NOBLOCK).result())
+            burst.append(direct.recv_multipart(zmq.NOBLOCK))
         except zmq.Again:
-            first = await self.recv(timeout_s)  # only an empty queue pays for polling
+            first = await self.recv(timeout_s)
             if first is None:
                 return []
             burst.append(first)
         while len(burst) < limit:
             try:
-                burst.append(self._sock.recv_multipart(zmq.NOBLOCK).result())
+                burst.append(direct.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
         return burst
