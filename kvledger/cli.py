@@ -274,7 +274,7 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
                         fleet.workers, requests, ask, duration_s=args.duration,
                         on_progress=lambda current: live.update(progress_line(current)),
                     )
-                console.print("[dim]waiting for the store to catch up...[/]")
+                console.print("\n[dim]waiting for the store to catch up...[/]")
                 await _wait_store_caught_up(nc, settings)
             finally:
                 await nc.close()
@@ -555,6 +555,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"kvledger: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader (`kvledger config show | head`) left; keep the interpreter's final
+        # flush from raising again, as the Python docs on SIGPIPE recommend.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:
         # A refused NATS login is a configuration problem: say so in one line, not a traceback.
         from kvledger.nats_options import auth_failure, is_auth_error
@@ -562,11 +567,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not is_auth_error(exc):
             raise
         print(f"kvledger: {auth_failure(loaded.settings.nats, exc)}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:
-        # The reader (`kvledger config show | head`) left; keep the interpreter's final
-        # flush from raising again, as the Python docs on SIGPIPE recommend.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
 
