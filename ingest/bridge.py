@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+import attrs
 import nats
 import nats.js.errors
 import zmq
@@ -42,7 +43,7 @@ from kvledger.streams import dead_letter_subject, dead_letters_stream, events_st
 log = logging.getLogger("kvledger.ingest")
 
 IDLE_PROBE_S = 1.0  # how long a quiet stream waits before asking replay for a lost tail
-DEAD_LETTER_FRAME_LIMIT = 256 * 1024  # a dead letter must fit in one NATS message
+DEAD_LETTER_LIMIT = 256 * 1024  # raw bytes kept per dead letter: it must fit in one NATS message
 
 
 class IngestMetrics:
@@ -127,10 +128,15 @@ class EngineStream:
         return f"{self.source.worker.name}{suffix}"
 
     async def run(self) -> None:
-        epoch, next_seq = await self._bridge.resume_position(self.source)
-        fetch = self._fetch if self._replay is not None else None
-        self.tracker = SequenceTracker(epoch, next_seq, fetch)
-        log.info("%s: resuming at epoch %d seq %d from %s", self.name, epoch, next_seq, self.source.pub_url)
+        if self.tracker is None:
+            # Only the first start reads the position back: after a stream failure the tracker
+            # is ahead of JetStream (batches may still wait in the publisher) and stays.
+            epoch, next_seq = await self._bridge.resume_position(self.source)
+            fetch = self._fetch if self._replay is not None else None
+            self.tracker = SequenceTracker(epoch, next_seq, fetch)
+        log.info(
+            "%s: following %s from epoch %d seq %d", self.name, self.source.pub_url, self.tracker.epoch, self.tracker.next_seq,
+        )
         async with EngineSubscriber(self.source.pub_url, self._context) as subscriber:
             self.subscriber = subscriber
             await subscriber.connected.wait()
@@ -180,9 +186,16 @@ class EngineStream:
             batch = EventBatch(
                 self.source.worker, emit.epoch, emit.seq, engine_ts, time.time(), self.source.provenance, events,
             )
-            await self._bridge.publisher.publish(
-                batch.subject, encode_batch(batch), batch.msg_id, engine_ts if engine_ts > 0 else None,
-            )
+            record = encode_batch(batch)
+            if len(record) > self._bridge.publisher.max_payload:
+                # NATS would refuse it on every retry and stall every stream behind it.
+                await self._bridge.dead_letter(
+                    self.source, f"canonical record of {len(record)} bytes exceeds the NATS max_payload "
+                    f"of {self._bridge.publisher.max_payload}", [emit.payload], emit,
+                )
+                batch = attrs.evolve(batch, events=(*emit.gaps, Gap(emit.seq, emit.seq + 1, GapReason.MISSED)))
+                record = encode_batch(batch)
+            await self._bridge.publisher.publish(batch.subject, record, batch.msg_id, engine_ts if engine_ts > 0 else None)
 
 
 class Bridge(AsyncLifetime):
@@ -267,6 +280,10 @@ class Bridge(AsyncLifetime):
             for waiter in waiters:
                 waiter.cancel()
 
+    async def wait_failed(self) -> None:
+        """Return only if publishing stopped for good (refused login, stream conflict): by raising it."""
+        await self.publisher.finished()
+
     async def _supervise(self, stream: EngineStream) -> None:
         # A bug or a vanished socket in one stream must not stop the others; its tracker
         # survives the restart, so no position is lost.
@@ -277,6 +294,8 @@ class Bridge(AsyncLifetime):
             except asyncio.CancelledError:
                 raise
             except Exception:
+                if self.publisher.failed:
+                    raise  # nothing can be published any more: restarting would only spin
                 log.exception("%s: stream failed; restarting", stream.name)
                 stream.ready.clear()
                 await asyncio.sleep(delay)
@@ -296,9 +315,13 @@ class Bridge(AsyncLifetime):
         worker = source.worker
         log.warning("%s: dead-lettered: %s", worker.name, reason)
         self.metrics.dead_letters[worker.publisher] += 1
-        kept = tuple(bytes(frame[:DEAD_LETTER_FRAME_LIMIT]) for frame in frames)
-        if any(len(frame) > DEAD_LETTER_FRAME_LIMIT for frame in frames):
-            reason = f"{reason} (frames truncated to {DEAD_LETTER_FRAME_LIMIT} bytes)"
+        kept, room = [], DEAD_LETTER_LIMIT
+        for frame in frames:
+            kept.append(bytes(frame[:room]))
+            room -= len(kept[-1])
+        if sum(len(frame) for frame in frames) > DEAD_LETTER_LIMIT:
+            reason = f"{reason} (frames truncated to {DEAD_LETTER_LIMIT} bytes in all)"
+        kept = tuple(kept)
         letter = DeadLetter(worker.publisher, worker.dp_rank, reason, kept, time.time(), source.pub_url)
         # A dead letter tied to an engine seq is published once however often it is replayed.
         msg_id = (

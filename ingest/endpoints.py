@@ -74,12 +74,14 @@ def parse_endpoint(spec: str, publisher: str | None = None) -> EndpointSpec:
     ranks = values.get("dp_ranks", "1")
     if not ranks.isdigit() or int(ranks) < 1:
         raise EndpointError(f"endpoint {spec!r}: dp_ranks must be a positive integer")
-    replay = values.get("replay")
-    if replay and int(ranks) > 1:
-        _check_rank_ports(url, replay, int(ranks), spec)
-    return EndpointSpec(
-        name, _check_url(url, spec), _check_url(replay, spec) if replay else None, provenance, int(ranks),
-    )
+    pub_url = _check_url(url, spec)
+    replay = _check_url(values["replay"], spec) if values.get("replay") else None
+    if int(ranks) > 1:
+        if not all(address.startswith("tcp://") for address in (pub_url, replay) if address):
+            raise EndpointError(f"endpoint {spec!r}: dp_ranks > 1 needs tcp:// addresses (rank r uses port + r)")
+        if replay:
+            _check_rank_ports(pub_url, replay, int(ranks), spec)
+    return EndpointSpec(name, pub_url, replay, provenance, int(ranks))
 
 
 def _check_rank_ports(pub_url: str, replay_url: str, ranks: int, spec: str) -> None:

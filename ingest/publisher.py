@@ -108,6 +108,21 @@ class JetStreamPublisher:
     def buffered(self) -> int:
         return len(self._pending)
 
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server takes (1 MiB, NATS's default, until connected)."""
+        nc = self._nc
+        return nc.max_payload if nc is not None and nc.max_payload else 1024 * 1024
+
+    @property
+    def failed(self) -> bool:
+        """Publishing stopped for good (a refused login or a stream conflict)."""
+        return self._task is not None and self._task.done() and not self._task.cancelled() and self._task.exception() is not None
+
+    async def finished(self) -> None:
+        """Wait for the publishing task to end; re-raise what stopped it."""
+        await asyncio.shield(self._task)
+
     async def publish(self, subject: str, payload: bytes, msg_id: str, origin_ts: float | None = None) -> None:
         """Queue one message; waits while the buffer is full (that wait is the backpressure).
 
@@ -115,7 +130,15 @@ class JetStreamPublisher:
         """
         if self._task is not None and self._task.done():
             self._task.result()
-        await self._space.acquire()
+        if self._space.locked():
+            # Full: wait for room, unless publishing dies meanwhile (then say why).
+            room = asyncio.ensure_future(self._space.acquire())
+            await asyncio.wait({room, self._task}, return_when=asyncio.FIRST_COMPLETED)
+            if not room.done():
+                room.cancel()
+                self._task.result()
+        else:
+            await self._space.acquire()
         self._pending.append(_Pending(subject, payload, msg_id, time.perf_counter(), origin_ts))
         self._drained.clear()
         self._work.set()

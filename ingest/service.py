@@ -36,9 +36,21 @@ async def serve(settings: Settings, publishers: Sequence[str]) -> None:
             "ingest: %d engine streams -> %s (metrics and health on :%d)",
             len(sources), describe_server(settings.nats), bridge.http_port,
         )
-        await bridge.wait_ready()
-        log.info("ingest: ready")
-        await stop.wait()
+        # Stop, or publishing failing for good, ends the wait at any time, readiness included.
+        stopped = asyncio.ensure_future(stop.wait())
+        failed = asyncio.ensure_future(bridge.wait_failed())
+        ready = asyncio.ensure_future(bridge.wait_ready())
+        try:
+            done, _ = await asyncio.wait({stopped, failed, ready}, return_when=asyncio.FIRST_COMPLETED)
+            if ready in done and not stopped.done():
+                ready.result()
+                log.info("ingest: ready")
+                done, _ = await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+            if failed in done:
+                failed.result()
+        finally:
+            for waiter in (stopped, failed, ready):
+                waiter.cancel()
         log.info("ingest: stopping, flushing unacknowledged batches")
 
 

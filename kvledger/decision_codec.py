@@ -43,7 +43,7 @@ def _int_list(value: object, field: str, *, upper: int) -> list[int]:
     result = []
     for index, item in enumerate(value):
         # Hashes above 2**53 do not survive JSON in every client, so decimal strings are accepted too.
-        if isinstance(item, str) and item.isdigit():
+        if isinstance(item, str) and item.isascii() and item.isdigit():
             item = int(item)
         if not isinstance(item, int) or isinstance(item, bool) or not 0 <= item <= upper:
             raise RequestError(f"{field}[{index}]", f"expected an integer in [0, {upper}], got {item!r}")

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 import attrs
+import cattrs
 import nats.errors
 import psycopg
 import sqlalchemy as sa
@@ -346,7 +347,7 @@ class RowProjector:
                     continue
                 try:
                     rows.append(self.make_row(message))
-                except (ValueError, KeyError, TypeError) as error:
+                except (ValueError, KeyError, TypeError, cattrs.BaseValidationError) as error:
                     # An unreadable decision is kept as a dead letter rather than stopping the stream.
                     self.metrics.dead_letters.labels(self.stream).inc()
                     rows.append(("dead", _undecodable_row(self.name, seq, message, f"unreadable: {error}")))

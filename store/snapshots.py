@@ -58,8 +58,9 @@ class SnapshotWriter:
     async def write(self, fold: InventoryFold) -> str:
         seq = fold.inventory_seq
         started = time.perf_counter()
-        data = encode_snapshot(fold)
-        blocks = sum(1 for _ in fold.iter_records())
+        # Encoding a large inventory takes a while: off the event loop (the fold does not
+        # change meanwhile, the projector awaits this write).
+        data, blocks = await asyncio.to_thread(lambda: (encode_snapshot(fold), sum(1 for _ in fold.iter_records())))
         store = await self._bucket()
         name = snapshot_object_name(seq)
         await store.put(name, data)

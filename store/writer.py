@@ -18,6 +18,8 @@ import subprocess
 import sys
 from typing import BinaryIO
 
+import sqlalchemy as sa
+
 from store.changes import ChangeSet
 
 _LENGTH = struct.Struct(">Q")
@@ -83,6 +85,10 @@ def serve(url: str, stream_name: str, requests: BinaryIO, replies: BinaryIO) -> 
         engine.dispose()
 
 
+def _without_password(url: str) -> str:
+    return sa.make_url(url).render_as_string(hide_password=True)
+
+
 class RecorderProcess:
     """The Recorder interface (write, close), served by a child process."""
 
@@ -92,9 +98,13 @@ class RecorderProcess:
     def __init__(self, url: str, stream: str) -> None:
         # Started from the event loop's thread: the death signal is tied to the starting thread.
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "store.writer", url, stream],
+            [sys.executable, "-m", "store.writer", stream, _without_password(url)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=_die_with_parent,
         )  # fmt: skip
+        # The URL may hold a database password: it goes down the pipe, never onto the
+        # command line, where any user could read it in `ps`.
+        self._process.stdin.write(url.encode() + b"\n")
+        self._process.stdin.flush()
 
     def _reply(self) -> None:
         try:
@@ -129,4 +139,5 @@ class RecorderProcess:
 
 
 if __name__ == "__main__":
-    raise SystemExit(serve(sys.argv[1], sys.argv[2], sys.stdin.buffer, sys.stdout.buffer))
+    # argv: the stream, then the URL without its password (only so `ps` shows which database)
+    raise SystemExit(serve(sys.stdin.buffer.readline().decode().rstrip("\n"), sys.argv[1], sys.stdin.buffer, sys.stdout.buffer))

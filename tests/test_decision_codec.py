@@ -41,6 +41,7 @@ def test_local_hashes_accept_u64_ints_and_decimal_strings() -> None:
         ({"request_id": "r", "block_size": 16, "token_ids": [1], "local_hashes": [1]}, "token_ids"),
         ({"request_id": "r", "block_size": 16, "token_ids": [1, -5]}, "token_ids[1]"),
         ({"request_id": "r", "block_size": 16, "local_hashes": [2**64]}, "local_hashes[0]"),
+        ({"request_id": "r", "block_size": 16, "local_hashes": ["\u00b2"]}, "local_hashes[0]"),
         ({"request_id": "r", "block_size": 16, "token_ids": "abc"}, "token_ids"),
         ({"request_id": "r", "block_size": 16, "token_ids": [], "target": "bad.name"}, "target"),
         ({"request_id": "r", "block_size": 16, "token_ids": [], "lora_name": 3}, "lora_name"),

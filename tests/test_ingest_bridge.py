@@ -316,3 +316,24 @@ async def test_readiness_is_observable_before_and_after(nats_server) -> None:
             assert (await http_get(bridge.http_port, "/healthz"))[0] == 200
             with pytest.raises(TimeoutError):
                 await bridge.wait_ready(timeout=0.5)
+
+
+async def test_a_batch_too_big_for_nats_is_dead_lettered_not_retried_forever(nats_server) -> None:
+    from ingest.wire import VllmBlockStored
+
+    pub, replay = engine_endpoints()
+    huge = VllmBlockStored(tuple(range(2**63, 2**63 + 70_000)), None, tuple(range(70_000)), 1, "GPU")  # > 1 MiB as a record
+    async with SimulatedEngine(pub, replay) as engine:
+        async with Bridge(settings_for(nats_server.url), [source(WorkerId("big"), engine)]) as bridge:
+            await bridge.wait_ready(timeout=10)
+            await engine.publish([huge])
+            await engine.publish([one_block(1)])
+            await wait_until(lambda: _count(nats_server.url, 2), 20, "both batches")
+            await bridge.publisher.flush(10)
+    batches = await read_batches(nats_server.url)
+    assert [b.seq for b in batches] == [0, 1]
+    assert batches[0].events == (Gap(0, 1, GapReason.MISSED),)
+    assert isinstance(batches[1].events[0], Stored)
+    [letter] = [decode_dead_letter(data) for _, _, data in await read_stream(nats_server.url, "KV_DEAD_LETTERS")]
+    assert "exceeds the NATS max_payload" in letter.reason
+    assert sum(len(frame) for frame in letter.frames) <= 256 * 1024

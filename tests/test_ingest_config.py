@@ -38,6 +38,8 @@ def test_endpoint_specs_with_every_option() -> None:
         ("tcp://h:1,provenance=maybe", "a", "provenance must be native or retained"),
         ("tcp://h:1,dp_ranks=0", "a", "dp_ranks must be a positive integer"),
         ("tcp://h:5557,replay=tcp://h:5558,dp_ranks=4", "a", "which overlap"),
+        ("tcp://h:abc,dp_ranks=2", "a", "needs a TCP port"),
+        ("ipc:///tmp/engine,dp_ranks=2", "a", "dp_ranks > 1 needs tcp://"),
     ],
 )
 def test_bad_endpoint_specs_are_refused_with_the_spec_quoted(spec: str, publisher: str | None, message: str) -> None:

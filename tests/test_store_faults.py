@@ -111,6 +111,7 @@ async def test_kill_9_of_the_projector_mid_run_loses_and_duplicates_nothing(nats
     first = ProjectorProcess(nats_server.url, faulty, tmp_path / "projector-1.log")
     try:
         await poll(_past(faulty, last // 4, first), "a quarter of the stream")
+        assert _writers_of(faulty), "the projector's SQL writer child should be running"
     finally:
         first.kill()
     # The SQL writer child dies with the projector (it would otherwise finish a transaction).
