@@ -13,7 +13,6 @@ import asyncio
 import functools
 import json
 import logging
-import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,6 +44,7 @@ from kvledger.streams import (
     events_stream,
     snapshot_seq,
 )
+from kvledger.system import install_stop_signals
 
 from decide.cpu import CpuBackend
 from decide.index import InventoryIndex
@@ -394,9 +394,7 @@ def _encoded(status: int, value: object, media_type: str) -> Response:
 async def serve(settings: Settings) -> None:
     """Run until SIGINT or SIGTERM, then shut down cleanly."""
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    install_stop_signals(stop)
     async with DecideService(settings):
         await stop.wait()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -13,6 +12,7 @@ from ingest.endpoints import EndpointError, parse_endpoints, stream_sources
 from ingest.publisher import StreamConflictError
 from kvledger.nats_options import NatsAuthError, describe_server
 from kvledger.settings import Settings
+from kvledger.system import install_stop_signals
 
 log = logging.getLogger("kvledger.ingest")
 
@@ -28,9 +28,7 @@ def sources_from(settings: Settings, publishers: Sequence[str]):
 async def serve(settings: Settings, publishers: Sequence[str]) -> None:
     sources = sources_from(settings, publishers)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    install_stop_signals(stop)
     async with Bridge(settings, sources) as bridge:
         log.info(
             "ingest: %d engine streams -> %s (metrics and health on :%d)",

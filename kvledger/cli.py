@@ -145,7 +145,9 @@ def _stage_services(settings: Settings, sources: list) -> dict:
 
 
 @contextlib.contextmanager
-def _local_system(loaded: LoadedSettings, data_dir: str, extra: Mapping[str, object] | None = None):
+def _local_system(
+    loaded: LoadedSettings, data_dir: str, extra: Mapping[str, object] | None = None, *, nats_port: int | None = None,
+):
     """Settings for `up`/`demo`: an embedded nats-server and a migrated SQLite unless URLs were given."""
     from kvledger.embedded import EmbeddedNats
     from kvledger.system import local_overrides, wants_embedded_nats
@@ -155,7 +157,7 @@ def _local_system(loaded: LoadedSettings, data_dir: str, extra: Mapping[str, obj
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if wants_embedded_nats(loaded):
-            port = int(loaded.settings.nats.url.rsplit(":", 1)[1])
+            port = nats_port if nats_port is not None else int(loaded.settings.nats.url.rsplit(":", 1)[1])
             server = stack.enter_context(EmbeddedNats(Path(data_dir) / "nats", port=port))
             overrides["nats.url"] = server.url
         settings = _with_overrides(loaded, overrides)
@@ -214,12 +216,20 @@ def _demo(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     if args.trace and not Path(args.trace).is_file():
         print(f"kvledger demo: trace file {args.trace} not found", file=sys.stderr)
         return 2
-    shutil.rmtree(args.data_dir, ignore_errors=True)  # each demo starts from a clean slate
+    data_dir = Path(args.data_dir)
+    marker = data_dir / ".kvledger-demo"
+    if data_dir.exists() and any(data_dir.iterdir()) and not marker.exists():
+        print(f"kvledger demo: {data_dir} exists and was not made by a demo; choose another --data-dir", file=sys.stderr)
+        return 2
+    shutil.rmtree(data_dir, ignore_errors=True)  # each demo starts from a clean slate
+    data_dir.mkdir(parents=True)
+    marker.touch()
     extra: dict[str, object] = {"ingest.http_port": 0, "store.http_port": 0, "decide.http_port": 0}
     if args.enable_reuse:
         extra |= {"reuse.enable_decode_to_prefill_reuse": True, "reuse.enable_decode_to_prefill_gpu_reuse": True}
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    with _local_system(loaded, args.data_dir, extra) as settings:
+    # The demo is self-contained: its own nats-server on a free port, not `up`'s 4222.
+    with _local_system(loaded, args.data_dir, extra, nats_port=-1) as settings:
         return asyncio.run(_run_demo(settings, args))
 
 
@@ -237,7 +247,7 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
     from kvledger.streams import DECIDE_SUBJECT
     from kvledger.system import run_services
     from kvledger.workload import DEMO_BLOCK_SIZE, mooncake_requests, request_tokens, synthetic_requests
-    from store import database
+    from store.commands import ledger_counts
 
     console = Console()
     requests = mooncake_requests(args.trace) if args.trace else synthetic_requests(100_000)
@@ -275,21 +285,16 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
                         on_progress=lambda current: live.update(progress_line(current)),
                     )
                 console.print("\n[dim]waiting for the store to catch up...[/]")
-                await _wait_store_caught_up(nc, settings)
+                if not await _wait_store_caught_up(nc, settings):
+                    console.print("[yellow]the store had not caught up after 60 s: the SQL counts below are partial[/]")
             finally:
                 await nc.close()
                 stop.set()
 
         await run_services({**services, "demo": driver}, stop)
 
-    with database.opened(settings.db.url) as engine, engine.connect() as connection:
-        def scalar(sql: str) -> int:
-            return connection.exec_driver_sql(sql).scalar() or 0
-
-        bridged = scalar("SELECT COUNT(DISTINCT stream_seq) FROM event_log")
-        events = scalar("SELECT COUNT(*) FROM event_log")
-        inventory = scalar("SELECT COUNT(*) FROM block_residency WHERE removed_seq IS NULL")
-        decisions = scalar("SELECT COUNT(*) FROM decisions")
+    counts = ledger_counts(settings.db.url)
+    bridged, events, inventory, decisions = counts["batches"], counts["events"], counts["blocks_held"], counts["decisions"]
     summary = Table(title="kvledger demo", show_header=False, min_width=72)
     summary.add_column(style="bold")
     summary.add_column(justify="right")
@@ -327,8 +332,11 @@ async def _wait_decide_ready(nc) -> None:
     from kvledger.streams import DECIDE_SUBJECT
 
     deadline = asyncio.get_running_loop().time() + 60
-    probe = json.dumps({"request_id": "demo-probe", "local_hashes": [], "block_size": 16}).encode()
+    attempt = 0
     while True:
+        attempt += 1
+        # Each probe its own id: decisions are de-duplicated in KV_DECISIONS by request id.
+        probe = json.dumps({"request_id": f"demo-probe-{attempt}", "local_hashes": [], "block_size": 16}).encode()
         try:
             await nc.request(DECIDE_SUBJECT, probe, timeout=2)
             return
@@ -338,9 +346,9 @@ async def _wait_decide_ready(nc) -> None:
             await asyncio.sleep(0.1)
 
 
-async def _wait_store_caught_up(nc, settings: Settings, timeout: float = 60) -> None:
-    """Until the store's checkpoints reach the ends of KV_EVENTS and KV_DECISIONS."""
-    from store import database
+async def _wait_store_caught_up(nc, settings: Settings, timeout: float = 60) -> bool:
+    """Until the store's checkpoints reach the ends of KV_EVENTS and KV_DECISIONS (False on timeout)."""
+    from store.commands import checkpoint_seqs
 
     js = nc.jetstream()
     loop = asyncio.get_running_loop()
@@ -350,13 +358,11 @@ async def _wait_store_caught_up(nc, settings: Settings, timeout: float = 60) -> 
             name: (await js.stream_info(name)).state.last_seq
             for name in (settings.stream.events_stream, settings.stream.decisions_stream)
         }
-        with database.opened(settings.db.url) as engine, engine.connect() as connection:
-            done = {
-                stream: seq for stream, seq in connection.exec_driver_sql("SELECT stream, MAX(stream_seq) FROM checkpoints GROUP BY stream")
-            }
+        done = await asyncio.to_thread(checkpoint_seqs, settings.db.url)
         if all(done.get(name, 0) >= end for name, end in ends.items()):
-            return
+            return True
         await asyncio.sleep(0.2)
+    return False
 
 
 def _revision_argument(default: str) -> Callable[[argparse.ArgumentParser], None]:

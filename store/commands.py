@@ -248,3 +248,22 @@ def audit_workers(settings: Settings, as_json: bool) -> int:
         connection.close()
         engine.dispose()
     return 0
+
+
+def ledger_counts(url: str) -> dict[str, int]:
+    """Headline counts for the demo summary: batches and events logged, blocks held, decisions."""
+    queries = {
+        "batches": "SELECT COUNT(DISTINCT stream_seq) FROM event_log",
+        "events": "SELECT COUNT(*) FROM event_log",
+        "blocks_held": "SELECT COUNT(*) FROM block_residency WHERE removed_seq IS NULL",
+        "decisions": "SELECT COUNT(*) FROM decisions",
+    }
+    with database.opened(url) as engine, engine.connect() as connection:
+        return {name: connection.exec_driver_sql(sql).scalar() or 0 for name, sql in queries.items()}
+
+
+def checkpoint_seqs(url: str) -> dict[str, int]:
+    """The last stream seq the store committed, per stream."""
+    with database.opened(url) as engine, engine.connect() as connection:
+        rows = connection.exec_driver_sql("SELECT stream, MAX(stream_seq) FROM checkpoints GROUP BY stream")
+        return {stream: seq for stream, seq in rows}

@@ -14,7 +14,6 @@ import contextlib
 import functools
 import json
 import logging
-import signal
 import sqlite3
 import time
 from collections.abc import Callable
@@ -33,11 +32,11 @@ from kvledger.events import RecordError, decode_batch, decode_dead_letter
 from kvledger.fold import InventoryFold
 from kvledger.http import health_routes, serve_connection
 from kvledger.settings import Settings
-from kvledger.streams import dead_letters_stream, decisions_stream, events_stream
+from kvledger.streams import dead_letters_stream, decisions_stream, ensure_stream, events_stream
 from store import tables
 from store.changes import ChangeBuilder, ResidencyIndex
 from store.database import create_engine, require_current
-from kvledger.streams import ensure_stream
+from kvledger.system import install_stop_signals
 from store.jetstream import ConsumerWatch, bind_consumer, connect
 from store.recorder import SQL_CHECKPOINT, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError
@@ -438,7 +437,5 @@ class StoreService:
 async def serve(settings: Settings) -> None:
     """Run the store service until SIGTERM or SIGINT."""
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    install_stop_signals(stop)
     await StoreService(settings).run(stop)
