@@ -35,24 +35,58 @@ def test_the_demo_runs_end_to_end_and_prints_a_summary(tmp_path) -> None:
     assert workers.returncode == 0 and "sim-0" in workers.stdout and "sim-1" in workers.stdout
 
 
+def _publish_one_batch(nats_url: str) -> None:
+    import asyncio
+
+    import nats
+
+    from builders import Stream, stored
+    from kvledger.events import WorkerId, encode_batch
+
+    async def publish() -> None:
+        nc = await nats.connect(nats_url)
+        batch, _ = Stream().batch(WorkerId("up-test"), stored([1, 2]))
+        await nc.jetstream().publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id})
+        await nc.close()
+
+    asyncio.run(publish())
+
+
+def _checkpoint(db_path) -> int:
+    import sqlite3
+
+    with sqlite3.connect(db_path) as connection:
+        row = connection.execute("SELECT MAX(stream_seq) FROM checkpoints WHERE stream = 'KV_EVENTS'").fetchone()
+    return row[0] or 0
+
+
 def test_up_runs_every_stage_stops_cleanly_on_sigterm_and_resumes(nats_server, tmp_path) -> None:
     ingest_port, store_port, decide_port = free_ports(3)
     env = clean_env(KVLEDGER_INGEST_HTTP_PORT=str(ingest_port), KVLEDGER_STORE_HTTP_PORT=str(store_port),
                     KVLEDGER_DECIDE_HTTP_PORT=str(decide_port))
     args = [sys.executable, "-m", "kvledger.cli", "up", "--nats", nats_server.url]
+    database = tmp_path / ".kvledger" / "ledger.db"
     for round_ in range(2):
         process = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         log = []
-        deadline = time.monotonic() + 60
+        waiting_for = {"decide: ready at inventory_seq", "fold rebuilt from SQL"}
         for line in process.stdout:
             log.append(line)
-            if "decide: ready at inventory_seq" in line or time.monotonic() > deadline:
+            waiting_for = {marker for marker in waiting_for if marker not in line}
+            if not waiting_for:
                 break
+        assert not waiting_for, "".join(log)[-3000:]
+        if round_ == 0:
+            _publish_one_batch(nats_server.url)
+            deadline = time.monotonic() + 30
+            while _checkpoint(database) < 1:
+                assert time.monotonic() < deadline, "the store did not project the batch"
+                time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
         rest, _ = process.communicate(timeout=60)
         output = "".join(log) + rest
         assert process.returncode == 0, output[-3000:]
-        assert "decide: ready at inventory_seq" in output
-        assert (tmp_path / ".kvledger" / "ledger.db").is_file()
         if round_ == 1:
-            assert "fold rebuilt from SQL" in output  # the second run resumed from the same database
+            # the second run resumed from the same database, where the first one stopped
+            assert "fold rebuilt from SQL at stream seq 1" in output
+            assert "decide: ready at inventory_seq 1" in output
