@@ -274,14 +274,15 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
             try:
                 await _wait_decide_ready(nc)
 
-                async def ask(request):
-                    body = {"request_id": request.request_id, "token_ids": request_tokens(request), "block_size": DEMO_BLOCK_SIZE}
+                async def ask(request, target):
+                    body = {"request_id": request.request_id, "token_ids": request_tokens(request),
+                            "block_size": DEMO_BLOCK_SIZE, "target": target}
                     reply = await nc.request(DECIDE_SUBJECT, json.dumps(body).encode(), timeout=10)
                     return json.loads(reply.data)
 
                 with Live(progress_line(score), console=console, refresh_per_second=4) as live:
                     score = await run_closed_loop(
-                        fleet.workers, requests, ask, duration_s=args.duration,
+                        fleet.workers, requests, ask, duration_s=args.duration, reuse=args.enable_reuse,
                         on_progress=lambda current: live.update(progress_line(current)),
                     )
                 console.print("\n[dim]waiting for the store to catch up...[/]")
@@ -306,9 +307,12 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
         ("events (in SQL)", str(events)),
         ("blocks in inventory now", str(inventory)),
         ("decisions recorded", str(decisions)),
+        ("placement", "round-robin + kvledger reuse" if args.enable_reuse else "by kvledger credit"),
         ("routed by kvledger credit", str(score.routed_by_credit)),
         ("reuse candidates chosen", f"{score.reuse_chosen}" + ("" if args.enable_reuse else " (reuse off: --enable-reuse)")),
-        ("estimated TTFT saved by routing", f"{score.routing_saving_ms(DEMO_BLOCK_SIZE, settings.reuse) / 1000:.1f} s"),
+        ("estimated TTFT saved by routing",
+         "n/a (round-robin placement)" if args.enable_reuse
+         else f"{score.routing_saving_ms(DEMO_BLOCK_SIZE, settings.reuse) / 1000:.1f} s"),
         ("estimated TTFT saved by reuse transfers", f"{score.reuse_saving_ms / 1000:.1f} s"),
         ("prefix hit rate with kvledger", f"{score.hit_rate:.1%}"),
         ("prefix hit rate round-robin", f"{score.baseline_hit_rate:.1%}"),

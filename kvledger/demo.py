@@ -55,12 +55,18 @@ class DemoScore:
 async def run_closed_loop(
     workers: list[Worker],
     requests: Iterable[Request],
-    ask: Callable[[Request], Awaitable[dict[str, Any]]],
+    ask: Callable[[Request, str | None], Awaitable[dict[str, Any]]],
     *,
     duration_s: float,
+    reuse: bool = False,
     on_progress: Callable[[DemoScore], None] = lambda score: None,
 ) -> DemoScore:
-    """Serve requests until they run out or `duration_s` passes; the decision picks the worker."""
+    """Serve requests until they run out or `duration_s` passes.
+
+    Without reuse the decision picks the worker (the one with most credit). With reuse, a
+    load balancer places requests round-robin and the decision says which other worker's
+    prefix to transfer there, which is what decode-to-prefill reuse is for.
+    """
     score = DemoScore()
     by_name = {worker.worker.name: worker for worker in workers}
     shadow = [EngineCache(w.cache.gpu_blocks, w.cache.cpu_blocks, w.cache.block_size) for w in workers]
@@ -68,23 +74,27 @@ async def run_closed_loop(
     for number, request in enumerate(requests):
         if time.monotonic() - started > duration_s:
             break
-        answer = await ask(request)
+        placed = workers[number % len(workers)]
+        answer = await ask(request, placed.worker.name if reuse else None)
         score.decisions += 1
-        target = by_name.get(answer.get("target") or "")
+        target = placed if reuse else by_name.get(answer.get("target") or "")
         # With no credit anywhere, every worker is equally good: spread the load.
-        if target is None or not answer.get("credited_blocks"):
-            target = workers[number % len(workers)]
-        else:
+        if target is None or (not reuse and not answer.get("credited_blocks")):
+            target = placed
+        elif not reuse:
             score.routed_by_credit += 1
+        transferred = 0
         if answer.get("chosen"):
             score.reuse_chosen += 1
             score.reuse_saving_ms += answer["chosen"]["saving_ms"]
+            transferred = answer["chosen"]["prefix_blocks"]
         if answer.get("uncertain_workers"):
             score.uncertain_answers += 1
         change = await target.serve(request)
         score.requests += 1
         score.blocks += len(request.block_ids)
-        score.hit_blocks += change.hit_blocks
+        # A transferred prefix is reused just as a local hit is.
+        score.hit_blocks += max(change.hit_blocks, transferred)
         score.baseline_hit_blocks += shadow[number % len(shadow)].serve(request.block_ids).hit_blocks
         score.elapsed_s = time.monotonic() - started
         on_progress(score)
