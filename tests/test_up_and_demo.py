@@ -90,3 +90,14 @@ def test_up_runs_every_stage_stops_cleanly_on_sigterm_and_resumes(nats_server, t
             # the second run resumed from the same database, where the first one stopped
             assert "fold rebuilt from SQL at stream seq 1" in output
             assert "decide: ready at inventory_seq 1" in output
+
+
+def test_the_demo_with_reuse_places_round_robin_and_asks_for_transfers(tmp_path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvledger.cli", "demo", "--duration", "4", "--workers", "3", "--enable-reuse"],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "round-robin + kvledger reuse" in result.stdout
+    chosen = next(line for line in result.stdout.splitlines() if "reuse candidates chosen" in line)
+    assert int(chosen.split("│")[2].strip()) > 0, chosen
