@@ -120,3 +120,63 @@ def test_secrets_never_appear_in_config_show_or_logs_of_a_working_service(locked
 
 async def _one(coroutine) -> bool:
     return len(await coroutine) == 1
+
+
+def _make_certificates(folder) -> dict[str, str]:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate (openssl)."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make test certificates")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=kvledger-test-ca")
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, extra in (("server", ["-extfile", "san.ext"]), ("client", [])):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "2", *extra)
+    return {name: str(folder / name) for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+async def test_the_pipeline_runs_over_tls_with_a_client_certificate(tmp_path) -> None:
+    import nats
+    import nats.errors
+
+    certs = _make_certificates(tmp_path)
+    tls_args = ("--tls", "--tlscert", certs["server.pem"], "--tlskey", certs["server.key"],
+                "--tlsverify", "--tlscacert", certs["ca.pem"])
+    with EmbeddedNats(tmp_path / "nats", extra_args=tls_args) as server:
+        url = server.url.replace("nats://", "tls://")
+        settings = load_settings(environ={}, overrides={
+            "nats.url": url, "nats.tls_ca": certs["ca.pem"], "nats.tls_cert": certs["client.pem"],
+            "nats.tls_key": certs["client.key"], "ingest.http_port": 0,
+        }).settings
+        pub, replay = engine_endpoints()
+        async with SimulatedEngine(pub, replay) as engine:
+            source = StreamSource(WorkerId("tls"), engine.pub_endpoint, engine.replay_endpoint, Provenance.NATIVE)
+            async with Bridge(settings, [source]) as bridge:
+                await bridge.wait_ready(timeout=10)
+                await engine.publish([one_block(1)])
+                from kvledger.nats_options import connect_options
+
+                options = connect_options(settings.nats, name="test-reader")
+                servers = options.pop("servers")
+
+                async def landed() -> bool:
+                    nc = await nats.connect(servers, **options)
+                    try:
+                        return (await nc.jetstream().stream_info("KV_EVENTS")).state.messages == 1
+                    finally:
+                        await nc.close()
+
+                await wait_until(landed, 10, "the batch in KV_EVENTS over TLS")
+        # and without the client certificate the server refuses us
+        no_cert = load_settings(environ={}, overrides={"nats.url": url, "nats.tls_ca": certs["ca.pem"]}).settings
+        options = connect_options(no_cert.nats, name="no-cert")
+        with pytest.raises((OSError, nats.errors.Error)):  # the server drops the TLS connection
+            nc = await nats.connect(options.pop("servers"), **options, allow_reconnect=False)
+            await nc.close()
