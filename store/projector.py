@@ -98,6 +98,17 @@ class _Backoff:
         self.delay = 0.05
 
 
+async def _wait_out_failure(error: Exception, stream: str, metrics: StoreMetrics, backoff: _Backoff, stop: asyncio.Event) -> None:
+    """Count and log a failed projector session, then back off; the caller starts a fresh session."""
+    if isinstance(error, DATABASE_ERRORS):
+        metrics.database_errors.inc()
+        log.warning("database error on %s (%r); nothing acked, retrying", stream, error)
+    else:
+        metrics.nats_errors.inc()
+        log.warning("NATS error on %s (%s); rebinding the consumer", stream, error)
+    await backoff.wait(stop)
+
+
 class EventsProjector:
     """KV_EVENTS → fold → event_log, block_residency, workers, uncertain_periods, checkpoint."""
 
@@ -128,18 +139,12 @@ class EventsProjector:
                 self.ready = True
                 backoff.reset()
                 await self._consume(subscription, ConsumerWatch(js, self.stream, EVENTS_DURABLE), recorder, stop)
-            except DATABASE_ERRORS as error:
-                # The transaction may or may not have committed: the SQL checkpoint decides.
-                self.fold = None
+            except DATABASE_ERRORS + NATS_ERRORS as error:
                 self.ready = False
-                self.metrics.database_errors.inc()
-                log.warning("database error on %s (%r); nothing acked, retrying", self.stream, error)
-                await backoff.wait(stop)
-            except NATS_ERRORS as error:
-                self.ready = False
-                self.metrics.nats_errors.inc()
-                log.warning("NATS error on %s (%s); rebinding the consumer", self.stream, error)
-                await backoff.wait(stop)
+                if isinstance(error, DATABASE_ERRORS):
+                    # The transaction may or may not have committed: the SQL checkpoint decides.
+                    self.fold = None
+                await _wait_out_failure(error, self.stream, self.metrics, backoff, stop)
             finally:
                 if recorder is not None:
                     await asyncio.to_thread(recorder.close)
@@ -312,16 +317,9 @@ class RowProjector:
                 self.ready = True
                 backoff.reset()
                 await self._consume(subscription, ConsumerWatch(js, self.stream, self.durable), checkpoint, stop)
-            except DATABASE_ERRORS as error:
+            except DATABASE_ERRORS + NATS_ERRORS as error:
                 self.ready = False
-                self.metrics.database_errors.inc()
-                log.warning("database error on %s (%r); nothing acked, retrying", self.stream, error)
-                await backoff.wait(stop)
-            except NATS_ERRORS as error:
-                self.ready = False
-                self.metrics.nats_errors.inc()
-                log.warning("NATS error on %s (%s); rebinding the consumer", self.stream, error)
-                await backoff.wait(stop)
+                await _wait_out_failure(error, self.stream, self.metrics, backoff, stop)
         self.ready = False
 
     def _checkpoint(self) -> int:
