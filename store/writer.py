@@ -11,6 +11,7 @@ transaction in flight, which the database rolls back.
 from __future__ import annotations
 
 import ctypes
+import os
 import pickle
 import signal
 import struct
@@ -47,11 +48,18 @@ def _receive(stream: BinaryIO) -> object:
     return pickle.loads(data)
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """In the child, first thing: be SIGKILLed when the projector dies (Linux), even by kill -9.
+
+    Set here rather than in a Popen preexec_fn: loading libc between fork and exec in a
+    multi-threaded parent can deadlock the child on a lock another thread held.
+    """
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: EOF on stdin still ends the child
-        pass
+        return
+    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+        os._exit(1)
 
 
 def serve(url: str, stream_name: str, requests: BinaryIO, replies: BinaryIO) -> int:
@@ -98,8 +106,8 @@ class RecorderProcess:
     def __init__(self, url: str, stream: str) -> None:
         # Started from the event loop's thread: the death signal is tied to the starting thread.
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "store.writer", stream, _without_password(url)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=_die_with_parent,
+            [sys.executable, "-m", "store.writer", stream, _without_password(url), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )  # fmt: skip
         # The URL may hold a database password: it goes down the pipe, never onto the
         # command line, where any user could read it in `ps`.
@@ -139,5 +147,6 @@ class RecorderProcess:
 
 
 if __name__ == "__main__":
-    # argv: the stream, then the URL without its password (only so `ps` shows which database)
+    # argv: the stream, the URL without its password (only so `ps` shows which database), the parent pid
+    _die_with_parent(int(sys.argv[3]))
     raise SystemExit(serve(sys.stdin.buffer.readline().decode().rstrip("\n"), sys.argv[1], sys.stdin.buffer, sys.stdout.buffer))
