@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NoReturn
+from typing import Literal, NoReturn, Self
 
 import psycopg
 import pytest
@@ -272,19 +272,16 @@ def _stop_process(process: subprocess.Popen[bytes], stop_signal: int) -> None:
 # --- NATS --------------------------------------------------------------------------------
 
 
-class NatsService(abc.ABC):
-    """A JetStream-enabled NATS server for one test; managed ones can be killed and restarted."""
-
-    url: str
-    store_dir: Path | None
+class ManagedService(abc.ABC):
+    """A server a test may kill (SIGKILL), restart on the same port and data, or stop."""
 
     @abc.abstractmethod
     def kill(self) -> None:
-        """Kill the server abruptly (SIGKILL) and return once it is gone."""
+        """Kill the server abruptly (SIGKILL) and return once none of its processes is left."""
 
     @abc.abstractmethod
     def restart(self) -> None:
-        """Start the server again on the same port and storage, and return once it is ready."""
+        """Start the server again on the same port and data, and return once it is ready."""
 
     @abc.abstractmethod
     def stop(self) -> None:
@@ -294,11 +291,18 @@ class NatsService(abc.ABC):
         """Stop the server and release what it holds (temporary folders, containers)."""
         self.stop()
 
-    def __enter__(self) -> NatsService:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class NatsService(ManagedService):
+    """A JetStream-enabled NATS server for one test; managed ones can be killed and restarted."""
+
+    url: str
+    store_dir: Path | None
 
 
 class LocalNatsServer(NatsService):
@@ -466,7 +470,7 @@ def _accepts_connections(sqlalchemy_url: str) -> bool:
         return False
 
 
-class PostgresService(abc.ABC):
+class PostgresService(ManagedService):
     """A PostgreSQL server that hands out one database per test; managed ones can be killed and restarted."""
 
     admin_url: str
@@ -489,28 +493,6 @@ class PostgresService(abc.ABC):
 
     def ensure_running(self) -> None:
         """Bring the server back if a test left it killed or stopped."""
-
-    @abc.abstractmethod
-    def kill(self) -> None:
-        """Kill the server abruptly (SIGKILL) and return once none of its processes is left."""
-
-    @abc.abstractmethod
-    def restart(self) -> None:
-        """Start the server again on the same port and data, and return once it accepts connections."""
-
-    @abc.abstractmethod
-    def stop(self) -> None:
-        """Shut the server down gracefully; `restart` can bring it back."""
-
-    def close(self) -> None:
-        """Stop the server and release what it holds (data folders, containers)."""
-        self.stop()
-
-    def __enter__(self) -> PostgresService:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 class LocalPostgresCluster(PostgresService):
