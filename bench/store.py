@@ -39,7 +39,7 @@ from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, Worke
 from kvledger.settings import load_settings  # noqa: E402
 from kvledger.streams import events_stream  # noqa: E402
 from store import audit, database  # noqa: E402
-from store.jetstream import ensure_stream  # noqa: E402
+from kvledger.streams import ensure_stream  # noqa: E402
 from store.projector import StoreService  # noqa: E402
 
 BLOCKS_PER_BATCH = 16

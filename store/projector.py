@@ -199,6 +199,9 @@ class EventsProjector:
                     self.snapshots.count(fresh)
                 writing = await self._drain(writing)
                 writing = asyncio.create_task(self._commit(recorder, changes if fresh else None, fresh, messages[-1]))
+                # Let the commit reach the writer now: awaiting an already-arrived fetch does not
+                # yield, so without this the next batch would be folded before the write began.
+                await asyncio.sleep(0)
                 if not recorder.overlaps_folding:
                     writing = await self._drain(writing)
                 if self.snapshots.due(fold.inventory_seq):
