@@ -1,0 +1,51 @@
+"""decide's batch chaining: numpy XXH3 over many requests equals `sequence_hashes`, bit for bit."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvledger.hashing import HASH_SEED, batch_sequence_hashes, sequence_hashes
+
+U64 = st.integers(min_value=0, max_value=2**64 - 1)
+# Edges of the 64×64→128 multiply's limbs and of the sign bit, besides random words.
+EDGES = st.sampled_from([0, 1, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1])
+HASHES = st.one_of(U64, EDGES)
+
+
+def flat(requests: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.zeros(len(requests) + 1, dtype=np.int64)
+    np.cumsum([len(request) for request in requests], out=offsets[1:])
+    return np.array([h for request in requests for h in request], dtype=np.uint64), offsets
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests=st.lists(st.lists(HASHES, max_size=12), max_size=12))
+def test_batch_chaining_equals_sequence_hashes(requests: list[list[int]]) -> None:
+    local, offsets = flat(requests)
+    assert batch_sequence_hashes(local, offsets).tolist() == [h for r in requests for h in sequence_hashes(r)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(requests=st.lists(st.lists(HASHES, min_size=2, max_size=300), min_size=70, max_size=140))
+def test_many_long_requests_take_the_vectorised_path_and_still_agree(requests: list[list[int]]) -> None:
+    local, offsets = flat(requests)
+    assert batch_sequence_hashes(local, offsets).tolist() == [h for r in requests for h in sequence_hashes(r)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(parent=HASHES, local=HASHES)
+def test_one_step_is_xxh3_of_parent_then_local(parent: int, local: int) -> None:
+    # 70 one-block-parent requests: enough to chain in numpy rather than fall back to xxhash.
+    requests = [[parent, local]] * 70
+    chained = batch_sequence_hashes(*flat(requests)).tolist()
+    assert chained[1] == xxhash.xxh3_64_intdigest(struct.pack("<QQ", parent, local), seed=HASH_SEED)
+
+
+def test_no_requests_and_empty_requests() -> None:
+    assert batch_sequence_hashes(*flat([])).tolist() == []
+    assert batch_sequence_hashes(*flat([[], [5], []])).tolist() == [5]
