@@ -28,12 +28,12 @@ from decide.ranked import (
     PREFIX_ANY,
     PREFIX_CLASSES,
     PREFIX_RETAINED_DEVICE,
+    AnswerBatch,
     Clock,
     RankedBatch,
     flatten_requests,
     requested_targets,
     source_tier_codes,
-    to_decisions,
 )
 
 # The budget is checked before each chunk of workers, as the reference checks it before
@@ -49,12 +49,18 @@ class CpuBackend:
     def __init__(self, index: InventoryIndex) -> None:
         self.index = index
 
+    def answer_batch(
+        self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,
+    ) -> AnswerBatch:
+        """The batch's answers as arrays; the service encodes them straight to JSON."""
+        started = clock()
+        ranked = rank_batch(self.index, requests, settings, clock=clock, started=started)
+        return AnswerBatch.of(self.index, requests, ranked, settings, self.name)
+
     def decide_batch(
         self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,
     ) -> list[Decision]:
-        started = clock()
-        ranked = rank_batch(self.index, requests, settings, clock=clock, started=started)
-        return to_decisions(self.index, requests, ranked, settings, self.name)
+        return self.answer_batch(requests, settings, clock=clock).decisions()
 
     def decide(self, request: ReuseRequest, settings: ReuseSettings, *, clock: Clock = time.perf_counter) -> Decision:
         return self.decide_batch([request], settings, clock=clock)[0]
@@ -63,40 +69,45 @@ class CpuBackend:
 def prefix_lengths(index: InventoryIndex, flat: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Contiguous prefix length per (request, prefix class, worker slot), and the blocks' raw masks."""
     requests = len(offsets) - 1
-    block_count = int(offsets[-1])
     workers = index.worker_count
     lengths = np.zeros((requests, PREFIX_CLASSES, workers), dtype=np.int32)
     masks = index.masks[index.lookup(flat)]  # (blocks, stored classes, words)
-    if not block_count or not workers:
+    if not flat.size or not workers:
         return lengths, masks
     native_any = masks[:, NATIVE_DEVICE] | masks[:, NATIVE_HOST] | masks[:, NATIVE_DISK]
-    held = np.stack(
-        (masks[:, NATIVE_DEVICE], masks[:, NATIVE_HOST], masks[:, NATIVE_DISK], native_any,
-         masks[:, NATIVE_DEVICE] | masks[:, RETAINED_DEVICE]),
+    held = np.concatenate(
+        (masks[:, :NATIVE_DISK + 1], native_any[:, None], (masks[:, NATIVE_DEVICE] | masks[:, RETAINED_DEVICE])[:, None]),
         axis=1,
-    )
-    request_of_block = np.repeat(np.arange(requests), np.diff(offsets))
-    position = np.arange(block_count) - offsets[:-1][request_of_block]
-    longest = int(np.diff(offsets).max())
-    # Segmented prefix-AND by doubling: after the round with stride k every block holds the
-    # AND of up to 2k blocks before it, never reaching back past its own request's start.
-    stride = 1
-    while stride < longest:
-        reaches = (position[stride:] >= stride)[:, None, None]
-        held[stride:] = np.where(reaches, held[stride:] & held[:-stride], held[stride:])
-        stride *= 2
-    # A worker's prefix ends where its bit drops: at the first block whose prefix-AND lacks
-    # it, or at the request's end. Only workers holding block 0 can drop, so this is sparse.
-    last = position == np.diff(offsets)[request_of_block] - 1
-    drops = held.copy()
-    drops[:-1] = np.where(last[:-1, None, None], held[:-1], held[:-1] & ~held[1:])
-    block, prefix_class, word = np.nonzero(drops)
-    if block.size:
-        bits = np.unpackbits(drops[block, prefix_class, word].view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")
+    ).reshape(flat.size, -1)  # (blocks, prefix classes × words)
+    held = np.concatenate((held, np.zeros((1, held.shape[1]), dtype=np.uint64)))  # a last row nobody holds
+    nothing = flat.size
+    request_length = np.diff(offsets)
+    # Requests are padded into a (requests × blocks) matrix per power-of-two length class, so
+    # padding at most doubles the work and the prefix-AND is one accumulate along each row.
+    length_class = np.ceil(np.log2(np.maximum(request_length, 1))).astype(np.int64)
+    by_class = np.argsort(length_class, kind="stable")
+    bounds = np.searchsorted(length_class[by_class], np.arange(int(length_class.max()) + 2))
+    for low, high in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        if low == high:
+            continue
+        rows = by_class[low:high]
+        width = int(request_length[rows].max())
+        if not width:
+            continue
+        steps = np.arange(width)
+        blocks = offsets[rows, None] + steps
+        blocks[steps >= request_length[rows, None]] = nothing
+        prefix_and = np.bitwise_and.accumulate(held[blocks], axis=1)  # (rows, width, classes × words)
+        # A worker's prefix ends where its bit drops: the last block still holding it.
+        drops = prefix_and.copy()
+        drops[:, :-1] &= ~prefix_and[:, 1:]
+        row, step, column = np.nonzero(drops)
+        if not row.size:
+            continue
+        bits = np.unpackbits(drops[row, step, column].view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")
         which, bit = np.nonzero(bits)
-        lengths[
-            request_of_block[block[which]], prefix_class[which], word[which] * 64 + bit
-        ] = position[block[which]] + 1
+        prefix_class, word = np.divmod(column[which], index.words)
+        lengths[rows[row[which]], prefix_class, word * 64 + bit] = step[which] + 1
     return lengths, masks
 
 

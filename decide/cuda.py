@@ -5,7 +5,7 @@ CUBIN for the device's own `sm_<major><minor>`: PTX from a newer NVRTC may not l
 older driver, while a CUBIN for the exact architecture needs no JIT at all. Each
 architecture is compiled once per process. The table, rows and bitmasks live on the
 device; after the first upload only dirty table slots and rows travel, applied by the
-scatter kernels. Answers are assembled by `decide.ranked.to_decisions`, as for cpu.
+scatter kernels. Answers are assembled by `decide.ranked.AnswerBatch`, as for cpu.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from kvledger.settings import ReuseSettings
 from decide.index import CLASSES, InventoryIndex
 from decide.ranked import (
     PREFIX_CLASSES,
+    AnswerBatch,
     Clock,
     RankedBatch,
     flatten_requests,
     requested_targets,
     source_tier_codes,
-    to_decisions,
 )
 
 KERNEL_NAMES = ("scatter_table", "scatter_rows", "rank_requests")
@@ -223,12 +223,18 @@ class CudaBackend:
 
     # --- ranking -------------------------------------------------------------------------------
 
+    def answer_batch(
+        self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,
+    ) -> AnswerBatch:
+        """The batch's answers as arrays; the service encodes them straight to JSON."""
+        started = clock()
+        ranked = self.rank_batch(requests, settings, clock=clock, started=started)
+        return AnswerBatch.of(self.index, requests, ranked, settings, self.name)
+
     def decide_batch(
         self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,
     ) -> list[Decision]:
-        started = clock()
-        ranked = self.rank_batch(requests, settings, clock=clock, started=started)
-        return to_decisions(self.index, requests, ranked, settings, self.name)
+        return self.answer_batch(requests, settings, clock=clock).decisions()
 
     def decide(self, request: ReuseRequest, settings: ReuseSettings, *, clock: Clock = time.perf_counter) -> Decision:
         return self.decide_batch([request], settings, clock=clock)[0]

@@ -10,6 +10,7 @@ recorded once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import logging
@@ -25,12 +26,12 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvledger.decision_codec import RequestError, decision_to_json, request_from_json
+from kvledger.decision_codec import RequestError, request_from_json
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
 from kvledger.http import Request, Response, health_routes, serve_connection
 from kvledger.lifetime import AsyncLifetime
 from kvledger.nats_options import auth_failure, connect_options, is_auth_error
-from kvledger.reuse import Decision, Reason, ReuseRequest
+from kvledger.reuse import Reason, ReuseRequest
 from kvledger.settings import Settings
 from kvledger.snapshot import SnapshotError, decode_snapshot
 from kvledger.streams import (
@@ -48,6 +49,7 @@ from kvledger.system import install_stop_signals
 
 from decide.cpu import CpuBackend
 from decide.index import InventoryIndex
+from decide.ranked import AnswerBatch
 
 log = logging.getLogger("kvledger.decide")
 
@@ -204,6 +206,7 @@ class DecideService(AsyncLifetime):
         ))
         self._subscriptions.append(await self._nc.subscribe(DECIDE_SUBJECT, queue=QUEUE_GROUP, cb=self._on_single))
         self._subscriptions.append(await self._nc.subscribe(DECIDE_BATCH_SUBJECT, queue=QUEUE_GROUP, cb=self._on_batch))
+        await self._nc.flush()  # the server has our interest before anyone is told we started
         self._http = await asyncio.start_server(
             functools.partial(serve_connection, router=self._routes()), host="0.0.0.0", port=settings.decide.http_port,
         )
@@ -264,40 +267,42 @@ class DecideService(AsyncLifetime):
 
     # answering
 
-    def decide_many(self, requests: Sequence[ReuseRequest]) -> list[Decision]:
+    def decide_many(self, requests: Sequence[ReuseRequest]) -> AnswerBatch:
         """Rank requests with the chosen backend and record the metrics."""
         started = time.perf_counter()
-        decisions = self.backend.decide_batch(requests, self.settings.reuse, clock=self._clock)
+        answers = self.backend.answer_batch(requests, self.settings.reuse, clock=self._clock)
         elapsed = time.perf_counter() - started
         name = self.backend.name
         self.metrics.latency.labels(name, "single" if len(requests) == 1 else "batch").observe(elapsed)
         self.metrics.batch_size.observe(len(requests))
-        for decision in decisions:
-            self.metrics.decisions.labels(name, decision.reason).inc()
-            if decision.reason == Reason.BUDGET_EXHAUSTED:
-                self.metrics.budget_exhausted.inc()
+        for reason, number in collections.Counter(answers.reasons()).items():
+            self.metrics.decisions.labels(name, reason).inc(number)
+            if reason == Reason.BUDGET_EXHAUSTED:
+                self.metrics.budget_exhausted.inc(number)
         self.metrics.index_size.set(self.index.size)
         self.metrics.workers.set(self.index.worker_count)
-        return decisions
+        return answers
 
-    async def answer(self, bodies: Sequence[object]) -> list[dict[str, Any]]:
-        """Answers (or error objects naming the field) for parsed request bodies, recorded in KV_DECISIONS."""
-        answers: list[dict[str, Any] | None] = [None] * len(bodies)
+    async def answer(self, bodies: Sequence[object]) -> EncodedAnswers:
+        """The JSON of each body's answer (or of an error object naming the field), answers recorded in KV_DECISIONS."""
+        parts: list[bytes] = [b""] * len(bodies)
+        refused: set[int] = set()
         valid: list[tuple[int, ReuseRequest]] = []
         for position, body in enumerate(bodies):
             try:
                 valid.append((position, request_from_json(body)))
             except RequestError as error:
                 self.metrics.malformed.labels(error.field).inc()
-                answers[position] = error.as_json(body.get("request_id") if isinstance(body, dict) else None)
-        decisions = self.decide_many([request for _, request in valid]) if valid else []
+                parts[position] = _json(error.as_json(body.get("request_id") if isinstance(body, dict) else None))
+                refused.add(position)
+        # Answers go from the ranked arrays straight to JSON, the same bytes that are recorded.
+        encoded = self.decide_many([request for _, request in valid]).encoded() if valid else []
         payloads = []
-        for (position, _), decision in zip(valid, decisions):
-            answer = decision_to_json(decision)
-            answers[position] = answer
-            payloads.append((decision.request_id, json.dumps(answer).encode()))
+        for (position, request), payload in zip(valid, encoded):
+            parts[position] = payload
+            payloads.append((request.request_id, payload))
         await self._record(payloads)
-        return answers  # type: ignore[return-value]
+        return EncodedAnswers(tuple(parts), frozenset(refused))
 
     async def _record(self, payloads: list[tuple[str, bytes]]) -> None:
         """Append answers to KV_DECISIONS and wait for the acks, so a client's answer is on record."""
@@ -320,16 +325,16 @@ class DecideService(AsyncLifetime):
             error = _batch_problem(body)
         if error is not None:
             self.metrics.malformed.labels(error.field).inc()
-            await msg.respond(json.dumps(error.as_json()).encode())
+            await msg.respond(_json(error.as_json()))
             return
         try:
             answers = await self.answer(body if batch else [body])
         except Exception as failure:  # e.g. KV_DECISIONS unreachable: say so rather than let the client time out
             log.exception("decide: request failed")
-            await msg.respond(json.dumps({"request_id": None, "error": {
-                "field": None, "message": f"internal error: {type(failure).__name__}: {failure}"}}).encode())
+            await msg.respond(_json({"request_id": None, "error": {
+                "field": None, "message": f"internal error: {type(failure).__name__}: {failure}"}}))
             return
-        await msg.respond(json.dumps(answers if batch else answers[0]).encode())
+        await msg.respond(answers.as_list() if batch else answers.parts[0])
 
     # HTTP front
 
@@ -356,8 +361,8 @@ class DecideService(AsyncLifetime):
             return _encoded(400, error.as_json(), media_type)
         answers = await self.answer(body if batch else [body])
         if batch:
-            return _encoded(200, answers, media_type)
-        return _encoded(400 if "error" in answers[0] else 200, answers[0], media_type)
+            return _encoded(200, answers.as_list(), media_type)
+        return _encoded(400 if answers.refused else 200, answers.parts[0], media_type)
 
 
 def _parse_json(data: bytes) -> tuple[object, RequestError | None]:
@@ -383,9 +388,29 @@ def _batch_problem(body: object) -> RequestError | None:
 
 
 def _encoded(status: int, value: object, media_type: str) -> Response:
+    """`value`, or the JSON text `value` already is (bytes), in the client's media type."""
     if media_type == "application/msgpack":
+        if isinstance(value, bytes):
+            value = msgspec.json.decode(value)
         return Response(status, msgspec.msgpack.encode(value), "application/msgpack")
+    if isinstance(value, bytes):
+        return Response(status, value, "application/json")
     return Response.json(status, value)
+
+
+def _json(value: object) -> bytes:
+    return json.dumps(value).encode()
+
+
+@attrs.frozen
+class EncodedAnswers:
+    """The JSON of each answer or error object, in request order."""
+
+    parts: tuple[bytes, ...]
+    refused: frozenset[int]  # positions answered with an error object
+
+    def as_list(self) -> bytes:
+        return b"[" + b",".join(self.parts) + b"]"
 
 
 # --- the command ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ cuda runs where a GPU answers and is skipped, with the reason, everywhere else.
 from __future__ import annotations
 
 import itertools
+import json
 
 import attrs
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvledger.events import Provenance, Tier, WorkerId
+from kvledger.decision_codec import decision_to_json
 from kvledger.fold import InventoryFold
 from kvledger.reuse import Reason, ReuseRequest, decide
 from kvledger.settings import ReuseSettings
@@ -49,6 +51,11 @@ def backend_name(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+def service_json(decision) -> bytes:
+    """The reference answer as the decision codec writes it, compact."""
+    return json.dumps(decision_to_json(decision), separators=(",", ":")).encode()
+
+
 def _fold_and_index(stream) -> tuple[InventoryFold, InventoryIndex]:
     fold, index = InventoryFold(), InventoryIndex()
     for batch, stream_seq in stream:
@@ -66,6 +73,8 @@ def test_every_answer_equals_the_reference_model(backend_name: str, stream, aske
     expected = [decide(fold, request, reuse, backend=backend_name) for request in asked]
     assert backend.decide_batch(asked, reuse) == expected
     assert backend.decide(asked[0], reuse) == expected[0]
+    # The service's path: straight from the arrays to JSON, byte for byte the codec's.
+    assert backend.answer_batch(asked, reuse).encoded() == [service_json(answer) for answer in expected]
     for answer in expected:
         event(f"reason {answer.reason}")
         event(f"uncertain workers: {bool(answer.uncertain_workers)}; credit {answer.credited_blocks > 0}")
@@ -103,8 +112,34 @@ def test_many_workers_span_several_mask_words(backend_name: str) -> None:
     asked = [ReuseRequest(f"r{n}", local_hashes(ids[:n]), BLOCK_SIZE, target)
              for n, target in itertools.product(range(11), (None, WorkerId("w005", 2), WorkerId("w100")))]
     answers = backend.decide_batch(asked, reuse)
-    assert answers == [decide(fold, request, reuse, backend=backend_name) for request in asked]
+    expected = [decide(fold, request, reuse, backend=backend_name) for request in asked]
+    assert answers == expected
     assert any(len(answer.candidates) > 50 for answer in answers)
+    assert backend.answer_batch(asked, reuse).encoded() == [service_json(answer) for answer in expected]
+
+
+def test_answers_encode_names_and_ids_that_need_escaping(backend_name: str) -> None:
+    """Quotes, backslashes, control and non-ASCII characters in request ids; dp ranks > 0; unknown targets."""
+    stream = Stream()
+    fold, index = InventoryFold(), InventoryIndex()
+    for worker, n in ((WorkerId("source-1", 3), 12), (WorkerId("target_x"), 2), (WorkerId("plain"), 5)):
+        batch = stream.batch(worker, stored(list(range(1, n + 1))))
+        fold.apply(*batch)
+        index.apply(*batch)
+    backend = make_backend(backend_name, index)
+    reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True,
+                          transfer_source_prefill_token_us=1000.0, transfer_source_lookup_budget_ms=1e12)
+    blocks = local_hashes(list(range(1, 13)))
+    asked = [ReuseRequest(request_id, blocks[:n], BLOCK_SIZE, target)
+             for request_id, n, target in (("q\"1\\\n\u00e9\u2603", 12, WorkerId("target_x")), ("q2", 12, None),
+                                           ("q3", 0, WorkerId("never", 2)), ("q4", 3, WorkerId("plain")))]
+    expected = [decide(fold, request, reuse, backend=backend_name) for request in asked]
+    assert backend.decide_batch(asked, reuse) == expected
+    assert expected[0].chosen is not None and expected[2].target == "never/2"
+    encoded = backend.answer_batch(asked, reuse).encoded()
+    assert encoded == [service_json(answer) for answer in expected]
+    assert [json.loads(answer) for answer in encoded] == [decision_to_json(answer) for answer in expected]
+    assert backend.answer_batch([], reuse).encoded() == []
 
 
 def test_an_exhausted_budget_stops_the_scan_like_the_reference(backend_name: str) -> None:
@@ -126,5 +161,7 @@ def test_an_exhausted_budget_stops_the_scan_like_the_reference(backend_name: str
     answer = make_backend(backend_name, index).decide(request, reuse, clock=jumping_clock)
     assert answer.reason == Reason.BUDGET_EXHAUSTED
     assert answer == expected
+    encoded = make_backend(backend_name, index).answer_batch([request], reuse, clock=jumping_clock).encoded()
+    assert encoded == [service_json(expected)]
     roomy = attrs.evolve(reuse, transfer_source_lookup_budget_ms=1e12)
     assert make_backend(backend_name, index).decide(request, roomy).reason == Reason.CHOSEN
