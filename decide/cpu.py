@@ -17,7 +17,7 @@ import numpy as np
 from kvledger.reuse import Decision, ReuseRequest
 from kvledger.settings import ReuseSettings
 
-from decide.index import NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, RETAINED_DEVICE, InventoryIndex
+from decide.index import CLASSES, NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, RETAINED_DEVICE, InventoryIndex
 from decide.ranked import (
     BELOW_THRESHOLD,
     BUDGET_EXHAUSTED,
@@ -69,45 +69,39 @@ class CpuBackend:
 def prefix_lengths(index: InventoryIndex, flat: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Contiguous prefix length per (request, prefix class, worker slot), and the blocks' raw masks."""
     requests = len(offsets) - 1
-    workers = index.worker_count
+    workers, words = index.worker_count, index.words
     lengths = np.zeros((requests, PREFIX_CLASSES, workers), dtype=np.int32)
-    masks = index.masks[index.lookup(flat)]  # (blocks, stored classes, words)
+    # np.take along axis 0 copies whole rows, several times faster than fancy indexing.
+    stored = np.take(index.masks.reshape(index.masks.shape[0], -1), index.lookup(flat), axis=0)
+    masks = stored.reshape(flat.size, len(CLASSES), words)  # (blocks, stored classes, words)
     if not flat.size or not workers:
         return lengths, masks
-    native_any = masks[:, NATIVE_DEVICE] | masks[:, NATIVE_HOST] | masks[:, NATIVE_DISK]
-    held = np.concatenate(
-        (masks[:, :NATIVE_DISK + 1], native_any[:, None], (masks[:, NATIVE_DEVICE] | masks[:, RETAINED_DEVICE])[:, None]),
-        axis=1,
-    ).reshape(flat.size, -1)  # (blocks, prefix classes × words)
-    held = np.concatenate((held, np.zeros((1, held.shape[1]), dtype=np.uint64)))  # a last row nobody holds
-    nothing = flat.size
+    # Per block, the prefix classes' planes side by side, and a last row nobody holds.
+    held = np.empty((flat.size + 1, PREFIX_CLASSES * words), dtype=np.uint64)
+    held[-1] = 0
+    held[:-1, : 3 * words] = stored[:, : 3 * words]
+    native_device = stored[:, NATIVE_DEVICE * words:(NATIVE_DEVICE + 1) * words]
+    native_any = held[:-1, PREFIX_ANY * words:(PREFIX_ANY + 1) * words]
+    np.bitwise_or(native_device, stored[:, NATIVE_HOST * words:(NATIVE_HOST + 1) * words], out=native_any)
+    native_any |= stored[:, NATIVE_DISK * words:(NATIVE_DISK + 1) * words]
+    np.bitwise_or(native_device, stored[:, RETAINED_DEVICE * words:(RETAINED_DEVICE + 1) * words],
+                  out=held[:-1, PREFIX_RETAINED_DEVICE * words:])
     request_length = np.diff(offsets)
-    # Requests are padded into a (requests × blocks) matrix per power-of-two length class, so
-    # padding at most doubles the work and the prefix-AND is one accumulate along each row.
-    length_class = np.ceil(np.log2(np.maximum(request_length, 1))).astype(np.int64)
-    by_class = np.argsort(length_class, kind="stable")
-    bounds = np.searchsorted(length_class[by_class], np.arange(int(length_class.max()) + 2))
-    for low, high in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        if low == high:
-            continue
-        rows = by_class[low:high]
-        width = int(request_length[rows].max())
-        if not width:
-            continue
-        steps = np.arange(width)
-        blocks = offsets[rows, None] + steps
-        blocks[steps >= request_length[rows, None]] = nothing
-        prefix_and = np.bitwise_and.accumulate(held[blocks], axis=1)  # (rows, width, classes × words)
-        # A worker's prefix ends where its bit drops: the last block still holding it.
+    for rows, width, blocks in padded_rows(offsets[:-1], request_length, nothing=flat.size):
+        prefix_and = np.bitwise_and.accumulate(np.take(held, blocks, axis=0), axis=1)  # (rows, width, classes × words)
+        # A worker's prefix ends where its bit drops: the last block still holding it. The
+        # prefix-AND only loses bits, so "in this block, not the next" is a plain XOR.
         drops = prefix_and.copy()
-        drops[:, :-1] &= ~prefix_and[:, 1:]
-        row, step, column = np.nonzero(drops)
-        if not row.size:
+        np.bitwise_xor(prefix_and[:, :-1], prefix_and[:, 1:], out=drops[:, :-1])
+        cell = np.flatnonzero(drops)
+        if not cell.size:
             continue
-        bits = np.unpackbits(drops[row, step, column].view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")
-        which, bit = np.nonzero(bits)
-        prefix_class, word = np.divmod(column[which], index.words)
-        lengths[rows[row[which]], prefix_class, word * 64 + bit] = step[which] + 1
+        bits = np.flatnonzero(np.unpackbits(drops.reshape(-1)[cell].view(np.uint8), bitorder="little"))
+        cell = cell[bits >> 6]
+        row, within = np.divmod(cell, width * held.shape[1])
+        step, column = np.divmod(within, held.shape[1])
+        prefix_class, word = np.divmod(column, words)
+        lengths[rows[row], prefix_class, word * 64 + (bits & 63)] = step + 1
     return lengths, masks
 
 
@@ -124,28 +118,45 @@ def credits_of(
     credit = np.zeros(pair_request.size, dtype=np.float64)
     if not pair_request.size:
         return credit
-    weights = np.array([settings.device_credit_weight, settings.host_credit_weight, settings.disk_credit_weight])
-    order = np.argsort(pair_length, kind="stable")
-    # Rows are padded to the longest prefix in their group; grouping by length keeps that cheap.
-    for group in np.array_split(order, max(1, int(pair_length.max()) * order.size // _CREDIT_CELLS)):
-        if not group.size:
-            continue
-        longest = int(pair_length[group].max())
-        steps = np.arange(longest)
-        blocks = offsets[:-1][pair_request[group], None] + steps[None, :]
-        inside = steps[None, :] < pair_length[group, None]
-        blocks = np.where(inside, blocks, 0)
-        word = (pair_slot[group] // 64)[:, None]
-        bit = (pair_slot[group] % 64).astype(np.uint64)[:, None, None]
-        tiers = masks[blocks, :3, word] if masks.shape[0] else np.zeros((group.size, longest, 3), np.uint64)
-        holding = ((tiers >> bit) & np.uint64(1)).astype(bool)
-        per_block = np.where(holding, weights, -np.inf).max(axis=2)
-        per_block[~inside] = 0.0  # after the prefix: adding +0.0 leaves a sum unchanged
-        credit[group] = np.add.accumulate(per_block, axis=1)[:, -1]
+    # Weight of a block by which of the three native tiers hold it (bit 0 device, 1 host,
+    # 2 disk): the best of them; a block outside the prefix holds none and adds +0.0.
+    weights = (settings.device_credit_weight, settings.host_credit_weight, settings.disk_credit_weight)
+    weight_of = np.array([max((weights[tier] for tier in range(3) if held >> tier & 1), default=0.0)
+                          for held in range(8)])
+    words = masks.shape[2]
+    # One flat view of the blocks' native tier words, plus a zero row for padding.
+    tier_words = np.concatenate((masks[:, :3].reshape(masks.shape[0], -1), np.zeros((1, 3 * words), np.uint64)))
+    row_width = 3 * words
+    tier_words = tier_words.reshape(-1)
+    for pairs, _, blocks in padded_rows(offsets[:-1][pair_request], pair_length, nothing=masks.shape[0]):
+        word = (pair_slot[pairs] // 64)[:, None]
+        bit = (pair_slot[pairs] % 64).astype(np.uint64)[:, None]
+        held = np.zeros(blocks.shape, dtype=np.uint64)
+        for tier in range(3):
+            plane = np.take(tier_words, blocks * row_width + tier * words + word)
+            held |= ((plane >> bit) & np.uint64(1)) << np.uint64(tier)
+        credit[pairs] = np.add.accumulate(weight_of[held], axis=1)[:, -1]
     return credit
 
 
-_CREDIT_CELLS = 1 << 20
+def padded_rows(starts: np.ndarray, lengths: np.ndarray, *, nothing: int):
+    """Rows of consecutive block indices, `starts[i]` onwards for `lengths[i]` blocks, padded with `nothing`.
+
+    Yields (members, width, blocks) per power-of-two class of lengths, so padding at most
+    doubles the work while each class is one rectangular numpy operation.
+    """
+    length_class = np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64)
+    by_class = np.argsort(length_class, kind="stable")
+    bounds = np.searchsorted(length_class[by_class], np.arange(int(length_class.max(initial=0)) + 2))
+    for low, high in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        members = by_class[low:high]
+        width = int(lengths[members].max(initial=0))
+        if not width:
+            continue
+        steps = np.arange(width)
+        blocks = starts[members, None] + steps
+        blocks[steps >= lengths[members, None]] = nothing
+        yield members, width, blocks
 
 
 def rank_batch(
@@ -200,6 +211,8 @@ def rank_batch(
         # A batch shares one clock; its budget is the per-request budget times its size.
         budget_ms = settings.transfer_source_lookup_budget_ms * max(count, 1)
         scanned_rows = np.flatnonzero(scanning)
+        scanned_baseline = baseline[scanned_rows, None]
+        block_sizes = np.fromiter((request.block_size for request in requests), dtype=np.int64, count=count)
         for chunk_start in range(0, workers if scanned_rows.size else 0, BUDGET_CHUNK_WORKERS):
             if (clock() - started) * 1000.0 > budget_ms:
                 exhausted = True
@@ -207,8 +220,8 @@ def rank_batch(
             chunk = index.slots_in_order[chunk_start:chunk_start + BUDGET_CHUNK_WORKERS]
             not_target = chunk[None, :] != target[scanned_rows, None]
             for tier in tiers:
-                prefix = lengths[scanned_rows[:, None], tier, chunk[None, :]]
-                is_longer = (prefix > baseline[scanned_rows, None]) & not_target
+                prefix = np.take(np.take(lengths[:, tier], scanned_rows, axis=0), chunk, axis=1)
+                is_longer = (prefix > scanned_baseline) & not_target
                 rows, columns = np.nonzero(is_longer)
                 if not rows.size:
                     continue
@@ -216,7 +229,7 @@ def rank_batch(
                 longer[request_rows] = True
                 found.append(_costed(
                     request_rows, chunk[columns], tier, prefix[rows, columns], baseline[request_rows],
-                    requests, settings,
+                    block_sizes[request_rows], settings,
                 ))
         candidates = _ranked(found, index) if found else (empty,) * 8
         has_candidates = np.zeros(count, dtype=bool)
@@ -232,11 +245,9 @@ def rank_batch(
 
 def _costed(
     request_rows: np.ndarray, slots: np.ndarray, tier: int, prefix: np.ndarray, baseline: np.ndarray,
-    requests: Sequence[ReuseRequest], settings: ReuseSettings,
+    block_size: np.ndarray, settings: ReuseSettings,
 ) -> tuple[np.ndarray, ...]:
     """The reference's cost model on arrays; the operations run in the same order, so the floats agree."""
-    block_size = np.fromiter((requests[row].block_size for row in request_rows.tolist()), dtype=np.int64,
-                             count=request_rows.size)
     transfer_blocks = (prefix - baseline).astype(np.int64)
     recompute_ms = (transfer_blocks * block_size).astype(np.float64) * settings.transfer_source_prefill_token_us / 1000.0
     block_us = settings.transfer_source_gpu_estimated_block_us if tier == 0 else settings.transfer_source_estimated_block_us

@@ -272,15 +272,22 @@ class InventoryIndex:
         mask = np.uint64(len(self.table_keys) - 1)
         with np.errstate(over="ignore"):
             positions = (keys * np.uint64(HASH_MULTIPLIER)) >> np.uint64(64 - self.table_bits)
-        pending = np.arange(keys.size)
+        positions = positions.astype(np.int64)
         table_keys, table_rows = self.table_keys, self.table_rows
-        # Vectorised linear probing: every pending key advances one slot per round.
+        # Vectorised linear probing: every key advances one slot per round until it finds
+        # itself or an empty slot. Most keys settle in the first round, which needs no gather.
+        rows = np.take(table_rows, positions)
+        found = (rows != EMPTY_ROW) & (np.take(table_keys, positions) == keys)
+        result[found] = rows[found]
+        going_on = (rows != EMPTY_ROW) & ~found
+        pending = np.flatnonzero(going_on)
+        positions = (positions[pending] + 1) & int(mask)
         while pending.size:
-            rows = table_rows[positions]
-            found = (rows != EMPTY_ROW) & (table_keys[positions] == keys[pending])
+            rows = np.take(table_rows, positions)
+            found = (rows != EMPTY_ROW) & (np.take(table_keys, positions) == np.take(keys, pending))
             result[pending[found]] = rows[found]
             going_on = (rows != EMPTY_ROW) & ~found
-            pending, positions = pending[going_on], (positions[going_on] + np.uint64(1)) & mask
+            pending, positions = pending[going_on], (positions[going_on] + 1) & int(mask)
         return result
 
     def take_dirty(self) -> tuple[np.ndarray, np.ndarray]:

@@ -76,15 +76,23 @@ def flatten_requests(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.n
 
 def requested_targets(index: InventoryIndex, requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
     """Slots of the requests' targets (NO_TARGET when none or unknown) and which requests named one."""
-    slots = np.full(len(requests), NO_TARGET, dtype=np.int32)
-    named = np.zeros(len(requests), dtype=bool)
-    for position, request in enumerate(requests):
-        if request.target is not None:
-            named[position] = True
-            slot = index.slot(request.target)
-            if slot is not None:
-                slots[position] = slot
+    # A batch names few distinct targets, usually as the same objects; hashing a WorkerId is
+    # far slower than hashing its id(), which is stable while `requests` holds it.
+    slot_of_object: dict[int, int] = {id(None): NO_TARGET - 1}
+    slot = index.slot
+    found = [
+        slot_of_object[id(target)] if id(target) in slot_of_object
+        else slot_of_object.setdefault(id(target), _slot_or_unknown(slot(target)))
+        for target in (request.target for request in requests)
+    ]
+    slots = np.array(found, dtype=np.int32).reshape(-1)
+    named = slots != NO_TARGET - 1
+    slots[~named] = NO_TARGET
     return slots, named
+
+
+def _slot_or_unknown(slot: int | None) -> int:
+    return NO_TARGET if slot is None else slot
 
 
 class DigestCache:
