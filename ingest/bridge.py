@@ -9,9 +9,11 @@ lost last message is noticed too. All publishing goes through one ordered publis
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import functools
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -21,8 +23,9 @@ import nats
 import nats.js.errors
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from ingest.endpoints import StreamSource
 from ingest.publisher import JetStreamPublisher
@@ -46,6 +49,31 @@ IDLE_PROBE_S = 1.0  # how long a quiet stream waits before asking replay for a l
 DEAD_LETTER_LIMIT = 256 * 1024  # raw bytes kept per dead letter: it must fit in one NATS message
 
 
+class LatencyHistogram:
+    """A histogram that costs one bisect per observation; Prometheus reads it at scrape time.
+
+    (prometheus_client's Histogram takes a lock and walks every bucket, twice per batch.)
+    """
+
+    def __init__(self, name: str, help_text: str, bounds: tuple[float, ...]) -> None:
+        self.name = name
+        self.help_text = help_text
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # `le` buckets include their bound
+        self.sum += value
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self.bounds, math.inf), self.counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        return HistogramMetricFamily(self.name, self.help_text, buckets=buckets, sum_value=self.sum)
+
+
 class IngestMetrics:
     """Counters are plain ints on the hot path, turned into Prometheus families at scrape time."""
 
@@ -57,18 +85,17 @@ class IngestMetrics:
         self.remote_skipped = 0
         self.streams: list[EngineStream] = []
         self.publisher: JetStreamPublisher | None = None
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.publish_latency = Histogram(
-            "kvledger_ingest_publish_latency_seconds", "from queueing to JetStream ack", registry=r,
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        self.publish_latency = LatencyHistogram(
+            "kvledger_ingest_publish_latency_seconds", "from queueing to JetStream ack",
+            (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
-        self.engine_to_ack = Histogram(
+        self.engine_to_ack = LatencyHistogram(
             "kvledger_ingest_engine_to_ack_seconds", "from the engine's batch timestamp to the JetStream ack "
-            "(includes clock skew between hosts)", registry=r,
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60),
+            "(includes clock skew between hosts)",
+            (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60),
         )
-        r.register(self)
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
 
     def collect(self):
         """The prometheus_client collector protocol: current values as metric families."""
@@ -89,6 +116,15 @@ class IngestMetrics:
         yield family("kvledger_ingest_duplicates", "engine batches dropped as already published", None,
                      sum(t.counters.duplicates for t in trackers))
         yield family("kvledger_ingest_engine_restarts", "engine restarts detected", None, sum(t.counters.restarts for t in trackers))
+        yield family("kvledger_ingest_replayed_batches", "engine batches received from replay sockets", None,
+                     sum(t.counters.replayed_batches for t in trackers))
+        replays = [stream.replay for stream in self.streams if stream.replay is not None]
+        yield family("kvledger_ingest_replays_incomplete", "replays that timed out before the end marker", None,
+                     sum(r.incomplete_replays for r in replays))
+        yield family("kvledger_ingest_replay_malformed_replies", "replay replies with unreadable framing, skipped", None,
+                     sum(r.malformed_replies for r in replays))
+        yield self.publish_latency.family()
+        yield self.engine_to_ack.family()
         ready = GaugeMetricFamily("kvledger_ingest_ready_streams", "engine streams subscribed and caught up")
         ready.add_metric([], sum(stream.ready.is_set() for stream in self.streams))
         yield ready
@@ -116,7 +152,7 @@ class EngineStream:
         self.source = source
         self._bridge = bridge
         self._context = context
-        self._replay = ReplayClient(source.replay_url, context, timeout_s=replay_timeout_s) if source.replay_url else None
+        self.replay = ReplayClient(source.replay_url, context, timeout_s=replay_timeout_s) if source.replay_url else None
         self._max_batch_bytes = max_batch_bytes
         self.ready = asyncio.Event()
         self.tracker: SequenceTracker | None = None
@@ -132,7 +168,7 @@ class EngineStream:
             # Only the first start reads the position back: after a stream failure the tracker
             # is ahead of JetStream (batches may still wait in the publisher) and stays.
             epoch, next_seq = await self._bridge.resume_position(self.source)
-            fetch = self._fetch if self._replay is not None else None
+            fetch = self._fetch if self.replay is not None else None
             self.tracker = SequenceTracker(epoch, next_seq, fetch)
         log.info(
             "%s: following %s from epoch %d seq %d", self.name, self.source.pub_url, self.tracker.epoch, self.tracker.next_seq,
@@ -153,7 +189,7 @@ class EngineStream:
                     await self._publish(await self._on_frames(frames))
 
     async def _fetch(self, start: int) -> list[tuple[int, bytes]]:
-        return await self._replay.fetch(start)
+        return await self.replay.fetch(start)
 
     async def _on_frames(self, frames: list[bytes]) -> list[Emit]:
         try:

@@ -36,7 +36,6 @@ class TrackerCounters:
     replays: int = 0
     replayed_batches: int = 0
     restarts: int = 0
-    gaps: int = 0
 
 
 class SequenceTracker:
@@ -112,7 +111,6 @@ class SequenceTracker:
         return emits
 
     def _gap(self, reason: GapReason, expected: int, received: int) -> None:
-        self.counters.gaps += 1
         self._pending_gaps.append(Gap(expected, received, reason))
         self.next_seq = received
 

@@ -337,3 +337,49 @@ async def test_a_batch_too_big_for_nats_is_dead_lettered_not_retried_forever(nat
     [letter] = [decode_dead_letter(data) for _, _, data in await read_stream(nats_server.url, "KV_DEAD_LETTERS")]
     assert "exceeds the NATS max_payload" in letter.reason
     assert sum(len(frame) for frame in letter.frames) <= 256 * 1024
+
+
+async def _answer_replays_with_garbage(router: zmq.asyncio.Socket) -> None:
+    """A replay socket that answers every request with one badly framed reply and no end marker."""
+    while True:
+        identity, *_ = await router.recv_multipart()
+        await router.send_multipart([identity, b"", b"not a replay reply"])
+
+
+async def test_replay_and_latency_counters_are_on_metrics(nats_server) -> None:
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:0")
+    broken_replay = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    answering = asyncio.create_task(_answer_replays_with_garbage(router))
+    pub, replay = engine_endpoints()
+    other_pub, _ = engine_endpoints()
+    try:
+        async with SimulatedEngine(pub, replay) as engine, SimulatedEngine(other_pub, None) as other:
+            for block in range(3):
+                await engine.publish([one_block(block)])  # before ingest: replayed at start
+            sources = [
+                source(WorkerId("replayed"), engine),
+                StreamSource(WorkerId("garbled"), other.pub_endpoint, broken_replay, Provenance.NATIVE),
+            ]
+            settings = settings_for(nats_server.url, **{"ingest.replay_timeout_s": 0.3})
+            async with Bridge(settings, sources) as bridge:
+                await bridge.wait_ready(timeout=10)
+                await bridge.publisher.flush(10)
+                status, metrics = await http_get(bridge.http_port, "/metrics")
+    finally:
+        answering.cancel()
+        router.close(linger=0)
+        context.destroy(linger=0)
+    assert status == 200
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines() if line and not line.startswith("#")
+    }
+    assert values["kvledger_ingest_replayed_batches_total"] == 3.0
+    assert values["kvledger_ingest_replays_incomplete_total"] >= 1.0  # the garbled replay never ended
+    assert values["kvledger_ingest_replay_malformed_replies_total"] >= 1.0
+    assert values["kvledger_ingest_publish_latency_seconds_count"] == 3.0
+    assert values['kvledger_ingest_publish_latency_seconds_bucket{le="+Inf"}'] == 3.0
+    assert values["kvledger_ingest_engine_to_ack_seconds_count"] == 3.0
+    assert values["kvledger_ingest_engine_to_ack_seconds_sum"] > 0.0
