@@ -152,8 +152,15 @@ def _pg(statement: str) -> str:
     return statement.replace("?", "%s")
 
 
-# Below this many rows a plain executemany beats creating a temporary table for COPY.
-_COPY_UPDATE_THRESHOLD = 64
+# One statement for all of a transaction's removals: the arrays travel as five parameters,
+# and unnest's row estimate (their length) lets the planner probe the primary key per row.
+SQL_REMOVE_ALL = (
+    "UPDATE block_residency AS r SET removed_seq = b.removed_seq, removed_ts = b.removed_ts, "
+    "removal_cause = b.removal_cause "
+    "FROM unnest(%b::bigint[], %b::double precision[], %b::varchar[], %b::bigint[], %b::integer[]) "
+    "AS b (removed_seq, removed_ts, removal_cause, stored_seq, slot) "
+    "WHERE r.stored_seq = b.stored_seq AND r.slot = b.slot"
+)
 
 
 class PostgresRecorder(Recorder):
@@ -163,24 +170,8 @@ class PostgresRecorder(Recorder):
     def _write(self, changes: ChangeSet, checkpoint: tuple) -> None:
         connection = self.connection
         with connection.cursor() as cursor:
-            if len(changes.removals) >= _COPY_UPDATE_THRESHOLD:
-                cursor.execute(
-                    "CREATE TEMPORARY TABLE IF NOT EXISTS removals_batch (removed_seq bigint, removed_ts double precision, "
-                    "removal_cause varchar(32), stored_seq bigint, slot integer) ON COMMIT DELETE ROWS"
-                )
-                with cursor.copy("COPY removals_batch FROM STDIN") as copy:
-                    for row in changes.removals:
-                        copy.write_row(row)
-                # A fresh temporary table has no statistics; without them the planner may
-                # join it to block_residency by scanning the whole table.
-                cursor.execute("ANALYZE removals_batch")
-                cursor.execute(
-                    "UPDATE block_residency AS r SET removed_seq = b.removed_seq, removed_ts = b.removed_ts, "
-                    "removal_cause = b.removal_cause FROM removals_batch AS b "
-                    "WHERE r.stored_seq = b.stored_seq AND r.slot = b.slot"
-                )
-            elif changes.removals:
-                cursor.executemany(_pg(SQL_REMOVE), changes.removals)
+            if changes.removals:
+                cursor.execute(SQL_REMOVE_ALL, [list(column) for column in zip(*changes.removals)])
             self._updates(cursor, changes, _pg)
             if changes.event_rows:
                 with cursor.copy(f"COPY event_log ({', '.join(EVENT_LOG_COLUMNS)}) FROM STDIN") as copy:
