@@ -67,7 +67,10 @@ def serve(url: str, stream_name: str, requests: BinaryIO, replies: BinaryIO) -> 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from store.database import create_engine
+    from store.gc_policy import defer_young_collections
     from store.recorder import open_recorder
+
+    defer_young_collections()  # each unpickled ChangeSet is some 10 000 lists at once
 
     engine = create_engine(url)
     try:
