@@ -84,20 +84,30 @@ _INPUT_LENGTH = np.uint64(16)
 _VECTOR_MIN_REQUESTS = 64
 
 
-def _chain_pairs(parents: np.ndarray, flipped_locals: np.ndarray) -> np.ndarray:
-    """`chain_hash` elementwise; `flipped_locals` are local hashes already xored with their bitflip."""
+def _chain_step(
+    parents: np.ndarray, flipped: np.ndarray, flipped_low: np.ndarray, flipped_high: np.ndarray, out: np.ndarray,
+) -> None:
+    """`chain_hash` elementwise into `out`, given each local hash xored with its bitflip and split in 32-bit limbs."""
     low = parents ^ _BITFLIP_PARENT
     a0, a1 = low & _LOW32, low >> _SHIFT32
-    b0, b1 = flipped_locals & _LOW32, flipped_locals >> _SHIFT32
-    ll, lh, hl, hh = a0 * b0, a0 * b1, a1 * b0, a1 * b1  # 32×32→64 limb products never overflow
-    middle = (ll >> _SHIFT32) + (lh & _LOW32) + (hl & _LOW32)
-    product_low = (middle << _SHIFT32) | (ll & _LOW32)
-    product_high = hh + (lh >> _SHIFT32) + (hl >> _SHIFT32) + (middle >> _SHIFT32)
-    acc = _INPUT_LENGTH + low.byteswap() + flipped_locals + (product_low ^ product_high)
+    # The 128-bit product from 32×32→64 limb products, which never overflow.
+    ll, lh, hl = a0 * flipped_low, a0 * flipped_high, a1 * flipped_low
+    carry = ll >> _SHIFT32
+    carry += lh & _LOW32
+    carry += hl & _LOW32
+    carry >>= _SHIFT32
+    product_high = a1 * flipped_high
+    product_high += lh >> _SHIFT32
+    product_high += hl >> _SHIFT32
+    product_high += carry
+    product_high ^= low * flipped  # the low half is the wrapping product
+    acc = low.byteswap()
+    acc += flipped
+    acc += _INPUT_LENGTH
+    acc += product_high
     acc ^= acc >> _SHIFT37
     acc *= _AVALANCHE
-    acc ^= acc >> _SHIFT32
-    return acc
+    np.bitwise_xor(acc, acc >> _SHIFT32, out=out)
 
 
 def batch_sequence_hashes(local: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -113,25 +123,31 @@ def batch_sequence_hashes(local: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     lengths = np.diff(offsets)
     if not lengths.size or int(lengths.max(initial=0)) < 2:
         return result
-    starts = np.asarray(offsets[:-1], dtype=np.int64)
-    flipped = local ^ _BITFLIP_LOCAL
     by_length = np.argsort(-lengths, kind="stable")
     # remaining[k]: how many requests are longer than k blocks (requests sorted longest first).
     remaining = np.searchsorted(-lengths[by_length], -np.arange(int(lengths.max())), side="left")
-    position = 1
-    with np.errstate(over="ignore"):
-        while position < remaining.size and remaining[position] >= _VECTOR_MIN_REQUESTS:
-            blocks = starts[by_length[: remaining[position]]] + position
-            result[blocks] = _chain_pairs(result[blocks - 1], flipped[blocks])
-            position += 1
-    if position < remaining.size:
-        for request in by_length[: remaining[position]].tolist():
-            start, stop = int(offsets[request]) + position, int(offsets[request + 1])
-            previous = int(result[start - 1])
-            tail = local[start:stop].tolist()
-            chained = []
-            for local_hash in tail:
-                previous = _xxh3(_pack_pair(previous, local_hash), seed=HASH_SEED)
-                chained.append(previous)
-            result[start:stop] = chained
+    steps = int(np.count_nonzero(remaining >= _VECTOR_MIN_REQUESTS))  # positions 0 .. steps-1 in numpy
+    if steps > 1:
+        # Position-major: row k holds block k of the requests, longest first, so the requests
+        # still chaining at step k are a prefix of row k, a view: no gathers inside the loop.
+        chained_requests = by_length[: remaining[1]]
+        blocks = offsets[chained_requests][None, :] + np.arange(steps)[:, None]
+        inside = np.arange(steps)[:, None] < lengths[chained_requests][None, :]
+        chained = np.take(local, blocks, mode="clip")
+        flipped = chained ^ _BITFLIP_LOCAL
+        flipped_low, flipped_high = flipped & _LOW32, flipped >> _SHIFT32
+        with np.errstate(over="ignore"):
+            for step in range(1, steps):
+                width = remaining[step]
+                _chain_step(chained[step - 1, :width], flipped[step, :width], flipped_low[step, :width],
+                            flipped_high[step, :width], out=chained[step, :width])
+        result[blocks[inside]] = chained[inside]
+    for request in by_length[: remaining[steps]].tolist() if steps < remaining.size else ():
+        start, stop = int(offsets[request]) + max(steps, 1), int(offsets[request + 1])
+        previous = int(result[start - 1])
+        chained_tail = []
+        for local_hash in local[start:stop].tolist():
+            previous = _xxh3(_pack_pair(previous, local_hash), seed=HASH_SEED)
+            chained_tail.append(previous)
+        result[start:stop] = chained_tail
     return result
