@@ -17,7 +17,7 @@ import numpy as np
 from kvledger.reuse import Decision, ReuseRequest
 from kvledger.settings import ReuseSettings
 
-from decide.index import CLASSES, NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, RETAINED_DEVICE, InventoryIndex
+from decide.index import CLASSES, MISSING_ROW, NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, RETAINED_DEVICE, InventoryIndex
 from decide.ranked import (
     BELOW_THRESHOLD,
     BUDGET_EXHAUSTED,
@@ -67,47 +67,90 @@ class CpuBackend:
 
 
 def prefix_lengths(index: InventoryIndex, flat: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Contiguous prefix length per (request, prefix class, worker slot), and the blocks' raw masks."""
+    """Contiguous prefix length per (request, prefix class, worker slot), and each block's index row.
+
+    Blocks are walked in rounds of doubling width (8, 16, 32, … blocks): a request leaves
+    the walk once no worker holds its prefix in any class, since no later block can matter,
+    so most requests are never looked up to their end. Blocks never looked up keep the empty
+    row; they lie beyond every prefix, where nothing reads them.
+    """
     requests = len(offsets) - 1
     workers, words = index.worker_count, index.words
+    planes = PREFIX_CLASSES * words
     lengths = np.zeros((requests, PREFIX_CLASSES, workers), dtype=np.int32)
-    # np.take along axis 0 copies whole rows, several times faster than fancy indexing.
-    stored = np.take(index.masks.reshape(index.masks.shape[0], -1), index.lookup(flat), axis=0)
-    masks = stored.reshape(flat.size, len(CLASSES), words)  # (blocks, stored classes, words)
+    block_rows = np.full(flat.size, MISSING_ROW, dtype=np.int32)
     if not flat.size or not workers:
-        return lengths, masks
-    # Per block, the prefix classes' planes side by side, and a last row nobody holds.
-    held = np.empty((flat.size + 1, PREFIX_CLASSES * words), dtype=np.uint64)
-    held[-1] = 0
-    held[:-1, : 3 * words] = stored[:, : 3 * words]
-    native_device = stored[:, NATIVE_DEVICE * words:(NATIVE_DEVICE + 1) * words]
-    native_any = held[:-1, PREFIX_ANY * words:(PREFIX_ANY + 1) * words]
-    np.bitwise_or(native_device, stored[:, NATIVE_HOST * words:(NATIVE_HOST + 1) * words], out=native_any)
-    native_any |= stored[:, NATIVE_DISK * words:(NATIVE_DISK + 1) * words]
-    np.bitwise_or(native_device, stored[:, RETAINED_DEVICE * words:(RETAINED_DEVICE + 1) * words],
-                  out=held[:-1, PREFIX_RETAINED_DEVICE * words:])
+        return lengths, block_rows
+    table = index.masks.reshape(index.masks.shape[0], -1)
     request_length = np.diff(offsets)
-    for rows, width, blocks in padded_rows(offsets[:-1], request_length, nothing=flat.size):
-        prefix_and = np.bitwise_and.accumulate(np.take(held, blocks, axis=0), axis=1)  # (rows, width, classes × words)
-        # A worker's prefix ends where its bit drops: the last block still holding it. The
-        # prefix-AND only loses bits, so "in this block, not the next" is a plain XOR.
-        drops = prefix_and.copy()
-        np.bitwise_xor(prefix_and[:, :-1], prefix_and[:, 1:], out=drops[:, :-1])
+    walking = np.flatnonzero(request_length > 0)
+    carried = np.zeros((walking.size, planes), dtype=np.uint64)  # the prefix-AND before this round
+    begin, width = 0, _FIRST_ROUND_BLOCKS
+    while walking.size:
+        steps = np.arange(begin, begin + width)
+        blocks = offsets[walking, None] + steps
+        inside = np.flatnonzero(steps < request_length[walking, None])  # cells that are real blocks
+        looked_up = np.take(blocks, inside)
+        rows = np.full(blocks.shape, MISSING_ROW, dtype=np.int32)  # the all-zero row, past a request's end
+        np.put(rows, inside, index.lookup(np.take(flat, looked_up)))
+        np.put(block_rows, looked_up, np.take(rows, inside))
+        # np.take along axis 0 copies whole rows, several times faster than fancy indexing.
+        held = _prefix_classes(np.take(table, rows, axis=0), words)  # (walking, width, planes)
+        if begin:
+            held[:, 0] &= carried
+        prefix_and = np.bitwise_and.accumulate(held, axis=1)
+        # A worker's prefix ends at the last block still holding its bit. The prefix-AND only
+        # loses bits, so "in this block, not the next" is a plain XOR with the next column.
+        by_row = prefix_and.reshape(walking.size, -1)
+        drops = np.empty_like(by_row)
+        np.bitwise_xor(by_row[:, :-planes], by_row[:, planes:], out=drops[:, :-planes])
+        last = prefix_and[:, -1]
+        going_on = (request_length[walking] > begin + width) & last.any(axis=1)
+        # A request that goes on carries its last column into the next round, undecided.
+        drops[:, -planes:] = np.where(going_on[:, None], 0, last)
+        if begin:
+            first = np.flatnonzero(carried & ~prefix_and[:, 0])  # prefixes that ended just before this round
+            _set_lengths(lengths, walking, first // planes, np.full(first.size, begin), first % planes,
+                         carried.reshape(-1)[first], words)
         cell = np.flatnonzero(drops)
-        if not cell.size:
-            continue
-        bits = np.flatnonzero(np.unpackbits(drops.reshape(-1)[cell].view(np.uint8), bitorder="little"))
-        cell = cell[bits >> 6]
-        row, within = np.divmod(cell, width * held.shape[1])
-        step, column = np.divmod(within, held.shape[1])
-        prefix_class, word = np.divmod(column, words)
-        lengths[rows[row], prefix_class, word * 64 + (bits & 63)] = step + 1
-    return lengths, masks
+        row, within = np.divmod(cell, width * planes)
+        step, column = np.divmod(within, planes)
+        _set_lengths(lengths, walking, row, begin + step + 1, column, np.take(drops, cell), words)
+        walking, carried = walking[going_on], last[going_on]
+        begin, width = begin + width, width * 2
+    return lengths, block_rows
+
+
+_FIRST_ROUND_BLOCKS = 8
+
+
+def _prefix_classes(stored: np.ndarray, words: int) -> np.ndarray:
+    """The five prefix classes' planes from the four stored ones, along the last axis."""
+    held = np.empty(stored.shape[:-1] + (PREFIX_CLASSES * words,), dtype=np.uint64)
+    held[..., : 3 * words] = stored[..., : 3 * words]
+    native_device = stored[..., NATIVE_DEVICE * words:(NATIVE_DEVICE + 1) * words]
+    native_any = held[..., PREFIX_ANY * words:(PREFIX_ANY + 1) * words]
+    np.bitwise_or(native_device, stored[..., NATIVE_HOST * words:(NATIVE_HOST + 1) * words], out=native_any)
+    native_any |= stored[..., NATIVE_DISK * words:(NATIVE_DISK + 1) * words]
+    np.bitwise_or(native_device, stored[..., RETAINED_DEVICE * words:(RETAINED_DEVICE + 1) * words],
+                  out=held[..., PREFIX_RETAINED_DEVICE * words:])
+    return held
+
+
+def _set_lengths(lengths: np.ndarray, requests: np.ndarray, row: np.ndarray, length: np.ndarray,
+                 column: np.ndarray, bits: np.ndarray, words: int) -> None:
+    """For each set bit of `bits[i]` (a word of class-plane `column[i]`), that worker's prefix is `length[i]`."""
+    if not bits.size:
+        return
+    bit = np.flatnonzero(np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), bitorder="little"))
+    entry = bit >> 6
+    prefix_class, word = np.divmod(column[entry], words)
+    lengths[requests[row[entry]], prefix_class, word * 64 + (bit & 63)] = length[entry]
 
 
 def credits_of(
-    masks: np.ndarray, offsets: np.ndarray, pair_request: np.ndarray, pair_slot: np.ndarray,
-    pair_length: np.ndarray, settings: ReuseSettings,
+    index: InventoryIndex, block_rows: np.ndarray, offsets: np.ndarray, pair_request: np.ndarray,
+    pair_slot: np.ndarray, pair_length: np.ndarray, settings: ReuseSettings,
 ) -> np.ndarray:
     """Execution credit of each (request, worker) pair over its native prefix.
 
@@ -123,17 +166,18 @@ def credits_of(
     weights = (settings.device_credit_weight, settings.host_credit_weight, settings.disk_credit_weight)
     weight_of = np.array([max((weights[tier] for tier in range(3) if held >> tier & 1), default=0.0)
                           for held in range(8)])
-    words = masks.shape[2]
-    # One flat view of the blocks' native tier words, plus a zero row for padding.
-    tier_words = np.concatenate((masks[:, :3].reshape(masks.shape[0], -1), np.zeros((1, 3 * words), np.uint64)))
-    row_width = 3 * words
-    tier_words = tier_words.reshape(-1)
-    for pairs, _, blocks in padded_rows(offsets[:-1][pair_request], pair_length, nothing=masks.shape[0]):
+    words = index.words
+    row_width = len(CLASSES) * words
+    table = index.masks.reshape(-1)
+    # Padding reads the all-zero row.
+    block_rows = np.append(block_rows, MISSING_ROW).astype(np.int64)
+    for pairs, _, blocks in padded_rows(offsets[:-1][pair_request], pair_length, nothing=block_rows.size - 1):
         word = (pair_slot[pairs] // 64)[:, None]
         bit = (pair_slot[pairs] % 64).astype(np.uint64)[:, None]
+        row_start = np.take(block_rows, blocks) * row_width + word
         held = np.zeros(blocks.shape, dtype=np.uint64)
         for tier in range(3):
-            plane = np.take(tier_words, blocks * row_width + tier * words + word)
+            plane = np.take(table, row_start + tier * words)
             held |= ((plane >> bit) & np.uint64(1)) << np.uint64(tier)
         credit[pairs] = np.add.accumulate(weight_of[held], axis=1)[:, -1]
     return credit
@@ -169,7 +213,7 @@ def rank_batch(
     count = len(requests)
     workers = index.worker_count
     flat, offsets = flatten_requests(requests)
-    lengths, masks = prefix_lengths(index, flat, offsets)
+    lengths, block_rows = prefix_lengths(index, flat, offsets)
     target, named = requested_targets(index, requests)
 
     # Credit: for every worker of requests without a target (to pick one), else the target's.
@@ -180,7 +224,8 @@ def rank_batch(
     given_request = given_request[any_prefix[given_request, target[given_request]] > 0]
     pair_request = np.concatenate((pick_request, given_request))
     pair_slot = np.concatenate((pick_slot, target[given_request])).astype(np.int64)
-    pair_credit = credits_of(masks, offsets, pair_request, pair_slot, any_prefix[pair_request, pair_slot], settings)
+    pair_credit = credits_of(index, block_rows, offsets, pair_request, pair_slot, any_prefix[pair_request, pair_slot],
+                             settings)
 
     credited = np.zeros(count, dtype=np.float64)
     if workers:

@@ -47,6 +47,7 @@ _U64 = (1 << 64) - 1
 EMPTY_ROW = -1
 MISSING_ROW = 0  # row 0 is all zeros: a hash nobody holds reads as "no worker"
 _MAX_LOAD = 0.5
+_DICTIONARY_KEYS = 512  # a lookup's keys still probing when the row dictionary takes over
 _MIN_TABLE_BITS = 10
 
 
@@ -266,28 +267,32 @@ class InventoryIndex:
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Rows of many sequence hashes at once (MISSING_ROW where nobody holds one)."""
         keys = np.asarray(keys, dtype=np.uint64)
-        result = np.full(keys.shape, MISSING_ROW, dtype=np.int32)
         if not keys.size:
-            return result
-        mask = np.uint64(len(self.table_keys) - 1)
+            return np.full(keys.shape, MISSING_ROW, dtype=np.int32)
+        mask = len(self.table_keys) - 1
         with np.errstate(over="ignore"):
-            positions = (keys * np.uint64(HASH_MULTIPLIER)) >> np.uint64(64 - self.table_bits)
-        positions = positions.astype(np.int64)
+            positions = ((keys * np.uint64(HASH_MULTIPLIER)) >> np.uint64(64 - self.table_bits)).astype(np.int64)
         table_keys, table_rows = self.table_keys, self.table_rows
         # Vectorised linear probing: every key advances one slot per round until it finds
-        # itself or an empty slot. Most keys settle in the first round, which needs no gather.
+        # itself or an empty slot. Most keys settle in the first round, done without masks.
         rows = np.take(table_rows, positions)
-        found = (rows != EMPTY_ROW) & (np.take(table_keys, positions) == keys)
-        result[found] = rows[found]
-        going_on = (rows != EMPTY_ROW) & ~found
-        pending = np.flatnonzero(going_on)
-        positions = (positions[pending] + 1) & int(mask)
-        while pending.size:
+        occupied = rows != EMPTY_ROW
+        found = occupied & (np.take(table_keys, positions) == keys)
+        result = np.where(found, rows, MISSING_ROW).astype(np.int32, copy=False)
+        pending = np.flatnonzero(occupied & ~found)
+        positions = (positions[pending] + 1) & mask
+        # Probe chains have a long tail (a round per slot of the longest), so the last few
+        # keys are cheaper to ask the row dictionary, which holds exactly the live keys.
+        while pending.size > _DICTIONARY_KEYS:
             rows = np.take(table_rows, positions)
-            found = (rows != EMPTY_ROW) & (np.take(table_keys, positions) == np.take(keys, pending))
+            occupied = rows != EMPTY_ROW
+            found = occupied & (np.take(table_keys, positions) == np.take(keys, pending))
             result[pending[found]] = rows[found]
-            going_on = (rows != EMPTY_ROW) & ~found
-            pending, positions = pending[going_on], (positions[going_on] + 1) & int(mask)
+            going_on = occupied & ~found
+            pending, positions = pending[going_on], (positions[going_on] + 1) & mask
+        if pending.size:
+            row_of = self._row_of.get
+            result[pending] = [row_of(key, MISSING_ROW) for key in np.take(keys, pending).tolist()]
         return result
 
     def take_dirty(self) -> tuple[np.ndarray, np.ndarray]:
