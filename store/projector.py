@@ -34,13 +34,13 @@ from kvledger.http import health_routes, serve_connection
 from kvledger.settings import Settings
 from kvledger.streams import dead_letters_stream, decisions_stream, ensure_stream, events_stream
 from store import tables
-from store.changes import ChangeBuilder, ResidencyIndex
+from store.changes import ChangeBuilder, ChangeSet, ResidencyIndex
 from store.database import create_engine, require_current
 from store.gc_policy import defer_young_collections
 from kvledger.system import install_stop_signals
 from store.jetstream import ConsumerWatch, bind_consumer, connect
 from store.recorder import SQL_CHECKPOINT, load_fold, read_checkpoint
-from store.writer import RecorderProcess, WriterError
+from store.writer import RecorderProcess, WriterError, encode_changes
 from store.snapshots import SnapshotWriter
 
 log = logging.getLogger("kvledger.store")
@@ -195,11 +195,15 @@ class EventsProjector:
                         self.metrics.dead_letters.labels(self.stream).inc()
                         continue
                     builder.add_batch(changes, batch, seq, fold.apply(batch, seq), fold)
+                encoded = None
                 if fresh:
                     builder.finish(changes, fold)
                     self.snapshots.count(fresh)
+                    # Encoded here, while the writer is still busy with the previous transaction:
+                    # in the writer's thread it would queue for the GIL behind the next fold.
+                    encoded = encode_changes(changes)
                 writing = await self._drain(writing)
-                writing = asyncio.create_task(self._commit(recorder, changes if fresh else None, fresh, messages[-1]))
+                writing = asyncio.create_task(self._commit(recorder, changes, encoded, fresh, messages[-1]))
                 # Let the commit reach the writer now: awaiting an already-arrived fetch does not
                 # yield, so without this the next batch would be folded before the write began.
                 await asyncio.sleep(0)
@@ -226,10 +230,10 @@ class EventsProjector:
                 raise
         return None
 
-    async def _commit(self, recorder, changes, fresh: int, last_message) -> None:
-        if changes is not None:
+    async def _commit(self, recorder, changes: ChangeSet, encoded: bytes | None, fresh: int, last_message) -> None:
+        if encoded is not None:
             started = time.perf_counter()
-            await asyncio.to_thread(recorder.write, changes)
+            await asyncio.to_thread(recorder.write, encoded)
             self.metrics.transaction_seconds.labels(self.stream).observe(time.perf_counter() - started)
             self.metrics.transactions.labels(self.stream).inc()
             self.metrics.messages.labels(self.stream).inc(fresh)

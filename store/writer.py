@@ -30,8 +30,16 @@ class WriterError(RuntimeError):
     """The child could not write a transaction (database error, or it died); the SQL checkpoint says what committed."""
 
 
+def encode_changes(changes: ChangeSet) -> bytes:
+    """A ChangeSet as it travels to the child; the caller encodes it, so that can happen ahead of the write."""
+    return pickle.dumps(changes, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _send(stream: BinaryIO, value: object) -> None:
-    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    _send_encoded(stream, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _send_encoded(stream: BinaryIO, data: bytes) -> None:
     stream.write(_LENGTH.pack(len(data)))
     stream.write(data)
     stream.flush()
@@ -129,9 +137,10 @@ class RecorderProcess:
         """Block until the child holds its database connection (WriterError if it cannot)."""
         self._reply()
 
-    def write(self, changes: ChangeSet) -> None:
+    def write(self, encoded: bytes) -> None:
+        """Commit one ChangeSet, given as `encode_changes` made it; returns once the child committed."""
         try:
-            _send(self._process.stdin, changes)
+            _send_encoded(self._process.stdin, encoded)
         except OSError as error:
             raise WriterError(f"the writer process is gone ({error})") from None
         self._reply()
