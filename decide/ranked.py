@@ -8,6 +8,7 @@ differ in numbers, never in presentation.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -216,21 +217,19 @@ class AnswerBatch:
         """Every answer as JSON bytes: `json.dumps(decision_to_json(d), separators=(",", ":"))`, byte for byte.
 
         Built column-wise: each field of every answer is formatted in one vectorised pass
-        over fixed-width byte strings (numbers through tables of their distinct values), and
+        over fixed-width byte strings (a number with its key through a table of texts), and
         only the final joining of each answer's pieces runs per answer.
         """
         count = len(self.requests)
         if not count:
             return []
         ranked = self.ranked
-        names = _texts([_json_string(worker.name) for worker in self.workers] + ["null"])
-        sources = _texts([_json_string(worker.publisher) for worker in self.workers] + [""])
-        dp_ranks = np.array([worker.dp_rank for worker in self.workers] + [0], dtype=np.int64)
+        names = [_json_string(worker.name) for worker in self.workers]
 
         # Overlaps: `"name":{...}`, a comma before all but each answer's first.
         shown_request, shown_slot, shown_lengths = self._shown()
-        overlap = _join(names[shown_slot], *(
-            piece for field, column in zip(_OVERLAP_FIELDS, shown_lengths.T) for piece in (field, _integers(column))
+        overlap = _join(_texts(names)[shown_slot], *(
+            _labelled_integers(label, column) for label, column in zip(_OVERLAP_LABELS, shown_lengths.T)
         ), b"}")
         unknown = [(position, name) for position in np.flatnonzero(ranked.target < 0).tolist()
                    if (name := self._unknown_target(position)) is not None]
@@ -243,46 +242,77 @@ class AnswerBatch:
             overlap = np.concatenate((overlap, zero))[order]
 
         # Candidates, ranked within each answer; the first is also the answer's `chosen`.
-        candidate_request, slot = ranked.candidate_request, ranked.candidate_slot
+        candidate_request = ranked.candidate_request
+        sources = _texts([f'{{"source":{_json_string(worker.publisher)},"dp_rank":{worker.dp_rank}'
+                          for worker in self.workers] + [""])
         candidate = _join(
-            b'{"source":', sources[slot], b',"dp_rank":', _integers(dp_ranks[slot]),
-            _TIER_FIELDS[ranked.candidate_tier], _integers(ranked.candidate_prefix),
-            b',"transfer_blocks":', _integers(ranked.candidate_transfer_blocks),
-            b',"recompute_ms":', _floats(ranked.candidate_recompute_ms),
-            b',"transfer_ms":', _floats(ranked.candidate_transfer_ms),
-            b',"saving_ms":', _floats(ranked.candidate_saving_ms), b"}",
+            sources[ranked.candidate_slot], _TIER_LABELS[ranked.candidate_tier], _integers(ranked.candidate_prefix),
+            _labelled_integers(b',"transfer_blocks":', ranked.candidate_transfer_blocks),
+            _labelled_floats(b',"recompute_ms":', ranked.candidate_recompute_ms),
+            _labelled_floats(b',"transfer_ms":', ranked.candidate_transfer_ms),
+            _labelled_floats(b',"saving_ms":', ranked.candidate_saving_ms), b"}",
         )
         first = np.ones(candidate_request.size, dtype=bool)
         first[1:] = candidate_request[1:] != candidate_request[:-1]
         chosen = np.full(count, b'],"chosen":null', dtype=object)
         chosen[candidate_request[first]] = np.char.add(b'],"chosen":', candidate[first]).tolist()
 
-        targets = names[np.where(ranked.target >= 0, ranked.target, len(self.workers))].astype(object)
+        # Object arrays from here on: a fixed-width array would silently cut a longer value.
+        targets = np.array([f',"inventory_seq":{self.inventory_seq},"target":{name}'.encode()
+                            for name in names + ["null"]], dtype=object)[
+            np.where(ranked.target >= 0, ranked.target, len(self.workers))]
         for position, name in unknown:
-            targets[position] = _json_string(name).encode()
+            targets[position] = f',"inventory_seq":{self.inventory_seq},"target":{_json_string(name)}'.encode()
         uncertain = "[" + ",".join(map(_json_string, self.uncertain_workers)) + "]"
         endings = np.array([
             f',"reason":"{reason}","uncertain_workers":{uncertain},"backend":{_json_string(self.backend)},'
             f'"settings_digest":{_json_string(self.settings_digest)}}}'.encode()
             for reason in REASONS
         ], dtype=object)
-        head = _join(
-            b'{"request_id":', _json_strings([request.request_id for request in self.requests]),
-            f',"inventory_seq":{self.inventory_seq},"target":'.encode(),
-        ).astype(object) + targets + _join(
-            b',"credited_blocks":', _floats(ranked.credited), b',"baseline_blocks":', _integers(ranked.baseline),
-            b',"overlaps":{',
+        head = np.char.add(b'{"request_id":', _json_strings([request.request_id for request in self.requests]))
+        head = head.astype(object) + targets + _join(
+            _labelled_floats(b',"credited_blocks":', ranked.credited),
+            _labelled_integers(b',"baseline_blocks":', ranked.baseline), b',"overlaps":{',
         ).astype(object)
         return _answers_end_to_end(count, head, (_comma_separated(overlap, shown_request), shown_request),
                                    b'},"candidates":[', (_comma_separated(candidate, candidate_request), candidate_request),
                                    chosen + endings[ranked.reason])
 
 
-_OVERLAP_FIELDS = (b':{"device":', b',"host":', b',"disk":', b',"any":', b',"retained_device":')
+_OVERLAP_LABELS = (b':{"device":', b',"host":', b',"disk":', b',"any":', b',"retained_device":')
 _ZERO_OVERLAP = ':{"device":0,"host":0,"disk":0,"any":0,"retained_device":0}'
-_TIER_FIELDS = np.array([f',"tier":"{tier.value}","prefix_blocks":'.encode() for tier in SOURCE_TIERS])
-_SMALL_INTEGERS = np.array([str(number).encode() for number in range(4096)])
+_TIER_LABELS = np.array([f',"tier":"{tier.value}","prefix_blocks":'.encode() for tier in SOURCE_TIERS])
+_TABLED_INTEGERS = 4096  # integers below this are written from tables, one per label
+_SMALL_INTEGERS = np.array([str(number).encode() for number in range(_TABLED_INTEGERS)])
 _PLAIN_JSON_TEXT = re.compile(r'[\x00-\x1f"\\]')
+
+
+@functools.cache
+def _integer_table(label: bytes) -> np.ndarray:
+    return np.char.add(label, _SMALL_INTEGERS)
+
+
+def _labelled_integers(label: bytes, values: np.ndarray) -> np.ndarray:
+    """`label` followed by each integer's decimal text, as `str` writes it."""
+    values = np.asarray(values, dtype=np.int64)
+    if not values.size or (values.min() >= 0 and values.max() < _TABLED_INTEGERS):
+        return _integer_table(label)[values]
+    return np.char.add(label, values.astype(bytes))
+
+
+def _integers(values: np.ndarray) -> np.ndarray:
+    return _labelled_integers(b"", values)
+
+
+def _labelled_floats(label: bytes, values: np.ndarray) -> np.ndarray:
+    """`label` followed by each float as `json.dumps` writes it, formatting each distinct value (by bits) once."""
+    distinct, where = np.unique(np.ascontiguousarray(values, dtype=np.float64).view(np.uint64), return_inverse=True)
+    distinct = distinct.view(np.float64)
+    if np.isfinite(distinct).all():
+        text = [label + repr(value).encode() for value in distinct.tolist()]  # json.dumps writes a finite float so
+    else:
+        text = [label + json.dumps(value).encode() for value in distinct.tolist()]
+    return np.array(text, dtype=bytes)[where.reshape(-1)]
 
 
 def _json_string(text: str) -> str:
@@ -299,25 +329,6 @@ def _json_strings(texts: list[str]) -> np.ndarray:
     if joined.isascii() and not _PLAIN_JSON_TEXT.search(joined):
         return np.char.add(np.char.add(b'"', np.array(texts, dtype=bytes)), b'"')
     return _texts([_json_string(text) for text in texts])
-
-
-def _integers(values: np.ndarray) -> np.ndarray:
-    """Decimal text of integers, as `str` writes them."""
-    values = np.asarray(values, dtype=np.int64)
-    if not values.size or (values.min() >= 0 and values.max() < _SMALL_INTEGERS.size):
-        return _SMALL_INTEGERS[values]
-    return values.astype(bytes)
-
-
-def _floats(values: np.ndarray) -> np.ndarray:
-    """Floats as `json.dumps` writes them, formatting each distinct value (by its bits) once."""
-    distinct, where = np.unique(np.ascontiguousarray(values, dtype=np.float64).view(np.uint64), return_inverse=True)
-    distinct = distinct.view(np.float64)
-    if np.isfinite(distinct).all():
-        text = [repr(value).encode() for value in distinct.tolist()]  # what json.dumps writes for a finite float
-    else:
-        text = [json.dumps(value).encode() for value in distinct.tolist()]
-    return np.array(text, dtype=bytes)[where.reshape(-1)]
 
 
 def _join(*pieces: bytes | np.ndarray) -> np.ndarray:
