@@ -12,11 +12,13 @@ import functools
 import itertools
 import json
 import re
+import weakref
 from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
 
+from kvledger.decision_codec import decision_to_json
 from kvledger.events import Tier, WorkerId
 from kvledger.hashing import batch_sequence_hashes
 from kvledger.reuse import Candidate, Decision, Overlap, Reason, ReuseRequest, enabled_source_tiers
@@ -37,6 +39,7 @@ REASONS = (
 DISABLED, CHOSEN, NO_WORKERS, NO_CANDIDATES, BELOW_THRESHOLD, BUDGET_EXHAUSTED = range(len(REASONS))
 
 NO_TARGET = -1  # no target given and no worker to pick, or a target the index has never seen
+COLUMNWISE_ANSWERS = 16  # batches this large are encoded column-wise (see AnswerBatch.encoded)
 
 Clock = Callable[[], float]
 
@@ -113,6 +116,32 @@ _digests = DigestCache()
 
 
 @attrs.frozen
+class WorkerTexts:
+    """Each worker's pieces of answer JSON, by slot: made once per index and worker count,
+    since workers only ever join an index."""
+
+    names: tuple[str, ...]  # the name as a JSON string
+    name_bytes: np.ndarray  # the same, as bytes
+    sources: np.ndarray  # bytes `{"source":…,"dp_rank":…`, the opening of a candidate
+
+    @classmethod
+    def of(cls, index: InventoryIndex) -> WorkerTexts:
+        texts = _worker_texts.get(index)
+        if texts is None or len(texts.names) != index.worker_count:
+            workers = index.workers
+            names = tuple(_json_string(worker.name) for worker in workers)
+            texts = _worker_texts[index] = cls(
+                names, _texts(list(names)),
+                _texts([f'{{"source":{_json_string(worker.publisher)},"dp_rank":{worker.dp_rank}'
+                        for worker in workers] + [""]),
+            )
+        return texts
+
+
+_worker_texts: weakref.WeakKeyDictionary[InventoryIndex, WorkerTexts] = weakref.WeakKeyDictionary()
+
+
+@attrs.frozen
 class AnswerBatch:
     """The answers to one batch, still as arrays: `decisions()` and `encoded()` build them.
 
@@ -129,6 +158,7 @@ class AnswerBatch:
     uncertain_workers: tuple[str, ...]
     backend: str
     settings_digest: str
+    worker_texts: WorkerTexts
 
     @classmethod
     def of(
@@ -136,7 +166,7 @@ class AnswerBatch:
         backend: str,
     ) -> AnswerBatch:
         return cls(requests, ranked, tuple(index.workers), index.slots_in_order, index.order_rank,
-                   index.inventory_seq, index.uncertain_names(), backend, _digests(settings))
+                   index.inventory_seq, index.uncertain_names(), backend, _digests(settings), WorkerTexts.of(index))
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -216,19 +246,30 @@ class AnswerBatch:
     def encoded(self) -> list[bytes]:
         """Every answer as JSON bytes: `json.dumps(decision_to_json(d), separators=(",", ":"))`, byte for byte.
 
-        Built column-wise: each field of every answer is formatted in one vectorised pass
-        over fixed-width byte strings (a number with its key through a table of texts), and
-        only the final joining of each answer's pieces runs per answer.
+        A few answers go through the codec one by one; from `COLUMNWISE_ANSWERS` on, building
+        them column-wise costs less than its fixed start-up.
+        """
+        if len(self.requests) < COLUMNWISE_ANSWERS:
+            return [json.dumps(decision_to_json(decision), separators=(",", ":")).encode()
+                    for decision in self.decisions()]
+        return self.encoded_columnwise()
+
+    def encoded_columnwise(self) -> list[bytes]:
+        """`encoded()`, built column-wise whatever the batch size.
+
+        Each field of every answer is formatted in one vectorised pass over fixed-width byte
+        strings (a number with its key through a table of texts), and only the final joining
+        of each answer's pieces runs per answer.
         """
         count = len(self.requests)
         if not count:
             return []
         ranked = self.ranked
-        names = [_json_string(worker.name) for worker in self.workers]
+        names = list(self.worker_texts.names)
 
         # Overlaps: `"name":{...}`, a comma before all but each answer's first.
         shown_request, shown_slot, shown_lengths = self._shown()
-        overlap = _join(_texts(names)[shown_slot], *(
+        overlap = _join(self.worker_texts.name_bytes[shown_slot], *(
             _labelled_integers(label, column) for label, column in zip(_OVERLAP_LABELS, shown_lengths.T)
         ), b"}")
         unknown = [(position, name) for position in np.flatnonzero(ranked.target < 0).tolist()
@@ -243,10 +284,8 @@ class AnswerBatch:
 
         # Candidates, ranked within each answer; the first is also the answer's `chosen`.
         candidate_request = ranked.candidate_request
-        sources = _texts([f'{{"source":{_json_string(worker.publisher)},"dp_rank":{worker.dp_rank}'
-                          for worker in self.workers] + [""])
         candidate = _join(
-            sources[ranked.candidate_slot], _TIER_LABELS[ranked.candidate_tier], _integers(ranked.candidate_prefix),
+            self.worker_texts.sources[ranked.candidate_slot], _TIER_LABELS[ranked.candidate_tier], _integers(ranked.candidate_prefix),
             _labelled_integers(b',"transfer_blocks":', ranked.candidate_transfer_blocks),
             _labelled_floats(b',"recompute_ms":', ranked.candidate_recompute_ms),
             _labelled_floats(b',"transfer_ms":', ranked.candidate_transfer_ms),

@@ -74,7 +74,8 @@ def test_every_answer_equals_the_reference_model(backend_name: str, stream, aske
     assert backend.decide_batch(asked, reuse) == expected
     assert backend.decide(asked[0], reuse) == expected[0]
     # The service's path: straight from the arrays to JSON, byte for byte the codec's.
-    assert backend.answer_batch(asked, reuse).encoded() == [service_json(answer) for answer in expected]
+    answers = backend.answer_batch(asked, reuse)
+    assert answers.encoded() == answers.encoded_columnwise() == [service_json(answer) for answer in expected]
     for answer in expected:
         event(f"reason {answer.reason}")
         event(f"uncertain workers: {bool(answer.uncertain_workers)}; credit {answer.credited_blocks > 0}")
@@ -116,6 +117,7 @@ def test_many_workers_span_several_mask_words(backend_name: str) -> None:
     assert answers == expected
     assert any(len(answer.candidates) > 50 for answer in answers)
     assert backend.answer_batch(asked, reuse).encoded() == [service_json(answer) for answer in expected]
+    assert backend.answer_batch(asked, reuse).encoded_columnwise() == [service_json(answer) for answer in expected]
 
 
 def test_answers_encode_names_and_ids_that_need_escaping(backend_name: str) -> None:
@@ -136,10 +138,10 @@ def test_answers_encode_names_and_ids_that_need_escaping(backend_name: str) -> N
     expected = [decide(fold, request, reuse, backend=backend_name) for request in asked]
     assert backend.decide_batch(asked, reuse) == expected
     assert expected[0].chosen is not None and expected[2].target == "never/2"
-    encoded = backend.answer_batch(asked, reuse).encoded()
-    assert encoded == [service_json(answer) for answer in expected]
+    encoded = backend.answer_batch(asked, reuse).encoded_columnwise()
+    assert encoded == backend.answer_batch(asked, reuse).encoded() == [service_json(answer) for answer in expected]
     assert [json.loads(answer) for answer in encoded] == [decision_to_json(answer) for answer in expected]
-    assert backend.answer_batch([], reuse).encoded() == []
+    assert backend.answer_batch([], reuse).encoded() == backend.answer_batch([], reuse).encoded_columnwise() == []
 
 
 def test_an_exhausted_budget_stops_the_scan_like_the_reference(backend_name: str) -> None:
@@ -161,7 +163,7 @@ def test_an_exhausted_budget_stops_the_scan_like_the_reference(backend_name: str
     answer = make_backend(backend_name, index).decide(request, reuse, clock=jumping_clock)
     assert answer.reason == Reason.BUDGET_EXHAUSTED
     assert answer == expected
-    encoded = make_backend(backend_name, index).answer_batch([request], reuse, clock=jumping_clock).encoded()
-    assert encoded == [service_json(expected)]
+    answers = make_backend(backend_name, index).answer_batch([request], reuse, clock=jumping_clock)
+    assert answers.encoded() == answers.encoded_columnwise() == [service_json(expected)]
     roomy = attrs.evolve(reuse, transfer_source_lookup_budget_ms=1e12)
     assert make_backend(backend_name, index).decide(request, roomy).reason == Reason.CHOSEN
