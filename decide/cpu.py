@@ -1,11 +1,11 @@
 """The `cpu` ranking backend: numpy, vectorised over a whole batch of requests.
 
-Every stage works on all requests' blocks at once: one vectorised hash-table probe, one
-segmented prefix-AND over the class bitmasks, one sparse unpacking of where each worker's
-prefix ends. Per-worker Python loops never appear; the only Python loops run over block
-positions (credit, which must add in block order to equal the reference's floats) and
-over worker chunks (the lookup budget).
-"""
+Every stage works on all requests' blocks at once: the batch's sequence hashes chained
+together, prefix-ANDs over the class bitmasks walked in rounds (one table probe and one
+accumulate per round), one sparse unpacking of where each worker's prefix ends.
+Per-worker Python loops never appear; the only Python loops run over those rounds, over
+power-of-two length classes (credit, which must add in block order to equal the
+reference's floats) and over worker chunks (the lookup budget)."""
 
 from __future__ import annotations
 

@@ -80,23 +80,16 @@ def flatten_requests(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.n
 
 def requested_targets(index: InventoryIndex, requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
     """Slots of the requests' targets (NO_TARGET when none or unknown) and which requests named one."""
-    # A batch names few distinct targets, usually as the same objects; hashing a WorkerId is
-    # far slower than hashing its id(), which is stable while `requests` holds it.
-    slot_of_object: dict[int, int] = {id(None): NO_TARGET - 1}
-    slot = index.slot
-    found = [
-        slot_of_object[id(target)] if id(target) in slot_of_object
-        else slot_of_object.setdefault(id(target), _slot_or_unknown(slot(target)))
-        for target in (request.target for request in requests)
-    ]
-    slots = np.array(found, dtype=np.int32).reshape(-1)
-    named = slots != NO_TARGET - 1
-    slots[~named] = NO_TARGET
-    return slots, named
-
-
-def _slot_or_unknown(slot: int | None) -> int:
-    return NO_TARGET if slot is None else slot
+    targets = [request.target for request in requests]
+    named = np.array([target is not None for target in targets], dtype=bool)
+    # A batch names few distinct targets, usually as the same objects: hashing a WorkerId
+    # costs far more than hashing its id(), which stays valid while `requests` holds it.
+    slot_by_object: dict[int, int] = {}
+    for target in {id(target): target for target in targets if target is not None}.values():
+        slot = index.slot(target)
+        slot_by_object[id(target)] = NO_TARGET if slot is None else slot
+    slots = np.array([slot_by_object.get(id(target), NO_TARGET) for target in targets], dtype=np.int32)
+    return slots.reshape(len(targets)), named.reshape(len(targets))
 
 
 class DigestCache:
