@@ -109,10 +109,11 @@ def prefix_lengths(index: InventoryIndex, flat: np.ndarray, offsets: np.ndarray)
         # A request that goes on carries its last column into the next round, undecided.
         drops[:, -planes:] = np.where(going_on[:, None], 0, last)
         if begin:
-            first = np.flatnonzero(carried & ~prefix_and[:, 0])  # prefixes that ended just before this round
+            ended = carried & ~prefix_and[:, 0]  # prefixes that ended just before this round
+            first = nonzero_cells(ended)
             _set_lengths(lengths, walking, first // planes, np.full(first.size, begin), first % planes,
-                         carried.reshape(-1)[first], words)
-        cell = np.flatnonzero(drops)
+                         np.take(ended, first), words)
+        cell = nonzero_cells(drops)
         row, within = np.divmod(cell, width * planes)
         step, column = np.divmod(within, planes)
         _set_lengths(lengths, walking, row, begin + step + 1, column, np.take(drops, cell), words)
@@ -122,6 +123,11 @@ def prefix_lengths(index: InventoryIndex, flat: np.ndarray, offsets: np.ndarray)
 
 
 _FIRST_ROUND_BLOCKS = 8
+
+
+def nonzero_cells(values: np.ndarray) -> np.ndarray:
+    """Flat indices of the non-zero cells: np.nonzero is several times faster on flat booleans."""
+    return np.flatnonzero(values if values.dtype == bool else values != 0)
 
 
 def _prefix_classes(stored: np.ndarray, words: int) -> np.ndarray:
@@ -142,7 +148,7 @@ def _set_lengths(lengths: np.ndarray, requests: np.ndarray, row: np.ndarray, len
     """For each set bit of `bits[i]` (a word of class-plane `column[i]`), that worker's prefix is `length[i]`."""
     if not bits.size:
         return
-    bit = np.flatnonzero(np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), bitorder="little"))
+    bit = np.flatnonzero(np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), bitorder="little").view(bool))
     entry = bit >> 6
     prefix_class, word = np.divmod(column[entry], words)
     lengths[requests[row[entry]], prefix_class, word * 64 + (bit & 63)] = length[entry]
@@ -219,7 +225,7 @@ def rank_batch(
     # Credit: for every worker of requests without a target (to pick one), else the target's.
     any_prefix = lengths[:, PREFIX_ANY, :]
     choose = ~named
-    pick_request, pick_slot = np.nonzero(any_prefix * choose[:, None] > 0)
+    pick_request, pick_slot = np.divmod(nonzero_cells((any_prefix > 0) & choose[:, None]), workers)
     given_request = np.flatnonzero(target >= 0)
     given_request = given_request[any_prefix[given_request, target[given_request]] > 0]
     pair_request = np.concatenate((pick_request, given_request))
@@ -267,7 +273,7 @@ def rank_batch(
             for tier in tiers:
                 prefix = np.take(np.take(lengths[:, tier], scanned_rows, axis=0), chunk, axis=1)
                 is_longer = (prefix > scanned_baseline) & not_target
-                rows, columns = np.nonzero(is_longer)
+                rows, columns = np.divmod(nonzero_cells(is_longer), chunk.size)
                 if not rows.size:
                     continue
                 request_rows = scanned_rows[rows]

@@ -47,7 +47,7 @@ _U64 = (1 << 64) - 1
 EMPTY_ROW = -1
 MISSING_ROW = 0  # row 0 is all zeros: a hash nobody holds reads as "no worker"
 _MAX_LOAD = 0.5
-_DICTIONARY_KEYS = 512  # a lookup's keys still probing when the row dictionary takes over
+_DICTIONARY_KEYS = 64  # a lookup's keys still probing when the row dictionary takes over
 _MIN_TABLE_BITS = 10
 
 

@@ -176,7 +176,8 @@ class AnswerBatch:
         known = ranked.target >= 0
         if known.any():
             shown[np.flatnonzero(known), self.order_rank[ranked.target[known]]] = True
-        shown_request, shown_position = np.nonzero(shown)
+        # np.nonzero is several times faster on a flat boolean array than on a 2-D one.
+        shown_request, shown_position = np.divmod(np.flatnonzero(shown), shown.shape[1])
         shown_slot = in_order[shown_position]
         return shown_request, shown_slot, ranked.lengths[shown_request, :, shown_slot]
 

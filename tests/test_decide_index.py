@@ -30,7 +30,7 @@ def crowded_index() -> tuple[InventoryIndex, list[int]]:
     return index, dead
 
 
-@pytest.mark.parametrize("dictionary_keys", [0, 512, 1 << 30])
+@pytest.mark.parametrize("dictionary_keys", [0, 64, 1 << 30])
 def test_batch_lookup_equals_the_row_dictionary(monkeypatch: pytest.MonkeyPatch, dictionary_keys: int) -> None:
     # 0: every probe round in numpy; 1 << 30: all but the first round from the dictionary.
     monkeypatch.setattr(decide.index, "_DICTIONARY_KEYS", dictionary_keys)
