@@ -1,11 +1,12 @@
 """JetStream publishing that never drops and never reorders a publisher's batches.
 
 Batches wait in one bounded, ordered buffer until JetStream acknowledges them. Up to
-`window` are in flight at once: each is a plain NATS publish whose reply subject is
-`<inbox>.<token>`, on one inbox subscription per connection, and every reply is read as
-a JetStream ack — an error reply or a no-responders status is a failure, never success.
-(nats-py's `publish_async` costs a future, a semaphore, a random token and a dataclass
-ack per message; this path does the same checking for less than half the CPU.)
+`window` are in flight at once: each is an `HPUB` whose reply subject is `<inbox><token>`
+on our own publishing connection (`ingest/publish_connection.py`; nats-py provisions the
+streams), and every reply is read as a JetStream ack — an error reply or a no-responders
+status is a failure, never success. (nats-py's `publish_async` costs a future, a
+semaphore, a random token, header validation and a dataclass ack per message; this path
+does the same checking for a third of the CPU.)
 Any failure — an error ack, a timeout, a lost connection, a killed server — sends
 everything unacknowledged again, oldest first, with the same `Nats-Msg-Id`, so
 JetStream's de-duplication absorbs what had already landed.
@@ -28,7 +29,8 @@ import msgspec
 import nats
 import nats.errors
 import nats.js.errors
-from nats.aio.msg import Msg
+
+from ingest.publish_connection import AckReply, PublishConnection
 
 from kvledger.nats_options import auth_failure, connect_options, describe_server, is_auth_error
 from kvledger.settings import NatsSettings
@@ -65,20 +67,19 @@ class _PubAck(msgspec.Struct):
 _ack_decoder = msgspec.json.Decoder(_PubAck)
 
 
-def read_ack(msg: Msg) -> _PubAck:
+def read_ack(reply: AckReply) -> _PubAck:
     """The JetStream ack in a reply; raises `AckError` for an error reply or a status-only message."""
-    status = msg.headers.get("Status") if msg.headers else None
-    if status:
-        reason = "no stream listens on the subject" if status == "503" else msg.headers.get("Description", "")
-        raise AckError(f"JetStream replied with status {status} ({reason}) to {msg.subject}")
+    if reply.status:
+        reason = "no stream listens on the subject" if reply.status == "503" else reply.description
+        raise AckError(f"JetStream replied with status {reply.status} ({reason})")
     try:
-        ack = _ack_decoder.decode(msg.data)
+        ack = _ack_decoder.decode(reply.data)
     except msgspec.DecodeError as error:
-        raise AckError(f"unreadable JetStream ack {msg.data[:200]!r}: {error}") from None
+        raise AckError(f"unreadable JetStream ack {reply.data[:200]!r}: {error}") from None
     if ack.error is not None:
         raise AckError(f"JetStream refused the message: {ack.error.description} (err_code {ack.error.err_code})")
     if not ack.stream:
-        raise AckError(f"JetStream ack names no stream: {msg.data[:200]!r}")
+        raise AckError(f"JetStream ack names no stream: {reply.data[:200]!r}")
     return ack
 
 
@@ -115,18 +116,19 @@ class JetStreamPublisher:
         self._nats_settings = nats_settings
         self._streams = streams
         self._window = window
+        self._refill = max(1, window // 4)
         self._ack_timeout = ack_timeout_s
         self._on_ack = on_ack
         self._pending: deque[_Pending] = deque()
-        self._space = asyncio.Semaphore(max_buffered)
+        self._max_buffered = max_buffered
+        self._room = asyncio.Event()  # set when acks made room in a full buffer
         self._wake = asyncio.Event()  # new work, an ack, or a lost connection
         self._drained = asyncio.Event()
         self._drained.set()
         self._connected = asyncio.Event()
         self._broken = asyncio.Event()
-        self._nc: nats.NATS | None = None
-        self._reply_prefix = ""  # `<inbox>.`; a publish's reply subject adds its token
-        self._acks: dict[int, Msg] = {}  # token -> reply, until the pump takes it in order
+        self._connection: PublishConnection | None = None
+        self._acks: dict[int, AckReply] = {}  # token -> reply, until the pump takes it in order
         self._next_token = 0
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -162,8 +164,8 @@ class JetStreamPublisher:
     @property
     def max_payload(self) -> int:
         """The largest message the server takes (1 MiB, NATS's default, until connected)."""
-        nc = self._nc
-        return nc.max_payload if nc is not None and nc.max_payload else 1024 * 1024
+        connection = self._connection
+        return connection.max_payload if connection is not None else 1024 * 1024
 
     @property
     def failed(self) -> bool:
@@ -181,15 +183,14 @@ class JetStreamPublisher:
         """
         if self._task is not None and self._task.done():
             self._task.result()
-        if self._space.locked():
+        while len(self._pending) >= self._max_buffered:
             # Full: wait for room, unless publishing dies meanwhile (then say why).
-            room = asyncio.ensure_future(self._space.acquire())
+            self._room.clear()
+            room = asyncio.ensure_future(self._room.wait())
             await asyncio.wait({room, self._task}, return_when=asyncio.FIRST_COMPLETED)
             if not room.done():
                 room.cancel()
                 self._task.result()
-        else:
-            await self._space.acquire()
         self._pending.append(_Pending(subject, payload, msg_id, time.perf_counter(), origin_ts))
         self._drained.clear()
         self._wake.set()
@@ -245,43 +246,42 @@ class JetStreamPublisher:
         options = connect_options(self._nats_settings, name="kvledger-ingest")
         self._broken.clear()
 
-        async def lost(*_: object) -> None:
-            self._broken.set()
-            self._wake.set()
-
         async def failed(error: Exception) -> None:
             # nats-py would print a traceback per attempt; one line in our log says enough.
             self.last_error = f"{type(error).__name__}: {error}"
             log.debug("NATS error: %s", self.last_error)
 
-        # Our own retry loop owns reconnection (see the module docstring).
-        self._nc = await nats.connect(
-            **options, allow_reconnect=False, max_reconnect_attempts=0, disconnected_cb=lost, closed_cb=lost,
-            error_cb=failed,
-        )
-        js = self._nc.jetstream()
-        for spec in self._streams:
-            await ensure_stream(js, spec)
+        # nats-py provisions the streams (and says clearly when a login is refused); publishing
+        # has its own connection, which never reconnects by itself (see the module docstring).
+        nc = await nats.connect(**options, allow_reconnect=False, max_reconnect_attempts=0, error_cb=failed)
+        try:
+            js = nc.jetstream()
+            for spec in self._streams:
+                await ensure_stream(js, spec)
+        finally:
+            await nc.close()
         self._acks = {}
-        self._reply_prefix = self._nc.new_inbox() + "."
-        await self._nc.subscribe(self._reply_prefix + "*", cb=self._on_reply)
+        connection = PublishConnection(
+            self._nats_settings, name="kvledger-ingest", on_reply=self._on_reply, on_lost=self._on_lost,
+        )
+        await connection.__aenter__()
+        self._connection = connection
         self.last_error = None
         self._connected.set()
 
     async def _disconnect(self) -> None:
-        nc, self._nc = self._nc, None
+        connection, self._connection = self._connection, None
         self.in_flight = 0
-        if nc is not None and not nc.is_closed:
-            try:
-                await asyncio.wait_for(nc.close(), 2.0)
-            except Exception:  # the server is gone; nothing left to flush
-                pass
+        if connection is not None:
+            await connection.close()
 
-    async def _on_reply(self, msg: Msg) -> None:
-        token = msg.subject[len(self._reply_prefix):]
-        if token.isdigit():
-            self._acks[int(token)] = msg
-            self._wake.set()
+    def _on_reply(self, reply: AckReply) -> None:
+        self._acks[reply.token] = reply
+        self._wake.set()
+
+    def _on_lost(self) -> None:
+        self._broken.set()
+        self._wake.set()
 
     async def _pump(self) -> None:
         in_flight: deque[tuple[int, float]] = deque()  # (reply token, sent at)
@@ -289,8 +289,9 @@ class JetStreamPublisher:
         try:
             while True:
                 self._wake.clear()
-                if len(in_flight) < self._window and next_index < len(self._pending):
-                    next_index = await self._send(in_flight, next_index)
+                # Top the window up in chunks, not one batch per ack: every write is a system call.
+                if next_index < len(self._pending) and self._window - len(in_flight) >= min(self._refill, len(self._pending) - next_index):
+                    next_index = self._send(in_flight, next_index)
                 self.in_flight = len(in_flight)
                 if self._broken.is_set():
                     raise ConnectionError("connection to NATS lost")
@@ -314,31 +315,36 @@ class JetStreamPublisher:
             self.counters.retries += len(in_flight)  # all of them go out again on the next connection
             raise
 
-    async def _send(self, in_flight: deque[tuple[int, float]], next_index: int) -> int:
-        """Publish buffered batches until the window is full; returns the next index to send."""
-        publish, prefix, pending = self._nc.publish, self._reply_prefix, self._pending
+    def _send(self, in_flight: deque[tuple[int, float]], next_index: int) -> int:
+        """Publish buffered batches until the window is full, in one write; returns the next index to send."""
+        pending = self._pending
         token, sent_at = self._next_token, time.monotonic()
-        while len(in_flight) < self._window and next_index < len(pending):
+        messages = []
+        while len(in_flight) + len(messages) < self._window and next_index < len(pending):
             entry = pending[next_index]
-            await publish(entry.subject, entry.payload, reply=f"{prefix}{token}", headers={"Nats-Msg-Id": entry.msg_id})
-            in_flight.append((token, sent_at))
+            messages.append((entry.subject, entry.payload, entry.msg_id, token))
             token += 1
             next_index += 1
+        self._connection.publish_many(messages)
+        in_flight.extend((message[3], sent_at) for message in messages)
         self._next_token = token
         return next_index
 
     def _take_acks(self, in_flight: deque[tuple[int, float]]) -> int:
         """Retire every batch at the head of the window whose ack is in; returns how many."""
         acks, taken = self._acks, 0
-        while in_flight and in_flight[0][0] in acks:
-            ack = read_ack(acks.pop(in_flight[0][0]))  # an error ack raises: resend from here
-            in_flight.popleft()
-            entry = self._pending.popleft()
-            taken += 1
-            self._space.release()
-            self.counters.published += 1
-            if ack.duplicate:
-                self.counters.duplicates += 1
-            if self._on_ack is not None:
-                self._on_ack(time.perf_counter() - entry.enqueued, entry.origin_ts)
+        try:
+            while in_flight and in_flight[0][0] in acks:
+                ack = read_ack(acks.pop(in_flight[0][0]))  # an error ack raises: resend from here
+                in_flight.popleft()
+                entry = self._pending.popleft()
+                taken += 1
+                self.counters.published += 1
+                if ack.duplicate:
+                    self.counters.duplicates += 1
+                if self._on_ack is not None:
+                    self._on_ack(time.perf_counter() - entry.enqueued, entry.origin_ts)
+        finally:
+            if taken:
+                self._room.set()
         return taken

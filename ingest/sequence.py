@@ -58,6 +58,11 @@ class SequenceTracker:
             return []
         return self._accept_replayed(await self._replay(self.next_seq))
 
+    def next_in_order(self, seq: int, payload: bytes) -> Emit | None:
+        """The common case without a coroutine: the expected seq is emitted; anything else is None
+        (and changes nothing), for `on_live` to judge."""
+        return self._emit(seq, payload) if seq == self.next_seq else None
+
     async def on_live(self, seq: int, payload: bytes) -> list[Emit]:
         """A batch from the SUB socket."""
         if seq == self.next_seq:

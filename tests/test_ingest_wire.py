@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ingest import wire
 from ingest.wire import (
     MEDIUM_TIERS,
     VllmAllBlocksCleared,
@@ -199,3 +200,67 @@ def test_arbitrary_msgpack_only_ever_raises_wire_errors(value) -> None:
         decode_payload(pack(value))
     except WireError:
         pass
+
+
+# vLLM's own layout goes through a typed fast path; it must decide exactly as the generic one.
+_HASHES = st.lists(st.one_of(st.integers(-(2**63), 2**64 - 1), st.binary(min_size=1, max_size=9)), max_size=3)
+_MEDIA = st.sampled_from([None, "GPU", "cpu", "DISK", "NVME", "REMOTE", "nowhere", ""])
+_OPTIONAL_TEXT = st.one_of(st.none(), st.sampled_from(["", "adapter", "salt"]), st.integers(0, 3))
+
+
+@st.composite
+def _vllm_like_events(draw) -> dict:
+    kind = draw(st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Unknown"]))
+    hashes = draw(_HASHES)
+    event: dict = {"type": kind, "block_hashes": hashes, "medium": draw(_MEDIA)}
+    if kind == "BlockStored":
+        block_size = draw(st.one_of(st.integers(-1, 4), st.just(True)))
+        blocks = len(hashes) if draw(st.booleans()) else len(hashes) + 1
+        size = block_size if isinstance(block_size, int) and not isinstance(block_size, bool) and block_size > 0 else 2
+        tokens = draw(st.lists(st.one_of(st.integers(0, 2**32 + 1), st.integers(-2, -1)), min_size=blocks * size,
+                               max_size=blocks * size))
+        event.update(
+            token_ids=tokens, block_size=block_size, parent_block_hash=draw(st.one_of(st.none(), _HASHES.map(lambda h: h[0] if h else None))),
+            lora_name=draw(_OPTIONAL_TEXT), cache_salt=draw(_OPTIONAL_TEXT),
+            group_idx=draw(st.one_of(st.none(), st.integers(-1, 3), st.just(False))),
+        )
+    if draw(st.booleans()):
+        event["locality"] = draw(st.sampled_from(["LOCAL", "remote", "REMOTE", 5]))
+    for name in draw(st.lists(st.sampled_from(["block_hashes", "medium", "token_ids", "block_size"]), max_size=1)):
+        event.pop(name, None)
+    return event
+
+
+def _generic_or_error(payload: bytes):
+    try:
+        return wire._decode_any_variant(payload)
+    except WireError as error:
+        return ("WireError", str(error))
+
+
+@settings(max_examples=400)
+@given(
+    st.one_of(st.floats(allow_nan=False), st.integers(-5, 5), st.just(True)),
+    st.lists(_vllm_like_events(), max_size=3),
+    st.one_of(st.none(), st.integers(-1, 3), st.just(False)),
+)
+def test_the_typed_fast_path_decides_exactly_as_the_generic_path(ts, events, dp_rank) -> None:
+    payload = pack([ts, events, dp_rank])
+    fast = wire._decode_vllm_layout(payload)
+    if fast is not None:
+        assert fast == wire._decode_any_variant(payload)
+    result = decode_payload(payload) if fast is not None else None
+    assert fast is None or result == fast
+    try:
+        assert decode_payload(payload) == _generic_or_error(payload)
+    except WireError as error:
+        assert _generic_or_error(payload) == ("WireError", str(error))
+
+
+def test_the_fast_path_takes_vllm_batches_with_lora_salt_and_big_hashes() -> None:
+    events = [stored_map(lora_name="adapter", cache_salt="s"), {"type": "BlockRemoved", "block_hashes": [BIG], "medium": "CPU"},
+              {"type": "AllBlocksCleared"}]
+    payload = pack([1.5, events, 2])
+    fast = wire._decode_vllm_layout(payload)
+    assert fast is not None and fast == wire._decode_any_variant(payload)
+    assert fast.events[0].local_hashes == tuple(local_block_hashes(TOKENS, 16, lora_name="adapter", cache_salt="s"))
