@@ -128,20 +128,22 @@ def batch_sequence_hashes(local: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     remaining = np.searchsorted(-lengths[by_length], -np.arange(int(lengths.max())), side="left")
     steps = int(np.count_nonzero(remaining >= _VECTOR_MIN_REQUESTS))  # positions 0 .. steps-1 in numpy
     if steps > 1:
-        # Position-major: row k holds block k of the requests, longest first, so the requests
-        # still chaining at step k are a prefix of row k, a view: no gathers inside the loop.
-        chained_requests = by_length[: remaining[1]]
-        blocks = offsets[chained_requests][None, :] + np.arange(steps)[:, None]
-        inside = np.arange(steps)[:, None] < lengths[chained_requests][None, :]
-        chained = np.take(local, blocks, mode="clip")
+        # Position-major, packed: row k holds block k of the `remaining[k]` requests longer
+        # than k, longest first, so each step reads a prefix of the row before it and
+        # writes its own row, both views: no gathers inside the loop, and no padding.
+        row_start = np.zeros(steps + 1, dtype=np.int64)
+        np.cumsum(remaining[:steps], out=row_start[1:])
+        position = np.repeat(np.arange(steps), remaining[:steps])
+        blocks = offsets[by_length[np.arange(row_start[-1]) - row_start[position]]] + position
+        chained = np.take(local, blocks)
         flipped = chained ^ _BITFLIP_LOCAL
         flipped_low, flipped_high = flipped & _LOW32, flipped >> _SHIFT32
         with np.errstate(over="ignore"):
             for step in range(1, steps):
-                width = remaining[step]
-                _chain_step(chained[step - 1, :width], flipped[step, :width], flipped_low[step, :width],
-                            flipped_high[step, :width], out=chained[step, :width])
-        result[blocks[inside]] = chained[inside]
+                parents = slice(row_start[step - 1], row_start[step - 1] + remaining[step])
+                row = slice(row_start[step], row_start[step + 1])
+                _chain_step(chained[parents], flipped[row], flipped_low[row], flipped_high[row], out=chained[row])
+        result[blocks] = chained
     for request in by_length[: remaining[steps]].tolist() if steps < remaining.size else ():
         start, stop = int(offsets[request]) + max(steps, 1), int(offsets[request + 1])
         previous = int(result[start - 1])

@@ -49,3 +49,12 @@ def test_one_step_is_xxh3_of_parent_then_local(parent: int, local: int) -> None:
 def test_no_requests_and_empty_requests() -> None:
     assert batch_sequence_hashes(*flat([])).tolist() == []
     assert batch_sequence_hashes(*flat([[], [5], []])).tolist() == [5]
+
+
+def test_a_few_long_requests_among_many_short_ones() -> None:
+    # Packed rows: memory follows the blocks, not (longest request × requests).
+    rng = np.random.default_rng(7)
+    requests = [rng.integers(0, 2**64, size=3000, dtype=np.uint64).tolist() for _ in range(64)]
+    requests += [rng.integers(0, 2**64, size=2, dtype=np.uint64).tolist() for _ in range(20_000)]
+    local, offsets = flat(requests)
+    assert batch_sequence_hashes(local, offsets).tolist() == [h for r in requests for h in sequence_hashes(r)]
