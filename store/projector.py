@@ -36,7 +36,7 @@ from kvledger.streams import dead_letters_stream, decisions_stream, ensure_strea
 from store import tables
 from store.changes import ChangeBuilder, ChangeSet, ResidencyIndex
 from store.database import create_engine, require_current
-from store.gc_policy import defer_young_collections
+from store.gc_policy import young_collections_deferred
 from kvledger.system import install_stop_signals
 from store.jetstream import ConsumerWatch, bind_consumer, connect
 from store.recorder import SQL_CHECKPOINT, load_fold, read_checkpoint
@@ -406,7 +406,10 @@ class StoreService:
         return self.events.ready and self.decisions.ready and self.dead_letters.ready
 
     async def run(self, stop: asyncio.Event) -> None:
-        defer_young_collections()
+        with young_collections_deferred():
+            await self._run(stop)
+
+    async def _run(self, stop: asyncio.Event) -> None:
         # Refuse an old schema before touching NATS: the fix is a command, not a retry.
         await asyncio.to_thread(require_current, self.engine, self.settings.db.url)
         router = health_routes(self.is_ready, self.metrics.text)
