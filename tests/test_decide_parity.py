@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 
 import attrs
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvledger.events import Provenance, Tier, WorkerId
+from kvledger.events import Provenance, Stored, Tier, WorkerId
 from kvledger.decision_codec import decision_to_json
 from kvledger.fold import InventoryFold
 from kvledger.reuse import Reason, ReuseRequest, decide
@@ -142,6 +143,31 @@ def test_answers_encode_names_and_ids_that_need_escaping(backend_name: str) -> N
     assert encoded == backend.answer_batch(asked, reuse).encoded() == [service_json(answer) for answer in expected]
     assert [json.loads(answer) for answer in encoded] == [decision_to_json(answer) for answer in expected]
     assert backend.answer_batch([], reuse).encoded() == backend.answer_batch([], reuse).encoded_columnwise() == []
+
+
+def test_long_prefixes_and_extreme_costs_encode_like_the_codec(backend_name: str) -> None:
+    """Prefixes past the encoder's number tables (4096) and floats that print with exponents."""
+    rng = random.Random(11)
+    stream = Stream()
+    fold, index = InventoryFold(), InventoryIndex()
+    local = tuple(rng.getrandbits(64) for _ in range(5000))
+    for worker, n, tier in ((WorkerId("source", 2), 5000, Tier.HOST), (WorkerId("target"), 4100, Tier.DEVICE)):
+        engine = tuple(rng.getrandbits(64) for _ in range(n))
+        batch = stream.batch(worker, Stored(tier, engine, None, BLOCK_SIZE, local[:n]))
+        fold.apply(*batch)
+        index.apply(*batch)
+    backend = make_backend(backend_name, index)
+    asked = [ReuseRequest(f"r{n}", local[:n], BLOCK_SIZE, target)
+             for n in (5000, 4500, 4097) for target in (WorkerId("target"), None)] * 3
+    for prefill_us in (1e13, 3.3e-7, 50.0):
+        reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, minimum_estimated_ttft_saving_ms=0.0,
+                              transfer_source_prefill_token_us=prefill_us, transfer_source_estimated_block_us=1e-12,
+                              transfer_source_lookup_budget_ms=1e12)
+        expected = [decide(fold, request, reuse, backend=backend_name) for request in asked]
+        assert any(answer.chosen is not None and answer.chosen.prefix_blocks == 5000 for answer in expected)
+        answers = backend.answer_batch(asked, reuse)
+        assert answers.decisions() == expected
+        assert answers.encoded() == answers.encoded_columnwise() == [service_json(answer) for answer in expected]
 
 
 def test_an_exhausted_budget_stops_the_scan_like_the_reference(backend_name: str) -> None:
