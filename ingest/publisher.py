@@ -83,6 +83,22 @@ def read_ack(reply: AckReply) -> _PubAck:
     return ack
 
 
+class _Watchdog:
+    """Calls `wake` every `interval_s` until cancelled."""
+
+    def __init__(self, interval_s: float, wake: Callable[[], None]) -> None:
+        self._interval = interval_s
+        self._wake = wake
+        self._handle = asyncio.get_running_loop().call_later(interval_s, self._tick)
+
+    def _tick(self) -> None:
+        self._wake()
+        self._handle = asyncio.get_running_loop().call_later(self._interval, self._tick)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 @attrs.define
 class _Pending:
     subject: str
@@ -286,6 +302,8 @@ class JetStreamPublisher:
     async def _pump(self) -> None:
         in_flight: deque[tuple[int, float]] = deque()  # (reply token, sent at)
         next_index = 0  # index in _pending of the next message to send
+        # One timer wakes the pump a few times per ack timeout, rather than a timeout per wait.
+        watchdog = _Watchdog(self._ack_timeout / 4, self._wake.set)
         try:
             while True:
                 self._wake.clear()
@@ -304,16 +322,14 @@ class JetStreamPublisher:
                     remaining = in_flight[0][1] + self._ack_timeout - time.monotonic()
                     if remaining <= 0:
                         raise asyncio.TimeoutError(f"no JetStream ack within {self._ack_timeout}s")
-                    # Wake for an ack, a lost connection, or new work (sent if the window has room).
-                    try:
-                        async with asyncio.timeout(remaining):
-                            await self._wake.wait()
-                    except TimeoutError:
-                        pass
+                    # Wake for an ack, a lost connection, new work (sent if the window has room) or the watchdog.
+                    await self._wake.wait()
                 next_index -= self._take_acks(in_flight)
         except BaseException:
             self.counters.retries += len(in_flight)  # all of them go out again on the next connection
             raise
+        finally:
+            watchdog.cancel()
 
     def _send(self, in_flight: deque[tuple[int, float]], next_index: int) -> int:
         """Publish buffered batches until the window is full, in one write; returns the next index to send."""

@@ -77,7 +77,7 @@ class EngineSubscriber:
         # future per message. Only an empty queue pays for polling.
         direct = self._direct
         try:
-            burst.append(direct.recv_multipart(zmq.NOBLOCK))
+            burst.append(_frames_nowait(direct))
         except zmq.Again:
             first = await self.recv(timeout_s)
             if first is None:
@@ -85,7 +85,7 @@ class EngineSubscriber:
             burst.append(first)
         while len(burst) < limit:
             try:
-                burst.append(direct.recv_multipart(zmq.NOBLOCK))
+                burst.append(_frames_nowait(direct))
             except zmq.Again:
                 break
         return burst
@@ -99,3 +99,13 @@ class EngineSubscriber:
                 log.info("subscribed to %s (handshake %d)", self.endpoint, self.handshakes)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected.clear()
+
+
+def _frames_nowait(sock: zmq.Socket) -> list[bytes]:
+    """One queued message's frames, or zmq.Again; `Frame.more` spares a getsockopt per frame."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame.bytes]
+    while frame.more:  # a message arrives whole, so its later frames never have to be waited for
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frames.append(frame.bytes)
+    return frames
