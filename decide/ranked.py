@@ -80,16 +80,13 @@ def flatten_requests(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.n
 
 def requested_targets(index: InventoryIndex, requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
     """Slots of the requests' targets (NO_TARGET when none or unknown) and which requests named one."""
+    # Hashing a WorkerId (attrs) costs far more than hashing its two fields as a tuple.
+    slot_of = {(worker.publisher, worker.dp_rank): slot for slot, worker in enumerate(index.workers)}
     targets = [request.target for request in requests]
-    named = np.array([target is not None for target in targets], dtype=bool)
-    # A batch names few distinct targets, usually as the same objects: hashing a WorkerId
-    # costs far more than hashing its id(), which stays valid while `requests` holds it.
-    slot_by_object: dict[int, int] = {}
-    for target in {id(target): target for target in targets if target is not None}.values():
-        slot = index.slot(target)
-        slot_by_object[id(target)] = NO_TARGET if slot is None else slot
-    slots = np.array([slot_by_object.get(id(target), NO_TARGET) for target in targets], dtype=np.int32)
-    return slots.reshape(len(targets)), named.reshape(len(targets))
+    named = np.array([target is not None for target in targets], dtype=bool).reshape(len(targets))
+    slots = np.array([NO_TARGET if target is None else slot_of.get((target.publisher, target.dp_rank), NO_TARGET)
+                      for target in targets], dtype=np.int32).reshape(len(targets))
+    return slots, named
 
 
 class DigestCache:
