@@ -32,7 +32,7 @@ from ingest.publisher import JetStreamPublisher
 from ingest.replay import ReplayClient
 from ingest.sequence import Emit, SequenceTracker
 from ingest.subscriber import EngineSubscriber
-from ingest.wire import WireError, decode_payload, split_publisher_frames
+from ingest.wire import WireError, decode_payload, split_publisher_frames, well_framed_seq
 from kvledger.events import (
     DeadLetter, EventBatch, Gap, GapReason, Provenance, decode_batch, encode_batch,
     encode_dead_letter, events_subject,
@@ -201,11 +201,8 @@ class EngineStream:
         return await self.replay.fetch(start)
 
     def _next_in_order(self, frames: list[bytes]) -> Emit | None:
-        try:
-            message = split_publisher_frames(frames)
-        except WireError:
-            return None
-        return self.tracker.next_in_order(message.seq, message.payload)
+        seq = well_framed_seq(frames)
+        return None if seq is None else self.tracker.next_in_order(seq, frames[2])
 
     async def _on_frames(self, frames: list[bytes]) -> list[Emit]:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import secrets
 import ssl
 from collections.abc import Callable
@@ -61,8 +62,17 @@ class _Protocol(asyncio.Protocol):
         buffer = self._buffer
         buffer += data
         position = 0
+        plain_ack = self._connection._plain_ack
         try:
             while True:
+                ack = plain_ack(buffer, position)  # the common case: `MSG <inbox><token> 1 <size>`
+                if ack is not None:
+                    start, size = ack.end(), int(ack[2])
+                    if len(buffer) < start + size + 2:
+                        break
+                    self._connection._on_reply(AckReply(int(ack[1]), None, "", bytes(buffer[start : start + size])))
+                    position = start + size + 2
+                    continue
                 end = buffer.find(_CRLF, position)
                 if end < 0:
                     break
@@ -98,6 +108,7 @@ class PublishConnection:
         self._handshake: asyncio.Future | None = None
         self._inbox = f"_INBOX.{secrets.token_hex(11)}."
         self._inbox_bytes = self._inbox.encode()
+        self._plain_ack = re.compile(b"MSG " + re.escape(self._inbox_bytes) + rb"(\d+) 1 (\d+)\r\n").match
         self.closed = asyncio.Event()
         self.error: str | None = None  # the server's -ERR, or why the connection ended
 

@@ -57,6 +57,9 @@ class SimulatedEngine:
         if self.replay_endpoint:
             self._router = self._context.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
+            # A ROUTER silently drops what exceeds its send HWM (1000): a long replay to a busy
+            # reader would lose batches in the middle and turn into a replay_incomplete Gap.
+            self._router.setsockopt(zmq.SNDHWM, 0)
             self._router.bind(self.replay_endpoint)
             self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._replay_task = asyncio.create_task(self._serve_replay(), name=f"replay-{self.replay_endpoint}")

@@ -64,6 +64,13 @@ class Frames:
     payload: bytes
 
 
+def well_framed_seq(frames: Sequence[bytes]) -> int | None:
+    """The seq of a well-formed `[topic, seq, payload]`, or None (the hot path's check, without a Frames)."""
+    if len(frames) == 3 and len(frames[1]) == 8:
+        return int.from_bytes(frames[1], "big")
+    return None
+
+
 def split_publisher_frames(frames: Sequence[bytes]) -> Frames:
     """Check the 3-frame publisher framing and read the 8-byte big-endian sequence."""
     if len(frames) != 3:
