@@ -5,10 +5,15 @@ from __future__ import annotations
 import logging
 
 import nats
+import pytest
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from engines import read_stream, settings_for, wait_until
+from ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError
 from ingest.publisher import JetStreamPublisher
+from kvledger.embedded import EmbeddedNats
+from kvledger.nats_options import is_auth_error
+from kvledger.settings import NatsSettings
 from kvledger.streams import events_stream
 
 SUBJECT = "kv.ev.pub.0"
@@ -64,3 +69,46 @@ async def test_a_subject_no_stream_listens_on_is_a_failure_until_a_stream_takes_
         assert publisher.counters.published == 2
     assert [data for _, _, data in await read_stream(nats_server.url, "ELSEWHERE")] == [b"orphan"]
     assert [data for _, _, data in await read_stream(nats_server.url)] == [b"behind it"]
+
+
+@pytest.fixture
+def locked_server(tmp_path):
+    with EmbeddedNats(tmp_path / "nats", extra_args=("--user", "alice", "--pass", "s3cret")) as server:
+        yield server
+
+
+@pytest.fixture
+def token_server(tmp_path):
+    with EmbeddedNats(tmp_path / "nats", extra_args=("--auth", "t0ken")) as server:
+        yield server
+
+
+def _nats_settings(url: str, **values: object) -> NatsSettings:
+    return settings_for(url, **{f"nats.{key}": value for key, value in values.items()}).nats
+
+
+async def _publish_once(settings: NatsSettings) -> AckReply:
+    replies: list[AckReply] = []
+    async with PublishConnection(settings, name="test", on_reply=replies.append, on_lost=lambda: None) as connection:
+        connection.publish_many([("nowhere.0", b"x", "id-1", 7)])
+        await wait_until(lambda: replies or None, 5, "the no-responders reply")
+    return replies[0]
+
+
+async def test_the_publishing_connection_logs_in_with_a_password_in_settings_or_in_the_url(locked_server) -> None:
+    host_port = locked_server.url.removeprefix("nats://")
+    for settings in (_nats_settings(locked_server.url, user="alice", password="s3cret"),
+                     _nats_settings(f"nats://alice:s3cret@{host_port}")):
+        reply = await _publish_once(settings)
+        assert (reply.token, reply.status) == (7, "503")  # no stream listens on nowhere.0: a status, not an ack
+
+
+async def test_the_publishing_connection_logs_in_with_a_token(token_server) -> None:
+    assert (await _publish_once(_nats_settings(token_server.url, token="t0ken"))).status == "503"
+
+
+async def test_a_refused_login_on_the_publishing_connection_is_an_auth_error(locked_server) -> None:
+    with pytest.raises(PublishConnectionError) as refused:
+        await _publish_once(_nats_settings(locked_server.url, user="alice", password="wrong"))
+    assert is_auth_error(refused.value)
+    assert "wrong" not in str(refused.value)
