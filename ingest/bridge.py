@@ -46,7 +46,7 @@ from kvledger.streams import dead_letter_subject, dead_letters_stream, events_st
 log = logging.getLogger("kvledger.ingest")
 
 IDLE_PROBE_S = 1.0  # how long a quiet stream waits before asking replay for a lost tail
-BURST_LIMIT = 128  # engine batches handled between yields: at most half the publish window (256)
+BURST_LIMIT = 128  # most engine batches handled between yields (and at most half the publish window)
 DEAD_LETTER_LIMIT = 256 * 1024  # raw bytes kept per dead letter: it must fit in one NATS message
 
 
@@ -148,13 +148,14 @@ class EngineStream:
 
     def __init__(
         self, source: StreamSource, bridge: Bridge, context: zmq.asyncio.Context, *, replay_timeout_s: float,
-        max_batch_bytes: int,
+        max_batch_bytes: int, publish_window: int = 256,
     ) -> None:
         self.source = source
         self._bridge = bridge
         self._context = context
         self.replay = ReplayClient(source.replay_url, context, timeout_s=replay_timeout_s) if source.replay_url else None
         self._max_batch_bytes = max_batch_bytes
+        self._burst_limit = max(1, min(BURST_LIMIT, publish_window // 2))
         self.ready = asyncio.Event()
         self.tracker: SequenceTracker | None = None
         self._subject = events_subject(source.worker, source.provenance)
@@ -184,7 +185,7 @@ class EngineStream:
             self.ready.set()
             log.info("%s: ready", self.name)
             while True:
-                burst = await subscriber.recv_burst(IDLE_PROBE_S, BURST_LIMIT)
+                burst = await subscriber.recv_burst(IDLE_PROBE_S, self._burst_limit)
                 if not burst:
                     await self._publish(await self.tracker.catch_up())
                 for frames in burst:
@@ -273,7 +274,7 @@ class Bridge(AsyncLifetime):
         self.streams = [
             EngineStream(
                 source, self, self._context, replay_timeout_s=settings.ingest.replay_timeout_s,
-                max_batch_bytes=settings.ingest.max_batch_bytes,
+                max_batch_bytes=settings.ingest.max_batch_bytes, publish_window=settings.ingest.publish_window,
             )
             for source in sources
         ]
