@@ -132,7 +132,7 @@ class JetStreamPublisher:
         self._nats_settings = nats_settings
         self._streams = streams
         self._window = window
-        self._refill = max(1, window // 4)
+        self._refill = max(1, window // 2)
         self._ack_timeout = ack_timeout_s
         self._on_ack = on_ack
         self._pending: deque[_Pending] = deque()
