@@ -272,7 +272,8 @@ class _NotFast(Exception):
     """A value the typed path leaves to the generic one."""
 
 
-class _VllmStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+# gc=False: these hold only lists, numbers and strings (never a cycle), so the collector need not track them.
+class _VllmStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
     block_hashes: list[int]
     token_ids: list[int]
     block_size: int
@@ -284,17 +285,17 @@ class _VllmStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
     locality: str | None = None
 
 
-class _VllmRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
+class _VllmRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
     block_hashes: list[int]
     medium: str | None = None
     locality: str | None = None
 
 
-class _VllmCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
+class _VllmCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
     pass
 
 
-class _VllmBatch(msgspec.Struct, array_like=True):
+class _VllmBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[_VllmStored | _VllmRemoved | _VllmCleared]
     data_parallel_rank: int | None
