@@ -338,7 +338,10 @@ def _typed_tier(medium: str | None) -> Tier:
 
 
 def _typed_hashes(values: list[int]) -> tuple[int, ...]:
-    return tuple(array.array("Q", values))  # OverflowError (a negative hash) leaves it to the generic path
+    # msgspec's int is at most 2**64 - 1 already; negative hashes are left to the generic path.
+    if values and min(values) < 0:
+        raise _NotFast
+    return tuple(values)
 
 
 def _typed_stored(event: _VllmStored) -> Stored:
