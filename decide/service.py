@@ -208,7 +208,7 @@ class DecideService(AsyncLifetime):
         self._subscriptions.append(await self._nc.subscribe(DECIDE_BATCH_SUBJECT, queue=QUEUE_GROUP, cb=self._on_batch))
         await self._nc.flush()  # the server has our interest before anyone is told we started
         self._http = await asyncio.start_server(
-            functools.partial(serve_connection, router=self._routes()), host="0.0.0.0", port=settings.decide.http_port,
+            functools.partial(serve_connection, router=self._routes()), host=settings.decide.http_host, port=settings.decide.http_port,
         )
         self.http_port = self._http.sockets[0].getsockname()[1]
         log.info("decide: NATS %s and %s; HTTP front, metrics and health on :%d",

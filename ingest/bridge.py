@@ -293,7 +293,7 @@ class Bridge(AsyncLifetime):
         self._reader = await nats.connect(**connect_options(self.settings.nats, name="kvledger-ingest-reader"))
         router = health_routes(self.is_ready, lambda: generate_latest(self.metrics.registry))
         self._http = await asyncio.start_server(
-            functools.partial(serve_connection, router=router), "0.0.0.0", self._http_port,
+            functools.partial(serve_connection, router=router), self.settings.ingest.http_host, self._http_port,
         )
         self.http_port = self._http.sockets[0].getsockname()[1]
         self._tasks = [asyncio.create_task(self._supervise(stream), name=f"stream-{stream.name}") for stream in self.streams]

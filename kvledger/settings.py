@@ -231,6 +231,10 @@ class IngestSettings:
     http_port: int = _setting(
         9101, "Port of ingest's metrics and health endpoint (0 = any free port).", rule=_PORT
     )
+    http_host: str = _setting(
+        "0.0.0.0", "Address ingest's metrics and health endpoint listens on (0.0.0.0 = every interface, 127.0.0.1 = this host only).",
+        rule=_non_empty(),
+    )
 
 
 @attrs.frozen
@@ -250,6 +254,10 @@ class StoreSettings:
     http_port: int = _setting(
         9102, "Port of store's metrics and health endpoint (0 = any free port).", rule=_PORT
     )
+    http_host: str = _setting(
+        "0.0.0.0", "Address store's metrics and health endpoint listens on (0.0.0.0 = every interface, 127.0.0.1 = this host only).",
+        rule=_non_empty(),
+    )
 
 
 @attrs.frozen
@@ -263,6 +271,10 @@ class DecideSettings:
     )
     http_port: int = _setting(
         9103, "Port of decide's HTTP front, metrics and health (0 = any free port).", rule=_PORT
+    )
+    http_host: str = _setting(
+        "0.0.0.0", "Address decide's HTTP front, metrics and health listens on (0.0.0.0 = every interface, 127.0.0.1 = this host only).",
+        rule=_non_empty(),
     )
     reject_media_status_code: int = _setting(
         415, "HTTP status returned for a request body that is not JSON.", rule=_between(400, 599)

@@ -414,7 +414,7 @@ class StoreService:
         await asyncio.to_thread(require_current, self.engine, self.settings.db.url)
         router = health_routes(self.is_ready, self.metrics.text)
         server = await asyncio.start_server(
-            functools.partial(serve_connection, router=router), "0.0.0.0", self.settings.store.http_port
+            functools.partial(serve_connection, router=router), self.settings.store.http_host, self.settings.store.http_port
         )
         self.http_port = server.sockets[0].getsockname()[1]
         log.info("store http on port %d", self.http_port)

@@ -318,6 +318,16 @@ async def test_readiness_is_observable_before_and_after(nats_server) -> None:
                 await bridge.wait_ready(timeout=0.5)
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1"])
+async def test_the_health_endpoint_listens_on_the_configured_address(nats_server, host) -> None:
+    pub, replay = engine_endpoints()
+    async with SimulatedEngine(pub, replay) as engine:
+        settings = settings_for(nats_server.url, **{"ingest.http_host": host})
+        async with Bridge(settings, [source(WorkerId("bound"), engine)]) as bridge:
+            assert bridge._http.sockets[0].getsockname()[0] == host
+            assert (await http_get(bridge.http_port, "/healthz"))[0] == 200
+
+
 async def test_a_batch_too_big_for_nats_is_dead_lettered_not_retried_forever(nats_server) -> None:
     from ingest.wire import VllmBlockStored
 
