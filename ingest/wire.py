@@ -11,7 +11,7 @@ import array
 import functools
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import attrs
 import msgspec
@@ -272,12 +272,17 @@ class _NotFast(Exception):
     """A value the typed path leaves to the generic one."""
 
 
-# gc=False: these hold only lists, numbers and strings (never a cycle), so the collector need not track them.
+# msgspec checks the u64 range in C (a negative hash fails decoding: the generic path
+# reinterprets it) and builds the tuples directly: no Python pass over the values.
+_U64 = Annotated[int, msgspec.Meta(ge=0)]
+
+
+# gc=False: these hold only tuples, numbers and strings (never a cycle), so the collector need not track them.
 class _VllmStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
-    block_hashes: list[int]
-    token_ids: list[int]
+    block_hashes: tuple[_U64, ...]
+    token_ids: tuple[int, ...]  # a tuple: the packer takes it as its arguments without a copy
     block_size: int
-    parent_block_hash: int | None = None
+    parent_block_hash: _U64 | None = None
     medium: str | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
@@ -286,7 +291,7 @@ class _VllmStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False)
 
 
 class _VllmRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
-    block_hashes: list[int]
+    block_hashes: tuple[_U64, ...]
     medium: str | None = None
     locality: str | None = None
 
@@ -337,24 +342,16 @@ def _typed_tier(medium: str | None) -> Tier:
     return tier
 
 
-def _typed_hashes(values: list[int]) -> tuple[int, ...]:
-    # msgspec's int is at most 2**64 - 1 already; negative hashes are left to the generic path.
-    if values and min(values) < 0:
-        raise _NotFast
-    return tuple(values)
-
-
 def _typed_stored(event: _VllmStored) -> Stored:
-    hashes = _typed_hashes(event.block_hashes)
+    hashes = event.block_hashes
     block_size = event.block_size
     tokens = event.token_ids
     group_idx = event.group_idx or 0
     if block_size <= 0 or group_idx < 0 or len(tokens) != len(hashes) * block_size:
         raise _NotFast
-    parent = event.parent_block_hash
     local = _local_hashes(tokens, block_size, block_seed(event.lora_name, event.cache_salt))
     return Stored(
-        _typed_tier(event.medium), hashes, None if parent is None else block_hash(parent), block_size,
+        _typed_tier(event.medium), hashes, event.parent_block_hash, block_size,
         tuple(local), event.lora_name, event.cache_salt, group_idx,
     )
 
@@ -364,7 +361,7 @@ def _token_packer(count: int) -> Callable[..., bytes]:
     return struct.Struct(f"<{count}I").pack
 
 
-def _local_hashes(tokens: list[int], block_size: int, seed: int) -> list[int]:
+def _local_hashes(tokens: tuple[int, ...], block_size: int, seed: int) -> list[int]:
     """`kvledger.hashing.local_block_hashes` for whole blocks of checked ints, with a cached packer."""
     raw = _token_packer(len(tokens))(*tokens)  # struct.error (a token >= 2**32) leaves it to the generic path
     step = block_size * 4
@@ -372,7 +369,7 @@ def _local_hashes(tokens: list[int], block_size: int, seed: int) -> list[int]:
 
 
 def _typed_removed(event: _VllmRemoved) -> Removed:
-    return Removed(_typed_tier(event.medium), _typed_hashes(event.block_hashes))
+    return Removed(_typed_tier(event.medium), event.block_hashes)
 
 
 # --- encoding vLLM's current format (the simulator and tests speak it) ---------------
