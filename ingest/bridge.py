@@ -220,27 +220,27 @@ class EngineStream:
     async def _publish_one(self, emit: Emit) -> None:
         """Decode, count, encode and queue one batch (the hot path: one call per engine batch)."""
         metrics = self._bridge.metrics
-        metrics.batches_in[self.source.worker.publisher] += 1
+        source = self.source
+        metrics.batches_in[source.worker.publisher] += 1
         engine_ts = 0.0
         try:
             decoded = decode_payload(emit.payload, max_bytes=self._max_batch_bytes)
         except WireError as error:
-            await self._bridge.dead_letter(self.source, str(error), [emit.payload], emit)
+            await self._bridge.dead_letter(source, str(error), [emit.payload], emit)
             # The batch's events are lost to us: say so, so the worker is reported uncertain.
             events = (*emit.gaps, Gap(emit.seq, emit.seq + 1, GapReason.MISSED))
+            gaps = events  # all of them
         else:
             engine_ts = decoded.engine_ts
-            events = (*emit.gaps, *decoded.events) if emit.gaps else decoded.events
+            gaps = emit.gaps  # usually none: then the batch is the engine's events as decoded
+            events = (*gaps, *decoded.events) if gaps else decoded.events
             metrics.remote_skipped += decoded.skipped_remote
         kinds = metrics.events
         for event in events:
             kinds[type(event).__name__] += 1
-        for gap in events[: len(emit.gaps) + 1]:  # gaps lead; a dead-lettered batch adds one
-            if type(gap) is Gap:
-                metrics.gaps[gap.reason.value] += 1
-        batch = EventBatch(
-            self.source.worker, emit.epoch, emit.seq, engine_ts, time.time(), self.source.provenance, events,
-        )
+        for gap in gaps:
+            metrics.gaps[gap.reason.value] += 1
+        batch = EventBatch(source.worker, emit.epoch, emit.seq, engine_ts, time.time(), source.provenance, events)
         record = encode_batch(batch)
         publisher = self._bridge.publisher
         if len(record) > publisher.max_payload:
