@@ -56,9 +56,13 @@ class _Protocol(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, error: Exception | None) -> None:
-        self._connection._lost(error)
+        # An abandoned attempt's socket may report its end late: only the current one counts.
+        if self._connection._protocol is self:
+            self._connection._lost(error)
 
     def data_received(self, data: bytes) -> None:
+        if self._connection._protocol is not self:
+            return
         buffer = self._buffer
         buffer += data
         position = 0
@@ -106,6 +110,7 @@ class PublishConnection:
         self._protocol: _Protocol | None = None
         self._info: dict = {}
         self._handshake: asyncio.Future | None = None
+        self._awaiting: bytes | None = None  # what settles the handshake now: b"INFO", then b"PONG"
         self._inbox = f"_INBOX.{secrets.token_hex(11)}."
         self._inbox_bytes = self._inbox.encode()
         self._plain_ack = re.compile(b"MSG " + re.escape(self._inbox_bytes) + rb"(\d+) 1 (\d+)\r\n").match
@@ -130,14 +135,20 @@ class PublishConnection:
             except (OSError, asyncio.TimeoutError, ssl.SSLError) as error:
                 await self.close()
                 errors.append(error)
+            except BaseException:  # cancelled while connecting: leave no socket behind
+                await self.close()
+                raise
         raise PublishConnectionError(f"no NATS server could be reached: {'; '.join(map(str, errors))}")
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     async def close(self) -> None:
-        if self._protocol is not None and self._protocol.transport is not None:
-            self._protocol.transport.close()
+        # abort, not close: unacknowledged frames are resent on the next connection, and a
+        # stalled server must not receive stale ones after those resends.
+        protocol, self._protocol = self._protocol, None
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.abort()
         self.closed.set()
 
     def publish_many(self, messages: list[tuple[str, bytes, str, int]]) -> None:
@@ -163,9 +174,10 @@ class PublishConnection:
         loop = asyncio.get_running_loop()
         self.closed.clear()
         self.error = None
-        self._handshake = loop.create_future()
-        self._protocol = _Protocol(self)
-        await loop.create_connection(lambda: self._protocol, host, port)
+        self._info = {}  # nothing carries over from another server of the list
+        self._handshake, self._awaiting = loop.create_future(), b"INFO"
+        protocol = self._protocol = _Protocol(self)
+        await loop.create_connection(lambda: protocol, host, port)
         await self._handshake  # the server's INFO
         context = self._tls_context(parts.scheme)
         if self._info.get("tls_required") or context is not None:
@@ -173,12 +185,14 @@ class PublishConnection:
                 context = ssl.create_default_context()
             transport = await loop.start_tls(self._protocol.transport, self._protocol, context, server_hostname=host)
             self._protocol.transport = transport
-        self._handshake = loop.create_future()
+        self._handshake, self._awaiting = loop.create_future(), b"PONG"
         connect = self._connect_fields(parts)
+        # SUB before PING: a refused inbox subscription fails the handshake, not a later publish.
         self._protocol.transport.write(
-            b"CONNECT " + json.dumps(connect).encode() + _CRLF + b"PING\r\n" + b"SUB %s* 1\r\n" % self._inbox_bytes
+            b"CONNECT " + json.dumps(connect).encode() + _CRLF + b"SUB %s* 1\r\n" % self._inbox_bytes + b"PING\r\n"
         )
         await self._handshake  # PONG, or -ERR for a refused login
+        self._awaiting = None
 
     def _tls_context(self, scheme: str) -> ssl.SSLContext | None:
         settings = self._settings
@@ -199,8 +213,10 @@ class PublishConnection:
                 user, password = unquote(parts.username), unquote(parts.password)
             elif not settings.token:
                 fields["auth_token"] = unquote(parts.username)
-        if user or password:
-            fields["user"], fields["pass"] = user, password
+        if user:
+            fields["user"] = user
+        if password:
+            fields["pass"] = password
         if settings.token:
             fields["auth_token"] = settings.token
         if settings.creds_file:
@@ -213,11 +229,11 @@ class PublishConnection:
     def _control(self, line: bytes) -> None:
         if line.startswith(b"INFO "):
             self._info.update(json.loads(line[5:]))
-            self._settle()
+            self._settle(b"INFO")
         elif line == b"PING":
             self._protocol.transport.write(b"PONG\r\n")
         elif line == b"PONG":
-            self._settle()
+            self._settle(b"PONG")
         elif line.startswith(b"-ERR"):
             self.error = line[4:].strip().strip(b"'").decode(errors="replace")
             if self._handshake is not None and not self._handshake.done():
@@ -226,8 +242,9 @@ class PublishConnection:
                 # The server keeps the connection after a permissions violation; nothing sent will be acked.
                 self._protocol.transport.close()
 
-    def _settle(self) -> None:
-        if self._handshake is not None and not self._handshake.done():
+    def _settle(self, what: bytes) -> None:
+        # An INFO while CONNECT awaits its PONG (a topology update) says nothing about the login.
+        if what == self._awaiting and self._handshake is not None and not self._handshake.done():
             self._handshake.set_result(None)
 
     def _reply(self, subject: bytes, header: bytes, data: bytes) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import nats
@@ -112,3 +113,24 @@ async def test_a_refused_login_on_the_publishing_connection_is_an_auth_error(loc
         await _publish_once(_nats_settings(locked_server.url, user="alice", password="wrong"))
     assert is_auth_error(refused.value)
     assert "wrong" not in str(refused.value)
+
+
+async def test_a_cluster_url_that_never_answers_is_passed_over_for_a_healthy_one(nats_server) -> None:
+    # The silent server accepts TCP and never sends INFO; its abandoned socket must not
+    # later tear down the healthy connection that replaced it.
+    held = []
+    silent = await asyncio.start_server(lambda reader, writer: held.append(writer), "127.0.0.1", 0)
+    silent_url = f"nats://127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+    try:
+        nats_settings = NatsSettings(url=f"{silent_url},{nats_server.url}", connect_timeout_s=0.5)
+        async with JetStreamPublisher(nats_settings, [events_stream(settings_for(nats_server.url).stream)],
+                                      ack_timeout_s=2.0) as publisher:
+            await publisher.wait_connected(timeout=20)
+            for seq in range(3):
+                await publisher.publish(SUBJECT, b"batch %d" % seq, f"pub:0:0:{seq}")
+            await publisher.flush(10)
+            assert publisher.counters.published == 3
+    finally:
+        silent.close()
+    messages = await read_stream(nats_server.url)
+    assert [data for _, _, data in messages] == [b"batch %d" % seq for seq in range(3)]
