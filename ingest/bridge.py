@@ -243,13 +243,15 @@ class EngineStream:
         batch = EventBatch(source.worker, emit.epoch, emit.seq, engine_ts, time.time(), source.provenance, events)
         record = encode_batch(batch)
         publisher = self._bridge.publisher
-        if len(record) > publisher.max_payload:
+        largest = publisher.max_record(batch.msg_id)
+        if len(record) > largest:
             # NATS would refuse it on every retry and stall every stream behind it.
             await self._bridge.dead_letter(
-                self.source, f"canonical record of {len(record)} bytes exceeds the NATS max_payload "
-                f"of {publisher.max_payload}", [emit.payload], emit,
+                self.source, f"canonical record of {len(record)} bytes exceeds the NATS max_payload of "
+                f"{publisher.max_payload} less its {publisher.max_payload - largest}-byte header", [emit.payload], emit,
             )
             batch = attrs.evolve(batch, events=(*emit.gaps, Gap(emit.seq, emit.seq + 1, GapReason.MISSED)))
+            metrics.gaps[GapReason.MISSED.value] += 1
             record = encode_batch(batch)
         await publisher.publish(self._subject, record, batch.msg_id, engine_ts if engine_ts > 0 else None)
 

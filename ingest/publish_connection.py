@@ -156,7 +156,7 @@ class PublishConnection:
         inbox = self._inbox_bytes
         frames = []
         for subject, payload, msg_id, token in messages:
-            header = b"NATS/1.0\r\nNats-Msg-Id: %s\r\n\r\n" % msg_id.encode()
+            header = msg_id_header(msg_id)
             frames.append(
                 b"HPUB %s %s%d %d %d\r\n%s%s\r\n"
                 % (subject.encode(), inbox, token, len(header), len(header) + len(payload), header, payload)
@@ -269,6 +269,11 @@ class PublishConnection:
             self._handshake.set_exception(PublishConnectionError(self.error))
         self.closed.set()
         self._on_lost()
+
+
+def msg_id_header(msg_id: str) -> bytes:
+    """The HPUB header block of a message; nats-server counts it against `max_payload` too."""
+    return b"NATS/1.0\r\nNats-Msg-Id: %s\r\n\r\n" % msg_id.encode()
 
 
 def is_refusal(error: str) -> bool:

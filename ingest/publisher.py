@@ -30,7 +30,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
-from ingest.publish_connection import AckReply, PublishConnection
+from ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError, msg_id_header
 
 from kvledger.nats_options import auth_failure, connect_options, describe_server, is_auth_error
 from kvledger.settings import NatsSettings
@@ -183,6 +183,10 @@ class JetStreamPublisher:
         connection = self._connection
         return connection.max_payload if connection is not None else 1024 * 1024
 
+    def max_record(self, msg_id: str) -> int:
+        """The largest payload the server takes under `msg_id`: its header counts against `max_payload`."""
+        return self.max_payload - len(msg_id_header(msg_id))
+
     @property
     def failed(self) -> bool:
         """Publishing stopped for good (a refused login or a stream conflict)."""
@@ -242,9 +246,9 @@ class JetStreamPublisher:
     async def _run(self) -> None:
         delay = 0.05
         while not self._closing:
+            published_before = self.counters.published
             try:
                 await self._connect()
-                delay = 0.05
                 await self._pump()
             except StreamConflictError:
                 raise
@@ -255,8 +259,10 @@ class JetStreamPublisher:
                 self.counters.reconnects += 1
                 log.warning("JetStream publishing interrupted (%s); resending unacknowledged batches", self.last_error)
                 await self._disconnect()
+                # Back off until a connection gets something acknowledged: a server that takes
+                # the connection but refuses every publish must not be hammered.
+                delay = 0.05 if self.counters.published > published_before else min(delay * 2, 2.0)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
 
     async def _connect(self) -> None:
         options = connect_options(self._nats_settings, name="kvledger-ingest")
@@ -312,7 +318,8 @@ class JetStreamPublisher:
                     next_index = self._send(in_flight, next_index)
                 self.in_flight = len(in_flight)
                 if self._broken.is_set():
-                    raise ConnectionError("connection to NATS lost")
+                    # The server's own words (-ERR), so a permissions violation is told as one.
+                    raise PublishConnectionError(self._connection.error or "connection to NATS lost")
                 if not in_flight:
                     if not self._pending:
                         self._drained.set()

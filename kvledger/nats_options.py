@@ -76,4 +76,5 @@ def auth_failure(settings: NatsSettings, error: BaseException) -> NatsAuthError:
     credentials = ", ".join(used) if used else "no credentials (set nats.user/nats.password, nats.token or nats.creds_file)"
     while isinstance(error, BaseExceptionGroup):
         error = next(inner for inner in error.exceptions if is_auth_error(inner))
-    return NatsAuthError(f"NATS at {describe_server(settings)} refused the login ({error}); credentials used: {credentials}")
+    refused = "a publish or subscription" if "permissions violation" in str(error).lower() else "the login"
+    return NatsAuthError(f"NATS at {describe_server(settings)} refused {refused} ({error}); credentials used: {credentials}")

@@ -13,7 +13,7 @@ from engines import read_stream, settings_for, wait_until
 from ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError
 from ingest.publisher import JetStreamPublisher
 from kvledger.embedded import EmbeddedNats
-from kvledger.nats_options import is_auth_error
+from kvledger.nats_options import NatsAuthError, is_auth_error
 from kvledger.settings import NatsSettings
 from kvledger.streams import events_stream
 
@@ -134,3 +134,41 @@ async def test_a_cluster_url_that_never_answers_is_passed_over_for_a_healthy_one
         silent.close()
     messages = await read_stream(nats_server.url)
     assert [data for _, _, data in messages] == [b"batch %d" % seq for seq in range(3)]
+
+
+def _configured_server(tmp_path, config: str) -> EmbeddedNats:
+    conf = tmp_path / "nats.conf"
+    conf.write_text(config)
+    return EmbeddedNats(tmp_path / "nats", extra_args=("-c", str(conf)))
+
+
+async def test_max_record_leaves_room_for_the_header_the_server_counts_against_max_payload(tmp_path) -> None:
+    with _configured_server(tmp_path, "max_payload: 4096\n") as server:
+        settings = settings_for(server.url)
+        async with JetStreamPublisher(settings.nats, [events_stream(settings.stream)], ack_timeout_s=2.0) as publisher:
+            await publisher.wait_connected(timeout=10)
+            largest = publisher.max_record("pub:0:0:0")
+            assert publisher.max_payload == 4096 and largest < 4096
+            await publisher.publish(SUBJECT, b"x" * largest, "pub:0:0:0")
+            await publisher.flush(10)
+        # One byte more and the server refuses the message and drops the connection.
+        async with PublishConnection(settings.nats, name="test", on_reply=lambda reply: None, on_lost=lambda: None) as connection:
+            connection.publish_many([(SUBJECT, b"x" * (largest + 1), "pub:0:0:1", 1)])
+            await wait_until(lambda: connection.closed.is_set() or None, 5, "the server to refuse the message")
+            assert "maximum payload" in connection.error.lower()
+        assert [len(data) for _, _, data in await read_stream(server.url)] == [largest]
+
+
+async def test_a_publish_permission_violation_stops_publishing_with_the_servers_words(tmp_path) -> None:
+    config = 'authorization { users = [ {user: u, password: p, permissions: {publish: {deny: ["kv.ev.denied.>"]}}} ] }\n'
+    with _configured_server(tmp_path, config) as server:
+        settings = settings_for(server.url, **{"nats.user": "u", "nats.password": "p"})
+        async with JetStreamPublisher(settings.nats, [events_stream(settings.stream)], ack_timeout_s=2.0) as publisher:
+            await publisher.wait_connected(timeout=10)
+            await publisher.publish("kv.ev.denied.0", b"x", "denied:0:0:0")
+            with pytest.raises(NatsAuthError) as refused:
+                async with asyncio.timeout(10):
+                    await publisher.finished()
+            assert publisher.failed and publisher.counters.published == 0
+    assert "refused a publish or subscription" in str(refused.value)
+    assert "permissions violation" in str(refused.value).lower() and "kv.ev.denied.0" in str(refused.value)
