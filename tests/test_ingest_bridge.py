@@ -324,6 +324,7 @@ async def test_the_health_endpoint_listens_on_the_configured_address(nats_server
     async with SimulatedEngine(pub, replay) as engine:
         settings = settings_for(nats_server.url, **{"ingest.http_host": host})
         async with Bridge(settings, [source(WorkerId("bound"), engine)]) as bridge:
+            await bridge.wait_ready(timeout=10)
             assert bridge._http.sockets[0].getsockname()[0] == host
             assert (await http_get(bridge.http_port, "/healthz"))[0] == 200
 
