@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from kvledger.nats_options import tls_context
+from kvledger.nats_options import is_refusal, tls_context
 from kvledger.settings import NatsSettings
 
 _CRLF = b"\r\n"
@@ -274,11 +274,6 @@ class PublishConnection:
 def msg_id_header(msg_id: str) -> bytes:
     """The HPUB header block of a message; nats-server counts it against `max_payload` too."""
     return b"NATS/1.0\r\nNats-Msg-Id: %s\r\n\r\n" % msg_id.encode()
-
-
-def is_refusal(error: str) -> bool:
-    text = error.lower()
-    return "authorization violation" in text or "authentication" in text or "permissions violation" in text
 
 
 def _sign_with_creds(path: Path, nonce: str) -> tuple[str, str]:

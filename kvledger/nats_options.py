@@ -61,7 +61,12 @@ def is_auth_error(error: BaseException) -> bool:
     """Whether a nats-py error means the server rejected who we are (not that it is unreachable)."""
     if isinstance(error, BaseExceptionGroup):  # from a TaskGroup of services
         return any(is_auth_error(inner) for inner in error.exceptions)
-    text = str(error).lower()
+    return is_refusal(str(error))
+
+
+def is_refusal(text: str) -> bool:
+    """Whether a server's words (e.g. an `-ERR` line) refuse who we are or what we may do."""
+    text = text.lower()
     return any(marker in text for marker in _AUTH_MARKERS)
 
 
