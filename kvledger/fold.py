@@ -106,7 +106,9 @@ COUNTER_NAMES = (
     "duplicate_store",  # stored a block already held on that tier with that provenance
     "retained_conflict",  # retained record disagreeing with native topology
     "native_reparent",  # the engine re-announced a block under a different parent
-    "duplicate_batch",  # (epoch, seq) not after the worker's last one
+    "duplicate_batch",  # (epoch, seq) not after the worker's last one, and not a seq a hole skipped
+    "late_batch",  # (epoch, seq) not after the worker's last one, but a seq a hole skipped: dropped
+    "sequence_hole",  # seq more than one past the last one, with no Gap saying why: uncertain
     "stale_epoch",  # batch from an epoch older than the worker's current one
     "implicit_restart",  # epoch rose without a Gap(publisher_restart) first
     "redelivered",  # stream seq not after the fold's last one
@@ -133,6 +135,9 @@ class _ProvenanceState:
     epoch: int | None = None
     seq: int | None = None
     uncertain_since: int | None = None
+    # [first, end) seq ranges of the current epoch the fold skipped over, oldest first, so a
+    # late batch can be told from a repeated one; not carried by snapshots or the SQL state.
+    holes: list[tuple[int, int]] = attrs.field(factory=list)
 
     def block_count(self) -> int:
         return sum(len(blocks) for blocks in self.records.values())
@@ -168,8 +173,8 @@ class InventoryFold:
     def apply(self, batch: EventBatch, stream_seq: int) -> list[Fact]:
         """Fold one batch (KV_EVENTS stream seq `stream_seq`); return the facts it produced.
 
-        Redelivered stream seqs and repeated engine seqs produce nothing, so applying the
-        same stream twice is harmless.
+        Redelivered stream seqs and engine seqs not after the worker's last one (repeated, or
+        late after a hole) produce nothing, so applying the same stream twice is harmless.
         """
         if stream_seq <= self.inventory_seq:
             self._count(None, "redelivered")
@@ -180,18 +185,27 @@ class InventoryFold:
             state = self._workers[batch.worker] = WorkerState(batch.worker)
         own = state.by_provenance[batch.provenance]
         facts: list[Fact] = []
-        if own.epoch is not None:
+        if batch.epoch == own.epoch:
+            if batch.seq <= own.seq:
+                self._count(state, "late_batch" if _fill_hole(own, batch.seq) else "duplicate_batch")
+                return facts
+            if batch.seq != own.seq + 1:
+                self._hole(state, own, own.seq + 1, batch, stream_seq, facts)
+        # A worker's first batch may start at any seq (ingest resumes mid-stream, retention
+        # drops old messages, a reader starts late): only what follows it is checked.
+        elif own.epoch is not None:
             if batch.epoch < own.epoch:
                 self._count(state, "stale_epoch")
                 return facts
-            if batch.epoch == own.epoch and batch.seq <= own.seq:
-                self._count(state, "duplicate_batch")
-                return facts
-            if batch.epoch > own.epoch and not _starts_with_restart(batch):
+            if not _starts_with_restart(batch):
                 # Every new epoch is an engine restart, announced or not: its cache is empty.
                 self._count(state, "implicit_restart")
                 self._clear(state, batch.provenance, RemovalCause.RESTART, stream_seq, facts)
                 own = state.by_provenance[batch.provenance]
+            own.holes = []  # the old epoch's late batches are stale_epoch now
+            if batch.seq != 0:
+                # ingest starts every new epoch at seq 0 or says why not with a Gap.
+                self._hole(state, own, 0, batch, stream_seq, facts)
         own.epoch, own.seq = batch.epoch, batch.seq
         for event in batch.events:
             kind = type(event)
@@ -295,7 +309,7 @@ class InventoryFold:
     def _clear(self, state: WorkerState, provenance: Provenance, cause: RemovalCause, stream_seq: int, facts: list[Fact]) -> None:
         own = state.by_provenance[provenance]
         blocks = own.block_count()
-        fresh = _ProvenanceState(epoch=own.epoch, seq=own.seq)
+        fresh = _ProvenanceState(epoch=own.epoch, seq=own.seq, holes=own.holes)
         state.by_provenance[provenance] = fresh
         facts.append(InventoryClearedFact(state.worker, provenance, cause, stream_seq, blocks))
         if own.uncertain_since is not None:
@@ -310,6 +324,27 @@ class InventoryFold:
         if own.uncertain_since is None:
             own.uncertain_since = stream_seq
             facts.append(UncertaintyFact(state.worker, provenance, True, event.reason.value, stream_seq))
+
+    def _hole(
+        self, state: WorkerState, own: _ProvenanceState, expected: int, batch: EventBatch, stream_seq: int,
+        facts: list[Fact],
+    ) -> None:
+        """`batch` skips seqs [expected, batch.seq): they count as missed until they arrive.
+
+        ingest publishes every seq (a lost one as a Gap), so a hole is a batch stored out of
+        order: when it comes it is dropped, and its stores and removals are lost to this fold.
+        """
+        _remember_hole(own, expected, batch.seq)
+        if any(type(event) is Gap for event in batch.events):
+            return  # ingest's own account of the discontinuity: its Gap decides, as always
+        self._count(state, "sequence_hole")
+        if own.uncertain_since is None:
+            own.uncertain_since = stream_seq
+            if batch.epoch == own.epoch:
+                reason = f"sequence hole: seq {batch.seq} after {own.seq}"
+            else:
+                reason = f"sequence hole: epoch {batch.epoch} starts at seq {batch.seq}"
+            facts.append(UncertaintyFact(state.worker, batch.provenance, True, reason, stream_seq))
 
     def _count(self, state: WorkerState | None, name: str) -> None:
         self.counters[name] += 1
@@ -358,6 +393,28 @@ class InventoryFold:
 def _starts_with_restart(batch: EventBatch) -> bool:
     first = batch.events[0] if batch.events else None
     return type(first) is Gap and first.reason is GapReason.PUBLISHER_RESTART
+
+
+# Enough for the holes one burst of refusals leaves; a late batch of a forgotten one counts
+# as duplicate_batch (it is dropped either way).
+TRACKED_HOLES = 16
+
+
+def _remember_hole(own: _ProvenanceState, first: int, end: int) -> None:
+    own.holes.append((first, end))
+    if len(own.holes) > TRACKED_HOLES:
+        del own.holes[0]
+
+
+def _fill_hole(own: _ProvenanceState, seq: int) -> bool:
+    """Whether `seq` lies in a hole the fold skipped; if so it is no longer missing."""
+    for position, (first, end) in enumerate(own.holes):
+        if first <= seq < end:
+            own.holes[position:position + 1] = [(a, b) for a, b in ((first, seq), (seq + 1, end)) if a < b]
+            if len(own.holes) > TRACKED_HOLES:
+                del own.holes[0]
+            return True
+    return False
 
 
 def attach_record(own: _ProvenanceState, record: BlockRecord) -> None:

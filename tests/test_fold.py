@@ -9,10 +9,12 @@ from kvledger.fold import (
     InventoryClearedFact,
     InventoryFold,
     RemovalCause,
+    TRACKED_HOLES,
     RetainedConflictFact,
     UncertaintyFact,
 )
 from kvledger.hashing import chain_hash, sequence_hashes
+from kvledger.snapshot import decode_snapshot, encode_snapshot
 from builders import Stream, gap, local_hashes, removed, stored
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
@@ -22,6 +24,10 @@ OTHER = WorkerId("vllm-b")
 
 def held_engine_hashes(fold: InventoryFold, provenance=NATIVE, tier=Tier.DEVICE, worker=W) -> list[int]:
     return [record.engine_hash for record in fold.records(worker, provenance, tier)]
+
+
+def last_seq(fold: InventoryFold, provenance=NATIVE, worker=W) -> int | None:
+    return fold.worker_state(worker).by_provenance[provenance].seq
 
 
 def fold_with(*batches) -> tuple[InventoryFold, list]:
@@ -275,3 +281,215 @@ def test_the_native_and_retained_streams_of_one_worker_count_sequences_separatel
     assert held_engine_hashes(fold) == [1]
     assert held_engine_hashes(fold, provenance=RETAINED) == [1]
     assert fold.counters["duplicate_batch"] == 0
+
+
+# --- sequence holes: a batch stored out of order (DESIGN §3, missed range) ------------------
+
+
+def test_a_batch_stored_after_later_ones_leaves_the_worker_uncertain_and_is_dropped_as_late() -> None:
+    # JetStream refused seq 5 but stored 6..8; ingest's resend stored 5 after 8.
+    s = Stream()
+    fold, facts = fold_with(
+        s.batch(W, stored([1]), seq=4),
+        s.batch(W, stored([3], parent=2), seq=6),
+        s.batch(OTHER, stored([1])),
+        s.batch(W, removed([3]), seq=7),
+        s.batch(W, stored([4], parent=1), seq=8),
+    )
+    assert fold.is_uncertain(W) and not fold.is_uncertain(OTHER)
+    assert UncertaintyFact(W, NATIVE, True, "sequence hole: seq 6 after 4", 2) in facts
+    assert [f for f in facts if isinstance(f, UncertaintyFact)] == [UncertaintyFact(W, NATIVE, True, "sequence hole: seq 6 after 4", 2)]
+    assert fold.counters["sequence_hole"] == 1 and fold.worker_state(W).counters["sequence_hole"] == 1
+    late = (stored([2], parent=1), removed([1]))
+    assert fold.apply(*s.batch(W, *late, seq=5)) == []
+    assert fold.counters["late_batch"] == 1 and fold.counters["duplicate_batch"] == 0
+    assert held_engine_hashes(fold) == [1, 4]  # 5's store of 2 and removal of 1 are lost: hence uncertain
+    assert fold.is_uncertain(W) and last_seq(fold) == 8
+    # the hole is filled: another copy of 5 is a plain duplicate
+    assert fold.apply(*s.batch(W, *late, seq=5)) == []
+    assert fold.counters["duplicate_batch"] == 1 and fold.counters["late_batch"] == 1
+    # uncertainty ends as after any gap: at the next Cleared
+    cleared = fold.apply(*s.batch(W, Cleared(), seq=9))
+    assert UncertaintyFact(W, NATIVE, False, "cleared", 8) in cleared
+    assert not fold.is_uncertain(W)
+
+
+def test_every_seq_of_a_wider_hole_is_late_once_and_a_seq_applied_before_is_a_duplicate() -> None:
+    s = Stream()
+    fold, _ = fold_with(s.batch(W, stored([1]), seq=0), s.batch(W, stored([2]), seq=1), s.batch(W, stored([5]), seq=5))
+    for seq in (3, 2, 4, 3, 1, 0):
+        fold.apply(*s.batch(W, stored([9]), seq=seq))
+    assert fold.counters["late_batch"] == 3  # 2, 3 and 4 once each
+    assert fold.counters["duplicate_batch"] == 3  # 3 again, and 1 and 0, which were applied
+    assert fold.counters["sequence_hole"] == 1
+    assert held_engine_hashes(fold) == [1, 2, 5]
+
+
+def test_a_seq_before_the_first_batch_seen_is_a_duplicate_not_late() -> None:
+    s = Stream()
+    fold, _ = fold_with(s.batch(W, stored([1]), seq=40), s.batch(W, stored([2]), seq=39))
+    assert fold.counters["duplicate_batch"] == 1 and fold.counters["late_batch"] == 0
+
+
+def test_the_first_batch_of_a_worker_may_start_at_any_seq_and_epoch() -> None:
+    # ingest resumes at JetStream's last seq + 1, retention drops the oldest messages, and a
+    # reader may start mid-stream: a worker's first batch is not a hole whatever its seq.
+    s = Stream()
+    fold, facts = fold_with(
+        s.batch(W, stored([1]), epoch=3, seq=1234),
+        s.batch(W, stored([1]), provenance=RETAINED, epoch=0, seq=77),
+        s.batch(W, stored([2], parent=1), epoch=3, seq=1235),
+    )
+    assert not fold.is_uncertain(W)
+    assert not [f for f in facts if isinstance(f, UncertaintyFact)]
+    assert fold.counters["sequence_hole"] == 0
+
+
+def test_a_new_epoch_restarts_the_sequence_at_zero_without_a_hole() -> None:
+    s = Stream()
+    fold, _ = fold_with(
+        s.batch(W, stored([1]), epoch=0, seq=50),
+        s.batch(W, gap(GapReason.PUBLISHER_RESTART, 51, 0), stored([2]), epoch=1, seq=0),
+        s.batch(W, stored([3], parent=2), epoch=1, seq=1),
+        s.batch(W, stored([4]), epoch=2, seq=0),  # implicit restart, still at 0
+    )
+    assert not fold.is_uncertain(W)
+    assert fold.counters["sequence_hole"] == 0 and fold.counters["implicit_restart"] == 1
+    assert held_engine_hashes(fold) == [4]
+
+
+def test_a_new_epoch_whose_first_batch_was_stored_late_is_a_hole_after_the_restart() -> None:
+    # epoch 1's seq 0 (carrying the restart gap) was refused, seq 1 was stored first
+    s = Stream()
+    fold, facts = fold_with(
+        s.batch(W, stored([1]), epoch=0, seq=7),
+        s.batch(W, stored([5]), epoch=1, seq=1),
+    )
+    assert InventoryClearedFact(W, NATIVE, RemovalCause.RESTART, 2, 1) in facts
+    assert UncertaintyFact(W, NATIVE, True, "sequence hole: epoch 1 starts at seq 1", 2) in facts
+    assert fold.is_uncertain(W) and held_engine_hashes(fold) == [5]
+    assert fold.apply(*s.batch(W, gap(GapReason.PUBLISHER_RESTART, 8, 0), stored([4]), epoch=1, seq=0)) == []
+    assert fold.counters["late_batch"] == 1
+    assert fold.is_uncertain(W)  # seq 0's store of 4 is lost
+
+
+def test_a_hole_in_an_old_epoch_is_forgotten_its_late_batch_is_stale() -> None:
+    s = Stream()
+    fold, _ = fold_with(
+        s.batch(W, stored([1]), epoch=0, seq=0),
+        s.batch(W, stored([2]), epoch=0, seq=2),
+        s.batch(W, gap(GapReason.PUBLISHER_RESTART), epoch=1, seq=0),
+    )
+    assert not fold.is_uncertain(W)  # the restart emptied the cache: nothing is unknown
+    assert fold.apply(*s.batch(W, stored([3]), epoch=0, seq=1)) == []
+    assert fold.counters["stale_epoch"] == 1 and fold.counters["late_batch"] == 0
+
+
+def test_a_batch_whose_gap_explains_the_skip_is_uncertain_for_the_gaps_reason_only() -> None:
+    # ingest's own account: seqs 3 and 4 missed, the Gap rides on seq 5
+    s = Stream()
+    fold, facts = fold_with(
+        s.batch(W, stored([1]), seq=2),
+        s.batch(W, gap(GapReason.MISSED, 3, 5), stored([2]), seq=5),
+    )
+    assert [f for f in facts if isinstance(f, UncertaintyFact)] == [UncertaintyFact(W, NATIVE, True, "missed", 2)]
+    assert fold.counters["sequence_hole"] == 0
+    # a skipped seq that does turn up is still told from a repeat
+    assert fold.apply(*s.batch(W, stored([3]), seq=4)) == []
+    assert fold.counters["late_batch"] == 1
+
+
+def test_a_restart_gap_on_a_new_epoch_past_zero_keeps_the_replay_gap_in_charge() -> None:
+    # a restart noticed late whose replay could not go back to 0: ingest sends both gaps
+    s = Stream()
+    fold, facts = fold_with(
+        s.batch(W, stored([1]), epoch=0, seq=9),
+        s.batch(W, gap(GapReason.PUBLISHER_RESTART, 10, 3), gap(GapReason.REPLAY_INCOMPLETE, 0, 3), stored([2]),
+                epoch=1, seq=3),
+    )
+    assert [f for f in facts if isinstance(f, UncertaintyFact)] == [UncertaintyFact(W, NATIVE, True, "replay_incomplete", 2)]
+    assert fold.counters["sequence_hole"] == 0 and held_engine_hashes(fold) == [2]
+
+
+def test_a_hole_while_uncertain_is_counted_without_a_second_uncertainty_fact() -> None:
+    s = Stream()
+    fold, _ = fold_with(s.batch(W, gap(GapReason.MISSED), seq=0))
+    assert fold.apply(*s.batch(W, stored([1]), seq=3)) == [BlockStoredFact(fold.records(W, NATIVE, Tier.DEVICE)[0])]
+    assert fold.counters["sequence_hole"] == 1 and fold.is_uncertain(W)
+
+
+def test_a_cleared_in_the_batch_after_a_hole_ends_the_uncertainty_it_opened() -> None:
+    # everything before a Cleared is gone anyway, so the late batch cannot matter any more
+    s = Stream()
+    fold, facts = fold_with(s.batch(W, stored([1]), seq=0), s.batch(W, Cleared(), stored([2]), seq=2))
+    uncertainty = [f for f in facts if isinstance(f, UncertaintyFact)]
+    assert uncertainty == [
+        UncertaintyFact(W, NATIVE, True, "sequence hole: seq 2 after 0", 2),
+        UncertaintyFact(W, NATIVE, False, "cleared", 2),
+    ]
+    assert not fold.is_uncertain(W)
+    assert fold.apply(*s.batch(W, stored([3]), seq=1)) == []
+    assert fold.counters["late_batch"] == 1 and not fold.is_uncertain(W)
+
+
+def test_a_hole_in_the_retained_stream_marks_only_that_provenance_uncertain() -> None:
+    s = Stream()
+    fold, facts = fold_with(
+        s.batch(W, stored([1]), seq=0),
+        s.batch(W, stored([1]), provenance=RETAINED, seq=0),
+        s.batch(W, stored([2], parent=1), seq=1),
+        s.batch(W, stored([3]), provenance=RETAINED, seq=2),
+    )
+    assert UncertaintyFact(W, RETAINED, True, "sequence hole: seq 2 after 0", 4) in facts
+    assert fold.is_uncertain(W)
+    state = fold.worker_state(W)
+    assert state.by_provenance[RETAINED].uncertain_since == 4 and state.by_provenance[NATIVE].uncertain_since is None
+    # native seq 1 is not retained seq 1: that one is late, not a repeat
+    assert fold.apply(*s.batch(W, stored([4]), provenance=RETAINED, seq=1)) == []
+    assert fold.counters["late_batch"] == 1 and fold.counters["duplicate_batch"] == 0
+    assert fold.apply(*s.batch(W, Cleared(), provenance=RETAINED, seq=3))
+    assert not fold.is_uncertain(W)
+
+
+def test_a_redelivered_stream_seq_is_not_a_second_hole_nor_a_late_batch() -> None:
+    s = Stream()
+    fold = InventoryFold()
+    fold.apply(*s.batch(W, stored([1]), seq=0))
+    jump = s.batch(W, stored([2]), seq=2)
+    assert fold.apply(*jump)
+    assert fold.apply(*jump) == []
+    late = s.batch(W, stored([3]), seq=1)
+    assert fold.apply(*late) == []
+    assert fold.apply(*late) == []
+    assert fold.counters["redelivered"] == 2
+    assert fold.counters["sequence_hole"] == 1 and fold.counters["late_batch"] == 1
+    assert fold.counters["duplicate_batch"] == 0
+
+
+def test_only_the_newest_holes_are_tracked_an_older_ones_late_batch_counts_as_duplicate() -> None:
+    s = Stream()
+    fold = InventoryFold()
+    for number in range(TRACKED_HOLES + 2):  # one hole more than is tracked
+        fold.apply(*s.batch(W, stored([number + 1]), seq=2 * number))
+    assert fold.counters["sequence_hole"] == TRACKED_HOLES + 1
+    fold.apply(*s.batch(W, stored([99]), seq=1))  # the first hole, forgotten
+    fold.apply(*s.batch(W, stored([99]), seq=3))
+    assert fold.counters["duplicate_batch"] == 1 and fold.counters["late_batch"] == 1
+
+
+def test_a_warm_start_from_a_snapshot_keeps_the_hole_uncertainty_and_the_last_seq() -> None:
+    s = Stream()
+    head = InventoryFold()
+    head.apply_all([s.batch(W, stored([1]), seq=0), s.batch(W, stored([2], parent=1), seq=2)])
+    restored = decode_snapshot(encode_snapshot(head))
+    assert restored.is_uncertain(W) and last_seq(restored) == 2
+    # contiguous after the snapshot: no new hole; a later skip still is one
+    assert restored.apply(*s.batch(W, stored([3], parent=2), seq=3))
+    restored.apply(*s.batch(W, Cleared(), seq=4))
+    assert not restored.is_uncertain(W)
+    facts = restored.apply(*s.batch(W, stored([4]), seq=6))
+    assert UncertaintyFact(W, NATIVE, True, "sequence hole: seq 6 after 4", 5) in facts
+    assert restored.counters["sequence_hole"] == 2
+    # holes are not part of a snapshot: seq 1, skipped before it, now counts as a duplicate
+    assert restored.apply(*s.batch(W, stored([5]), seq=1)) == []
+    assert restored.counters["duplicate_batch"] == 1 and restored.counters["late_batch"] == 0
