@@ -340,11 +340,7 @@ class InventoryFold:
         self._count(state, "sequence_hole")
         if own.uncertain_since is None:
             own.uncertain_since = stream_seq
-            if batch.epoch == own.epoch:
-                reason = f"sequence hole: seq {batch.seq} after {own.seq}"
-            else:
-                reason = f"sequence hole: epoch {batch.epoch} starts at seq {batch.seq}"
-            facts.append(UncertaintyFact(state.worker, batch.provenance, True, reason, stream_seq))
+            facts.append(UncertaintyFact(state.worker, batch.provenance, True, hole_reason(expected, batch.seq), stream_seq))
 
     def _count(self, state: WorkerState | None, name: str) -> None:
         self.counters[name] += 1
@@ -393,6 +389,18 @@ class InventoryFold:
 def _starts_with_restart(batch: EventBatch) -> bool:
     first = batch.events[0] if batch.events else None
     return type(first) is Gap and first.reason is GapReason.PUBLISHER_RESTART
+
+
+# Reasons land in SQL columns of 32 characters (store's uncertain_periods.reason).
+REASON_LIMIT = 32
+
+
+def hole_reason(first: int, end: int) -> str:
+    """What an uncertainty from a hole says: the missing seqs, or how many if they do not fit."""
+    if end - first == 1:
+        return f"hole: seq {first}"  # at most 30 characters for any u64
+    reason = f"hole: seqs {first}-{end - 1}"
+    return reason if len(reason) <= REASON_LIMIT else f"hole: {end - first} seqs"
 
 
 # Enough for the holes one burst of refusals leaves; a late batch of a forgotten one counts

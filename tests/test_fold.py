@@ -9,9 +9,11 @@ from kvledger.fold import (
     InventoryClearedFact,
     InventoryFold,
     RemovalCause,
+    REASON_LIMIT,
     TRACKED_HOLES,
     RetainedConflictFact,
     UncertaintyFact,
+    hole_reason,
 )
 from kvledger.hashing import chain_hash, sequence_hashes
 from kvledger.snapshot import decode_snapshot, encode_snapshot
@@ -297,8 +299,8 @@ def test_a_batch_stored_after_later_ones_leaves_the_worker_uncertain_and_is_drop
         s.batch(W, stored([4], parent=1), seq=8),
     )
     assert fold.is_uncertain(W) and not fold.is_uncertain(OTHER)
-    assert UncertaintyFact(W, NATIVE, True, "sequence hole: seq 6 after 4", 2) in facts
-    assert [f for f in facts if isinstance(f, UncertaintyFact)] == [UncertaintyFact(W, NATIVE, True, "sequence hole: seq 6 after 4", 2)]
+    assert UncertaintyFact(W, NATIVE, True, "hole: seq 5", 2) in facts
+    assert [f for f in facts if isinstance(f, UncertaintyFact)] == [UncertaintyFact(W, NATIVE, True, "hole: seq 5", 2)]
     assert fold.counters["sequence_hole"] == 1 and fold.worker_state(W).counters["sequence_hole"] == 1
     late = (stored([2], parent=1), removed([1]))
     assert fold.apply(*s.batch(W, *late, seq=5)) == []
@@ -366,7 +368,7 @@ def test_a_new_epoch_whose_first_batch_was_stored_late_is_a_hole_after_the_resta
         s.batch(W, stored([5]), epoch=1, seq=1),
     )
     assert InventoryClearedFact(W, NATIVE, RemovalCause.RESTART, 2, 1) in facts
-    assert UncertaintyFact(W, NATIVE, True, "sequence hole: epoch 1 starts at seq 1", 2) in facts
+    assert UncertaintyFact(W, NATIVE, True, "hole: seq 0", 2) in facts
     assert fold.is_uncertain(W) and held_engine_hashes(fold) == [5]
     assert fold.apply(*s.batch(W, gap(GapReason.PUBLISHER_RESTART, 8, 0), stored([4]), epoch=1, seq=0)) == []
     assert fold.counters["late_batch"] == 1
@@ -424,7 +426,7 @@ def test_a_cleared_in_the_batch_after_a_hole_ends_the_uncertainty_it_opened() ->
     fold, facts = fold_with(s.batch(W, stored([1]), seq=0), s.batch(W, Cleared(), stored([2]), seq=2))
     uncertainty = [f for f in facts if isinstance(f, UncertaintyFact)]
     assert uncertainty == [
-        UncertaintyFact(W, NATIVE, True, "sequence hole: seq 2 after 0", 2),
+        UncertaintyFact(W, NATIVE, True, "hole: seq 1", 2),
         UncertaintyFact(W, NATIVE, False, "cleared", 2),
     ]
     assert not fold.is_uncertain(W)
@@ -440,7 +442,7 @@ def test_a_hole_in_the_retained_stream_marks_only_that_provenance_uncertain() ->
         s.batch(W, stored([2], parent=1), seq=1),
         s.batch(W, stored([3]), provenance=RETAINED, seq=2),
     )
-    assert UncertaintyFact(W, RETAINED, True, "sequence hole: seq 2 after 0", 4) in facts
+    assert UncertaintyFact(W, RETAINED, True, "hole: seq 1", 4) in facts
     assert fold.is_uncertain(W)
     state = fold.worker_state(W)
     assert state.by_provenance[RETAINED].uncertain_since == 4 and state.by_provenance[NATIVE].uncertain_since is None
@@ -488,8 +490,17 @@ def test_a_warm_start_from_a_snapshot_keeps_the_hole_uncertainty_and_the_last_se
     restored.apply(*s.batch(W, Cleared(), seq=4))
     assert not restored.is_uncertain(W)
     facts = restored.apply(*s.batch(W, stored([4]), seq=6))
-    assert UncertaintyFact(W, NATIVE, True, "sequence hole: seq 6 after 4", 5) in facts
+    assert UncertaintyFact(W, NATIVE, True, "hole: seq 5", 5) in facts
     assert restored.counters["sequence_hole"] == 2
     # holes are not part of a snapshot: seq 1, skipped before it, now counts as a duplicate
     assert restored.apply(*s.batch(W, stored([5]), seq=1)) == []
     assert restored.counters["duplicate_batch"] == 1 and restored.counters["late_batch"] == 0
+
+
+def test_a_hole_reason_fits_the_audit_column_for_any_seqs() -> None:
+    assert hole_reason(5, 6) == "hole: seq 5"
+    assert hole_reason(5, 10) == "hole: seqs 5-9"
+    assert hole_reason(2**63, 2**63 + 1) == f"hole: seq {2**63}"
+    assert hole_reason(2**63, 2**64 - 1) == f"hole: {2**64 - 1 - 2**63} seqs"
+    widest = [hole_reason(0, 2**64 - 1), hole_reason(2**64 - 2, 2**64 - 1), hole_reason(10**9, 10**10)]
+    assert all(len(reason) <= REASON_LIMIT for reason in widest)
