@@ -15,6 +15,7 @@ import io
 import time
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 
 from kvledger.resources import data_dir
@@ -35,6 +36,8 @@ from decide.ranked import (
 KERNEL_NAMES = ("scatter_table", "scatter_rows", "rank_requests")
 RANK_THREADS = 256
 SCATTER_THREADS = 256
+# A prefix never exceeds int32, so a larger minimum means the same as this one.
+INT32_MAX = 2**31 - 1
 
 
 class CudaUnavailable(RuntimeError):
@@ -102,18 +105,26 @@ def _check(result: tuple) -> object:
 
 
 class _DeviceArrays:
-    """Device buffers that grow on demand and are reused between batches."""
+    """Device buffers that grow on demand and are reused between batches.
 
-    def __init__(self, device: object) -> None:
+    Every allocation, copy and release goes on the backend's one stream, in order with the
+    kernels: cuda.core's streams are non-blocking by default, so a copy on the legacy
+    default stream could still be in flight when a kernel on this one reads its buffer.
+    """
+
+    def __init__(self, device: object, stream: object) -> None:
         self._device = device
+        self._stream = stream
         self._buffers: dict[str, object] = {}
 
     def get(self, name: str, nbytes: int) -> object:
         buffer = self._buffers.get(name)
         if buffer is None or buffer.size < max(nbytes, 8):
             if buffer is not None:
-                buffer.close()
-            buffer = self._device.allocate(max(nbytes, 8) * 2 if buffer is not None else max(nbytes, 8))
+                buffer.close(self._stream)
+            # cuda.core 1.x requires the stream an allocation is ordered on.
+            size = max(nbytes, 8) * 2 if buffer is not None else max(nbytes, 8)
+            buffer = self._device.allocate(size, stream=self._stream)
             self._buffers[name] = buffer
         return buffer
 
@@ -123,7 +134,9 @@ class _DeviceArrays:
         array = np.ascontiguousarray(array)
         buffer = self.get(name, array.nbytes)
         if array.nbytes:
-            _check(driver.cuMemcpyHtoD(int(buffer.handle), array.ctypes.data, array.nbytes))
+            # From pageable memory the call returns once the bytes are staged, so `array`
+            # may go away at once; the copy itself runs in stream order.
+            _check(driver.cuMemcpyHtoDAsync(int(buffer.handle), array.ctypes.data, array.nbytes, self._stream.handle))
         return buffer
 
     def download(self, name: str, dtype: np.dtype, count: int) -> np.ndarray:
@@ -131,13 +144,17 @@ class _DeviceArrays:
 
         array = np.empty(count, dtype=dtype)
         if array.nbytes:
-            _check(driver.cuMemcpyDtoH(array.ctypes.data, int(self._buffers[name].handle), array.nbytes))
+            # Into pageable memory the call returns only once the copy is done, and the
+            # copy waits for everything queued on the stream before it.
+            _check(driver.cuMemcpyDtoHAsync(array.ctypes.data, int(self._buffers[name].handle), array.nbytes,
+                                            self._stream.handle))
         return array
 
     def close(self) -> None:
         for buffer in self._buffers.values():
-            buffer.close()
+            buffer.close(self._stream)
         self._buffers.clear()
+        self._stream.sync()
 
 
 class CudaBackend:
@@ -149,9 +166,24 @@ class CudaBackend:
         reason = device_unavailable_reason()
         if reason is not None:
             raise CudaUnavailable(reason)
+        self.index = index
+        self.stream = None
+        self._arrays = None
+        self._generation: int | None = None
+        self._shapes: tuple[int, ...] | None = None
+        try:
+            self._start(device_id)
+        except Exception as error:
+            # Whatever the driver, NVRTC or cuda.core raise, `auto` must be able to fall
+            # back to cpu at startup instead of failing every request later.
+            self.close()
+            if isinstance(error, CudaUnavailable):
+                raise
+            raise CudaUnavailable(f"the cuda backend could not start: {type(error).__name__}: {error}") from error
+
+    def _start(self, device_id: int) -> None:
         from cuda.core import Device
 
-        self.index = index
         self.device = Device(device_id)
         self.device.set_current()
         major, minor = self.device.compute_capability
@@ -159,14 +191,30 @@ class CudaBackend:
         module = _compiled(self.arch)
         self._kernels = {name: module.get_kernel(name) for name in KERNEL_NAMES}
         self.stream = self.device.create_stream()
-        self._arrays = _DeviceArrays(self.device)
-        self._generation: int | None = None
-        self._shapes: tuple[int, ...] | None = None
-        index.track_dirty = True
+        self._arrays = _DeviceArrays(self.device, self.stream)
+        self.index.track_dirty = True
+        self._self_check()
+
+    def _self_check(self) -> None:
+        """Rank a probe request on the device and on cpu; any difference stops the backend at startup."""
+        from decide.cpu import CpuBackend
+
+        probe = [ReuseRequest("kvledger-cuda-self-check", (1, 2, 3, 4), 16, None),
+                 ReuseRequest("kvledger-cuda-self-check-2", (), 16, None)]
+        settings = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True,
+                                 transfer_source_lookup_budget_ms=1e9)
+        answers = [attrs.evolve(answer, backend="cpu") for answer in self.decide_batch(probe, settings)]
+        expected = CpuBackend(self.index).decide_batch(probe, settings)
+        if answers != expected:
+            raise CudaUnavailable(f"self-check: the device answered {answers!r}, cpu {expected!r}")
 
     def close(self) -> None:
-        self._arrays.close()
-        self.stream.close()
+        if self._arrays is not None:
+            self._arrays.close()
+            self._arrays = None
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
 
     def __enter__(self) -> CudaBackend:
         return self
@@ -270,7 +318,7 @@ class CudaBackend:
             arrays.upload("order_rank", index.order_rank), np.int32(workers),
             np.float64(settings.device_credit_weight), np.float64(settings.host_credit_weight),
             np.float64(settings.disk_credit_weight),
-            np.int32(tier_flags), np.int32(1 if scan else 0), np.int32(settings.minimum_transfer_prefix_blocks),
+            np.int32(tier_flags), np.int32(1 if scan else 0), np.int32(min(settings.minimum_transfer_prefix_blocks, INT32_MAX)),
             np.float64(settings.minimum_estimated_ttft_saving_ms),
             np.float64(settings.transfer_source_prefill_token_us),
             np.float64(settings.transfer_source_estimated_block_us),

@@ -78,7 +78,7 @@ def choose_backend(wanted: str, index: InventoryIndex) -> tuple[Any, str]:
             return backend, f"backend cuda on {backend.device.name} ({backend.arch})" + (
                 " (auto: a CUDA device answered)" if wanted == "auto" else " (as configured)"
             )
-        except (CudaUnavailable, RuntimeError) as error:
+        except CudaUnavailable as error:  # CudaBackend turns every startup failure into this
             reason = str(error)
     if wanted == "cuda":
         raise StartupError(f"decide.backend = cuda, but {reason}; use backend = auto or cpu")

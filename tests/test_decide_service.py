@@ -231,6 +231,20 @@ def test_auto_picks_cuda_only_when_a_device_answers_and_says_which() -> None:
         choose_backend("cuda", InventoryIndex())
 
 
+def test_a_cuda_backend_that_cannot_start_says_why_at_startup() -> None:
+    """Any failure while the backend starts (here: a device that does not exist) is a CudaUnavailable,
+    which `auto` turns into cpu, instead of an error on every later request."""
+    from decide.cuda import CudaBackend, CudaUnavailable, device_unavailable_reason
+
+    reason = device_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cuda backend not exercised: {reason}")
+    with pytest.raises(CudaUnavailable, match="could not start"):
+        CudaBackend(InventoryIndex(), device_id=10_000)
+    with CudaBackend(InventoryIndex()) as backend:  # the startup self-check ranked on the device
+        assert backend.arch.startswith("sm_")
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None
