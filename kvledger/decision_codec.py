@@ -32,6 +32,7 @@ class RequestError(ValueError):
                 "error": {"field": self.field, "message": self.message}}
 
 
+MAX_REQUEST_ID_CHARS = 256
 _REQUEST_FIELDS = frozenset({"request_id", "target", "token_ids", "local_hashes", "block_size", "lora_name", "cache_salt"})
 
 
@@ -68,6 +69,11 @@ def request_from_json(body: object) -> ReuseRequest:
     request_id = body.get("request_id")
     if not isinstance(request_id, str) or not request_id:
         raise RequestError("request_id", "required, a non-empty string")
+    # The id is the answer's Nats-Msg-Id in KV_DECISIONS. NATS trims header values and
+    # folds line breaks, so "a", " a" and "a\nb" vs "a b" would dedupe into one record.
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable() or request_id != request_id.strip():
+        raise RequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} printable characters, without leading "
+                                         f"or trailing spaces, got {request_id[:40]!r}")
     block_size = body.get("block_size")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or not 0 < block_size <= 1 << 20:
         raise RequestError("block_size", f"required, a positive integer, got {block_size!r}")

@@ -35,6 +35,12 @@ def test_local_hashes_accept_u64_ints_and_decimal_strings() -> None:
     [
         ([], "request"),
         ({"block_size": 16, "token_ids": []}, "request_id"),
+        # each would share a Nats-Msg-Id with another id, and its answer vanish from KV_DECISIONS
+        ({"request_id": " a", "block_size": 16, "token_ids": []}, "request_id"),
+        ({"request_id": "a ", "block_size": 16, "token_ids": []}, "request_id"),
+        ({"request_id": "a\nb", "block_size": 16, "token_ids": []}, "request_id"),
+        ({"request_id": "a\tb", "block_size": 16, "token_ids": []}, "request_id"),
+        ({"request_id": "r" * 257, "block_size": 16, "token_ids": []}, "request_id"),
         ({"request_id": "r", "token_ids": [1]}, "block_size"),
         ({"request_id": "r", "block_size": 0, "token_ids": [1]}, "block_size"),
         ({"request_id": "r", "block_size": 16}, "token_ids"),
