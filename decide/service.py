@@ -199,6 +199,8 @@ class DecideService(AsyncLifetime):
         info = await js.stream_info(events_spec.name)
         self._warm_target = info.state.last_seq
         start_seq = max(self.index.inventory_seq + 1, info.state.first_seq, 1)
+        self.metrics.inventory_lag.set(max(self._warm_target - start_seq + 1, 0))
+        self._report_index()
         self._check_warm()
         self._subscriptions.append(await js.subscribe(
             f"{EVENTS_SUBJECT_PREFIX}.>", stream=events_spec.name, cb=self._on_event, ordered_consumer=True,
@@ -262,8 +264,14 @@ class DecideService(AsyncLifetime):
         else:
             self.index.apply(batch, stream_seq)
         self.metrics.inventory_lag.set(metadata.num_pending)
-        self.metrics.inventory_seq.set(self.index.inventory_seq)
+        self._report_index()
         self._check_warm()
+
+    def _report_index(self) -> None:
+        """The index gauges, from startup on: after a warm start they must not read 0."""
+        self.metrics.inventory_seq.set(self.index.inventory_seq)
+        self.metrics.index_size.set(self.index.size)
+        self.metrics.workers.set(self.index.worker_count)
 
     # answering
 
@@ -279,8 +287,6 @@ class DecideService(AsyncLifetime):
             self.metrics.decisions.labels(name, reason).inc(number)
             if reason == Reason.BUDGET_EXHAUSTED:
                 self.metrics.budget_exhausted.inc(number)
-        self.metrics.index_size.set(self.index.size)
-        self.metrics.workers.set(self.index.worker_count)
         return answers
 
     async def answer(self, bodies: Sequence[object]) -> EncodedAnswers:

@@ -159,6 +159,11 @@ async def test_warm_start_from_the_newest_snapshot_then_replay_after_it(nats_ser
         async with DecideService(settings) as service:
             assert service.started_from == snapshot_object_name(2)
             await service.wait_ready(DEADLINE_S)
+            # The index gauges count the warm-started index before any decision is asked.
+            metrics = (await asyncio.to_thread(http, service.http_port, "/metrics"))[1].decode()
+            assert service.index.size > 0
+            assert f"kvledger_decide_index_size {float(service.index.size)}" in metrics
+            assert f"kvledger_decide_workers {float(service.index.worker_count)}" in metrics
             fold = InventoryFold()
             fold.apply_all(early + late)
             request = ReuseRequest("warm", local_hashes(list(range(1, 13))), BLOCK_SIZE, None)
