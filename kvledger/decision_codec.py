@@ -41,6 +41,10 @@ def _int_list(value: object, field: str, *, upper: int) -> list[int]:
         raise RequestError(field, f"expected a list of integers, got {type(value).__name__}")
     if len(value) > MAX_REQUEST_BLOCKS * 64:
         raise RequestError(field, "too long")
+    # The common case, plain ints in range, checked at C speed (bool's type is not int);
+    # anything else takes the loop below, which also names the offending element.
+    if value and set(map(type, value)) == {int} and min(value) >= 0 and max(value) <= upper:
+        return value
     result = []
     for index, item in enumerate(value):
         # Hashes above 2**53 do not survive JSON in every client, so decimal strings are accepted too.
