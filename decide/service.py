@@ -50,6 +50,7 @@ from kvledger.system import install_stop_signals
 from decide.cpu import CpuBackend
 from decide.index import InventoryIndex
 from decide.ranked import AnswerBatch
+from decide.recorder import DecisionRecorder
 
 log = logging.getLogger("kvledger.decide")
 
@@ -162,6 +163,7 @@ class DecideService(AsyncLifetime):
         self._clock = clock
         self._nc: nats.NATS | None = None
         self._js: nats.js.JetStreamContext | None = None
+        self._recorder: DecisionRecorder | None = None
         self._subscriptions: list[Any] = []
         self._http: asyncio.base_events.Server | None = None
         self._ready = asyncio.Event()
@@ -185,6 +187,9 @@ class DecideService(AsyncLifetime):
         events_spec = events_stream(settings.stream)
         await ensure_stream(js, events_spec)
         await ensure_stream(js, decisions_stream(settings.stream))
+        self._recorder = DecisionRecorder(self._nc, DECISIONS_SUBJECT, settings.stream.decisions_stream)
+        await self._recorder.start()
+        self._subscriptions.append(self._recorder.subscription)
 
         snapshot = await newest_snapshot(js)
         if snapshot is not None:
@@ -312,12 +317,8 @@ class DecideService(AsyncLifetime):
 
     async def _record(self, payloads: list[tuple[str, bytes]]) -> None:
         """Append answers to KV_DECISIONS and wait for the acks, so a client's answer is on record."""
-        assert self._js is not None
-        stream = self.settings.stream.decisions_stream
-        await asyncio.gather(*(
-            self._js.publish(DECISIONS_SUBJECT, payload, stream=stream, headers={"Nats-Msg-Id": request_id})
-            for request_id, payload in payloads
-        ))
+        assert self._recorder is not None
+        await self._recorder.record(payloads)
 
     async def _on_single(self, msg: Msg) -> None:
         await self._reply(msg, batch=False)

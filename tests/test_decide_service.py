@@ -24,7 +24,7 @@ from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
 from decide.index import InventoryIndex
 from decide.service import DecideService, StartupError, choose_backend
 from kvledger.streams import StreamConflictError, ensure_stream
-from kvledger.streams import StreamSpec, events_stream
+from kvledger.streams import StreamSpec, decisions_stream, events_stream
 
 pytestmark = pytest.mark.service
 
@@ -117,6 +117,36 @@ async def test_answers_equal_the_reference_and_are_recorded_once_in_kv_decisions
             before = (await js.stream_info(settings.stream.decisions_stream)).state.messages
             assert await ask(nc, DECIDE_SUBJECT, request_body("r-1")) == answer  # a retry
             assert (await js.stream_info(settings.stream.decisions_stream)).state.messages == before
+
+
+async def test_every_answer_of_a_batch_is_its_own_record_and_a_missing_decisions_stream_is_an_error_answer(
+    nats_server,
+) -> None:
+    settings = decide_settings(nats_server.url)
+    decisions = settings.stream.decisions_stream
+    early, _ = scenario()
+    async with await nats.connect(nats_server.url) as nc:
+        js = nc.jetstream()
+        await ensure_stream(js, events_stream(settings.stream))
+        await publish(js, early)
+        async with DecideService(settings) as service:
+            await service.wait_ready(DEADLINE_S)
+            answers = await ask(nc, DECIDE_BATCH_SUBJECT, [request_body(f"batch-{n}") for n in range(300)])
+            assert [answer["request_id"] for answer in answers] == [f"batch-{n}" for n in range(300)]
+            assert (await js.stream_info(decisions)).state.messages == 300
+            for seq in (1, 150, 300):
+                record = await js.get_msg(decisions, seq)
+                assert json.loads(record.data) == answers[seq - 1]
+                assert record.headers["Nats-Msg-Id"] == answers[seq - 1]["request_id"]
+
+            # An answer that cannot be put on record is not given: the client hears why.
+            await js.delete_stream(decisions)
+            failed = await ask(nc, DECIDE_SUBJECT, request_body("unrecorded"))
+            assert failed["error"]["message"].startswith("internal error: DecisionsNotRecorded")
+            assert "no stream answers" in failed["error"]["message"]
+            await ensure_stream(js, decisions_stream(settings.stream))
+            assert (await ask(nc, DECIDE_SUBJECT, request_body("recorded-again")))["request_id"] == "recorded-again"
+            assert (await js.stream_info(decisions)).state.messages == 1
 
 
 async def test_malformed_requests_get_an_error_naming_the_field_and_the_service_goes_on(nats_server) -> None:

@@ -1,0 +1,102 @@
+"""Appending answers to KV_DECISIONS: one publish per answer, one subscription for every ack.
+
+`JetStreamContext.publish` costs a request (a future, a timer, a parsed PubAck) per
+message, which made recording a batch of 1 024 answers take longer than ranking it.
+Here each answer is a plain publish whose reply subject names its batch and position
+under one inbox; the acks of every batch arrive on a single wildcard subscription and are
+checked as they come. Each answer keeps its own `Nats-Msg-Id` (its request id), so a
+retried request is still recorded once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Sequence
+
+import attrs
+import nats
+from nats.aio.msg import Msg
+
+
+class DecisionsNotRecorded(RuntimeError):
+    """KV_DECISIONS refused an answer or did not acknowledge it in time; the message says which and why."""
+
+
+@attrs.define
+class _PendingAcks:
+    request_ids: Sequence[str]
+    waiting: set[int]
+    done: asyncio.Future
+
+
+class DecisionRecorder:
+    """`await recorder.record([(request_id, answer_json), …])` returns once every answer is acknowledged."""
+
+    def __init__(self, nc: nats.NATS, subject: str, stream: str, *, timeout_s: float = 5.0) -> None:
+        self._nc = nc
+        self._subject = subject
+        self._stream = stream
+        self._timeout_s = timeout_s
+        self._prefix = nc.new_inbox() + "."
+        self._batches: dict[str, _PendingAcks] = {}
+        self._tokens = itertools.count()
+        self.subscription = None
+
+    async def start(self) -> None:
+        self.subscription = await self._nc.subscribe(self._prefix + "*.*", cb=self._on_ack)
+
+    async def record(self, answers: Sequence[tuple[str, bytes]]) -> None:
+        if not answers:
+            return
+        token = str(next(self._tokens))
+        pending = _PendingAcks([request_id for request_id, _ in answers], set(range(len(answers))),
+                               asyncio.get_running_loop().create_future())
+        self._batches[token] = pending
+        reply = f"{self._prefix}{token}."
+        try:
+            for number, (request_id, payload) in enumerate(answers):
+                await self._nc.publish(self._subject, payload, reply=f"{reply}{number}",
+                                       headers={"Nats-Msg-Id": request_id, "Nats-Expected-Stream": self._stream})
+            # A large batch gets more time: its acks come back one by one.
+            timeout = self._timeout_s + len(answers) / 10_000
+            try:
+                await asyncio.wait_for(asyncio.shield(pending.done), timeout)
+            except asyncio.TimeoutError:
+                raise DecisionsNotRecorded(
+                    f"{len(pending.waiting)} of {len(answers)} answers not acknowledged by {self._stream} "
+                    f"within {timeout:.1f} s") from None
+        finally:
+            self._batches.pop(token, None)
+
+    async def _on_ack(self, msg: Msg) -> None:
+        token, _, number_text = msg.subject[len(self._prefix):].partition(".")
+        pending = self._batches.get(token)
+        if pending is None or pending.done.done():
+            return  # a late ack of a batch that already failed or timed out
+        number = int(number_text)
+        problem = _ack_problem(msg, self._stream)
+        if problem is not None:
+            pending.done.set_exception(DecisionsNotRecorded(
+                f"{self._stream} refused the answer to request {pending.request_ids[number]!r}: {problem}"))
+            return
+        pending.waiting.discard(number)
+        if not pending.waiting:
+            pending.done.set_result(None)
+
+
+def _ack_problem(msg: Msg, stream: str) -> str | None:
+    """None for a JetStream ack, else what went wrong."""
+    status = (msg.headers or {}).get("Status")
+    if status == "503":
+        return f"no stream answers on the subject (is {stream} there?)"
+    if status:
+        return f"status {status} {(msg.headers or {}).get('Description', '')}".strip()
+    if b'"error"' not in msg.data:
+        return None
+    try:
+        error = json.loads(msg.data)["error"]
+        return f"{error.get('description', error)} (code {error.get('err_code', error.get('code'))})"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"unreadable reply {msg.data[:200]!r}"
