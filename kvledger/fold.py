@@ -329,7 +329,7 @@ class InventoryFold:
         self, state: WorkerState, own: _ProvenanceState, expected: int, batch: EventBatch, stream_seq: int,
         facts: list[Fact],
     ) -> None:
-        """`batch` skips seqs [expected, batch.seq): they count as missed until they arrive.
+        """`batch` skips seqs [expected, batch.seq): a missed range, as after a Gap(missed).
 
         ingest publishes every seq (a lost one as a Gap), so a hole is a batch stored out of
         order: when it comes it is dropped, and its stores and removals are lost to this fold.
