@@ -14,6 +14,8 @@ sends it and records it in KV_DECISIONS.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import json
 import os
 import random
@@ -107,7 +109,7 @@ class SimulatedWorker:
 
 
 def build_inventory(trace: list[list[int]], workers: int, seed: int, with_dynamo: bool):
-    """Replay the trace into `workers` simulated workers; return index, fold, Dynamo tree, queries."""
+    """Replay the trace into `workers` simulated workers; return index, Dynamo tree, queries and the canonical batches."""
     from decide.index import InventoryIndex
 
     rng = random.Random(seed)
@@ -120,6 +122,7 @@ def build_inventory(trace: list[list[int]], workers: int, seed: int, with_dynamo
 
         tree = dynamo._core.RadixTree()
     queries: list[ReuseRequest] = []
+    batches: list[EventBatch] = []
     stream_seq = 0
     dynamo_events = 0
     for number, hash_ids in enumerate(trace):
@@ -133,8 +136,8 @@ def build_inventory(trace: list[list[int]], workers: int, seed: int, with_dynamo
         events, device_events = serving.serve(engine, local)
         if events:
             stream_seq += 1
-            index.apply(EventBatch(serving.worker, 0, serving.seq, 0.0, 0.0, Provenance.NATIVE, tuple(events)),
-                        stream_seq)
+            batches.append(EventBatch(serving.worker, 0, serving.seq, 0.0, 0.0, Provenance.NATIVE, tuple(events)))
+            index.apply(batches[-1], stream_seq)
             serving.seq += 1
         if tree is not None:
             worker_number = int(serving.worker.publisher[1:])
@@ -146,7 +149,7 @@ def build_inventory(trace: list[list[int]], workers: int, seed: int, with_dynamo
                     # LRU evicts from the middle of chains; Dynamo drops a block's descendants
                     # with it and then refuses their later removal or children. Counted.
                     build_inventory.dynamo_refused += 1
-    return index, tree, queries
+    return index, tree, queries, batches
 
 
 build_inventory.dynamo_refused = 0
@@ -251,6 +254,72 @@ def row(label: str, runs: list[dict[str, float]]) -> str:
             f"| {middle['p50_ms']:.3f} | {middle['p99_ms']:.3f} |")
 
 
+def request_json(query: ReuseRequest, round_number: int) -> dict:
+    """A query as a client sends it; each round's ids are new, so every answer is a new record."""
+    return {"request_id": f"{query.request_id}-r{round_number}", "target": query.target.name if query.target else None,
+            "local_hashes": list(query.local_hashes), "block_size": query.block_size}
+
+
+async def service_figures(batches: list[EventBatch], queries: list[ReuseRequest], reuse: ReuseSettings,
+                          batch: int, repeats: int) -> dict[str, list[dict[str, float]]]:
+    """`kvledger decide` end to end on an embedded nats-server: KV_EVENTS replayed at startup,
+    then requests over NATS (cpu backend); each answer waits for its KV_DECISIONS ack, as always."""
+    import tempfile
+
+    import nats
+
+    from decide.service import DecideService
+    from kvledger.embedded import EmbeddedNats
+    from kvledger.events import encode_batch
+    from kvledger.settings import load_settings
+    from kvledger.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, ensure_stream, events_stream
+
+    overrides = {f"reuse.{field.name}": getattr(reuse, field.name) for field in attrs.fields(ReuseSettings)}
+    with tempfile.TemporaryDirectory() as store, EmbeddedNats(store) as server:
+        overrides.update({"nats.url": server.url, "decide.http_port": 0, "decide.backend": "cpu",
+                          "decide.http_host": "127.0.0.1"})
+        settings = load_settings(environ={}, overrides=overrides).settings
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        await ensure_stream(js, events_stream(settings.stream))
+        for start in range(0, len(batches), 256):
+            await asyncio.gather(*(js.publish(b.subject, encode_batch(b), headers={"Nats-Msg-Id": b.msg_id})
+                                   for b in batches[start:start + 256]))
+        rounds = itertools.count()
+        runs: dict[str, list[dict[str, float]]] = {"batched": [], "single": []}
+        async with DecideService(settings) as service:
+            await service.wait_ready(120)
+            for _ in range(repeats):
+                # Bodies are encoded before the clock starts: the client's JSON is not the service's work.
+                number = next(rounds)
+                bodies = [json.dumps([request_json(q, number) for q in queries[start:start + batch]]).encode()
+                          for start in range(0, len(queries) - batch + 1, batch)]
+                await asyncio.sleep(SETTLE_S)
+                latencies = []
+                started = time.perf_counter()
+                for body in bodies:
+                    t0 = time.perf_counter()
+                    await nc.request(DECIDE_BATCH_SUBJECT, body, timeout=60)
+                    latencies.append(time.perf_counter() - t0)
+                elapsed = time.perf_counter() - started
+                p50, p99 = percentiles(latencies)
+                runs["batched"].append({"per_s": len(bodies) * batch / elapsed, "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3})
+                number = next(rounds)
+                singles = [json.dumps(request_json(q, number)).encode() for q in queries[:1000]]
+                await asyncio.sleep(SETTLE_S)
+                latencies = []
+                started = time.perf_counter()
+                for body in singles:
+                    t0 = time.perf_counter()
+                    await nc.request(DECIDE_SUBJECT, body, timeout=10)
+                    latencies.append(time.perf_counter() - t0)
+                elapsed = time.perf_counter() - started
+                p50, p99 = percentiles(latencies)
+                runs["single"].append({"per_s": len(singles) / elapsed, "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3})
+        await nc.close()
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -262,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"least times the query set is replayed per measurement (and on for {MEASURE_S} s)")
     parser.add_argument("--repeats", type=int, default=5, help="measurements per path, taken in turns; the median is shown")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--no-service", action="store_true", help="skip the end-to-end service figures")
     parser.add_argument("--parity-sample", type=int, default=100, help="answers checked against the reference")
     args = parser.parse_args(argv)
 
@@ -271,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     # Reuse on, default thresholds and budget: full decisions with candidates and ranking.
     reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)
     t0 = time.perf_counter()
-    index, tree, queries = build_inventory(trace, args.workers, args.seed, with_dynamo=True)
+    index, tree, queries, batches = build_inventory(trace, args.workers, args.seed, with_dynamo=True)
     print(f"trace {args.trace} : {len(trace)} requests, 512-token blocks (not re-blocked); "
           f"{args.workers} workers (LRU device 600 / host 1500 blocks each); "
           f"index {index.size} sequence hashes, inventory_seq {index.inventory_seq}; built in {time.perf_counter() - t0:.1f}s; "
@@ -336,6 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, (label, _) in paths.items():
         print(row(label, runs[name]))
 
+    if not args.no_service:
+        service = asyncio.run(service_figures(batches, queries, reuse, args.batch, args.repeats))
+        print(row(f"kvledger decide service over NATS, batches of {args.batch} (request to reply, each answer "
+                  f"acknowledged in KV_DECISIONS), cpu, {args.workers} workers", service["batched"]))
+        print(row(f"kvledger decide service over NATS, single requests (request to reply, recorded), cpu, "
+                  f"{args.workers} workers", service["single"]))
+
     gpu_lines = []
     if "cuda" in args.backends.split(","):
         from decide.cuda import CudaBackend, device_unavailable_reason
@@ -348,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                 if workers == args.workers:
                     gpu_index, gpu_queries = index, queries
                 else:
-                    gpu_index, _, gpu_queries = build_inventory(trace, workers, args.seed, with_dynamo=False)
+                    gpu_index, _, gpu_queries, _ = build_inventory(trace, workers, args.seed, with_dynamo=False)
                 with CudaBackend(gpu_index) as cuda:
                     cuda.decide_batch(gpu_queries[: args.batch], reuse)  # upload, warm up
                     checked = cuda.decide_batch(gpu_queries, reuse)
