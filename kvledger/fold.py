@@ -138,6 +138,9 @@ class _ProvenanceState:
     # [first, end) seq ranges of the current epoch the fold skipped over, oldest first, so a
     # late batch can be told from a repeated one; not carried by snapshots or the SQL state.
     holes: list[tuple[int, int]] = attrs.field(factory=list)
+    # The first seq this fold saw in the current epoch, when past 0: nothing below it was
+    # applied, so a batch below it that turns up was stored late (a hole not yet accounted).
+    unseen_below: int | None = None
 
     def block_count(self) -> int:
         return sum(len(blocks) for blocks in self.records.values())
@@ -187,13 +190,16 @@ class InventoryFold:
         facts: list[Fact] = []
         if batch.epoch == own.epoch:
             if batch.seq <= own.seq:
-                self._count(state, "late_batch" if _fill_hole(own, batch.seq) else "duplicate_batch")
+                self._not_after_last(state, own, batch, stream_seq, facts)
                 return facts
             if batch.seq != own.seq + 1:
                 self._hole(state, own, own.seq + 1, batch, stream_seq, facts)
-        # A worker's first batch may start at any seq (ingest resumes mid-stream, retention
-        # drops old messages, a reader starts late): only what follows it is checked.
-        elif own.epoch is not None:
+        elif own.epoch is None:
+            # A worker's first batch may start at any seq (ingest resumes mid-stream, retention
+            # drops old messages, a reader starts late): not a hole, but remembered.
+            if batch.seq > 0:
+                own.unseen_below = batch.seq
+        else:
             if batch.epoch < own.epoch:
                 self._count(state, "stale_epoch")
                 return facts
@@ -202,7 +208,7 @@ class InventoryFold:
                 self._count(state, "implicit_restart")
                 self._clear(state, batch.provenance, RemovalCause.RESTART, stream_seq, facts)
                 own = state.by_provenance[batch.provenance]
-            own.holes = []  # the old epoch's late batches are stale_epoch now
+            own.holes, own.unseen_below = [], None  # the old epoch's late batches are stale_epoch now
             if batch.seq != 0:
                 # ingest starts every new epoch at seq 0 or says why not with a Gap.
                 self._hole(state, own, 0, batch, stream_seq, facts)
@@ -309,6 +315,9 @@ class InventoryFold:
     def _clear(self, state: WorkerState, provenance: Provenance, cause: RemovalCause, stream_seq: int, facts: list[Fact]) -> None:
         own = state.by_provenance[provenance]
         blocks = own.block_count()
+        if own.unseen_below is not None:
+            # What came before an empty cache cannot matter: a batch below is late, not a hole.
+            _remember_hole(own, 0, own.unseen_below)
         fresh = _ProvenanceState(epoch=own.epoch, seq=own.seq, holes=own.holes)
         state.by_provenance[provenance] = fresh
         facts.append(InventoryClearedFact(state.worker, provenance, cause, stream_seq, blocks))
@@ -337,10 +346,34 @@ class InventoryFold:
         _remember_hole(own, expected, batch.seq)
         if any(type(event) is Gap for event in batch.events):
             return  # ingest's own account of the discontinuity: its Gap decides, as always
+        self._missed(state, own, batch.provenance, hole_reason(expected, batch.seq), stream_seq, facts)
+
+    def _not_after_last(
+        self, state: WorkerState, own: _ProvenanceState, batch: EventBatch, stream_seq: int, facts: list[Fact],
+    ) -> None:
+        """A batch at or before the last seq: dropped, as late (a seq never applied) or duplicate."""
+        if _fill_hole(own, batch.seq):
+            self._count(state, "late_batch")
+        elif own.unseen_below is not None and batch.seq < own.unseen_below:
+            # The fold's first batch was not the worker's first: this one was stored after it,
+            # so the range below the first batch is a hole after all, noticed now.
+            _remember_hole(own, 0, own.unseen_below)
+            own.unseen_below = None
+            _fill_hole(own, batch.seq)
+            self._count(state, "late_batch")
+            self._missed(state, own, batch.provenance, hole_reason(batch.seq, batch.seq + 1), stream_seq, facts)
+        else:
+            self._count(state, "duplicate_batch")
+
+    def _missed(
+        self, state: WorkerState, own: _ProvenanceState, provenance: Provenance, reason: str, stream_seq: int,
+        facts: list[Fact],
+    ) -> None:
+        """A hole no Gap accounts for: uncertain until the next Cleared or restart (DESIGN §3)."""
         self._count(state, "sequence_hole")
         if own.uncertain_since is None:
             own.uncertain_since = stream_seq
-            facts.append(UncertaintyFact(state.worker, batch.provenance, True, hole_reason(expected, batch.seq), stream_seq))
+            facts.append(UncertaintyFact(state.worker, provenance, True, reason, stream_seq))
 
     def _count(self, state: WorkerState | None, name: str) -> None:
         self.counters[name] += 1

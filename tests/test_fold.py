@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvledger.events import Cleared, GapReason, Provenance, Tier, WorkerId
 from kvledger.fold import (
     BlockRemovedFact,
@@ -232,14 +235,16 @@ def test_retained_parents_resolve_when_the_engine_no_longer_knows_them() -> None
 def test_repeated_batches_and_redeliveries_change_nothing() -> None:
     s = Stream()
     fold = InventoryFold()
-    first, _ = s.batch(W, stored([1]), seq=5)
-    assert fold.apply(first, 1)
-    assert fold.apply(first, 1) == []  # redelivered stream seq
-    assert fold.apply(first, 2) == []  # same engine (epoch, seq) under a new stream seq
     older, _ = s.batch(W, stored([2]), seq=4)
-    assert fold.apply(older, 3) == []
+    assert fold.apply(older, 1)
+    first, _ = s.batch(W, stored([1]), seq=5)
+    assert fold.apply(first, 2)
+    assert fold.apply(first, 2) == []  # redelivered stream seq
+    assert fold.apply(first, 3) == []  # same engine (epoch, seq) under a new stream seq
+    assert fold.apply(older, 4) == []
     stale, _ = s.batch(W, stored([3]), epoch=0, seq=9)
-    fold.apply(*s.batch(W, gap(GapReason.PUBLISHER_RESTART), epoch=1, seq=0))
+    restart, _ = s.batch(W, gap(GapReason.PUBLISHER_RESTART), epoch=1, seq=0)
+    fold.apply(restart, 50)
     assert fold.apply(stale, 100) == []
     assert fold.counters["redelivered"] == 1
     assert fold.counters["duplicate_batch"] == 2
@@ -327,10 +332,25 @@ def test_every_seq_of_a_wider_hole_is_late_once_and_a_seq_applied_before_is_a_du
     assert held_engine_hashes(fold) == [1, 2, 5]
 
 
-def test_a_seq_before_the_first_batch_seen_is_a_duplicate_not_late() -> None:
+def test_a_seq_below_the_first_batch_seen_is_a_hole_noticed_when_it_arrives() -> None:
+    # the worker's seq 0 was refused and stored after seq 1: the first batch seen was not
+    # the worker's first, which only the late batch shows
     s = Stream()
-    fold, _ = fold_with(s.batch(W, stored([1]), seq=40), s.batch(W, stored([2]), seq=39))
-    assert fold.counters["duplicate_batch"] == 1 and fold.counters["late_batch"] == 0
+    fold, facts = fold_with(s.batch(W, stored([1]), seq=1), s.batch(W, stored([2]), seq=2))
+    assert not fold.is_uncertain(W) and not [f for f in facts if isinstance(f, UncertaintyFact)]
+    assert fold.apply(*s.batch(W, stored([5]), seq=0)) == [UncertaintyFact(W, NATIVE, True, "hole: seq 0", 3)]
+    assert fold.counters["late_batch"] == 1 and fold.counters["sequence_hole"] == 1
+    assert held_engine_hashes(fold) == [1, 2]
+    assert fold.apply(*s.batch(W, stored([5]), seq=0)) == []  # now it was seen: a duplicate
+    assert fold.counters["duplicate_batch"] == 1
+
+
+def test_a_seq_below_the_first_batch_seen_after_a_cleared_is_late_but_harmless() -> None:
+    s = Stream()
+    fold, _ = fold_with(s.batch(W, stored([1]), seq=40), s.batch(W, Cleared(), seq=41))
+    assert fold.apply(*s.batch(W, stored([2]), seq=39)) == []
+    assert fold.counters["late_batch"] == 1 and fold.counters["sequence_hole"] == 0
+    assert not fold.is_uncertain(W)
 
 
 def test_the_first_batch_of_a_worker_may_start_at_any_seq_and_epoch() -> None:
@@ -385,6 +405,20 @@ def test_a_hole_in_an_old_epoch_is_forgotten_its_late_batch_is_stale() -> None:
     assert not fold.is_uncertain(W)  # the restart emptied the cache: nothing is unknown
     assert fold.apply(*s.batch(W, stored([3]), epoch=0, seq=1)) == []
     assert fold.counters["stale_epoch"] == 1 and fold.counters["late_batch"] == 0
+    native = fold.worker_state(W).by_provenance[NATIVE]
+    assert native.holes == [] and native.unseen_below is None
+
+
+def test_a_first_batch_past_zero_is_forgotten_at_a_new_epoch() -> None:
+    s = Stream()
+    fold, _ = fold_with(
+        s.batch(W, stored([1]), epoch=0, seq=40),
+        s.batch(W, gap(GapReason.PUBLISHER_RESTART), stored([2]), epoch=1, seq=0),
+        s.batch(W, stored([3]), epoch=1, seq=1),
+    )
+    assert fold.apply(*s.batch(W, stored([4]), epoch=1, seq=0)) == []
+    assert fold.counters["duplicate_batch"] == 1 and fold.counters["sequence_hole"] == 0
+    assert not fold.is_uncertain(W)
 
 
 def test_a_batch_whose_gap_explains_the_skip_is_uncertain_for_the_gaps_reason_only() -> None:
@@ -504,3 +538,21 @@ def test_a_hole_reason_fits_the_audit_column_for_any_seqs() -> None:
     assert hole_reason(2**63, 2**64 - 1) == f"hole: {2**64 - 1 - 2**63} seqs"
     widest = [hole_reason(0, 2**64 - 1), hole_reason(2**64 - 2, 2**64 - 1), hole_reason(10**9, 10**10)]
     assert all(len(reason) <= REASON_LIMIT for reason in widest)
+
+
+@settings(deadline=None, max_examples=100)
+@given(st.integers(1, 30), st.data())
+def test_each_batch_stored_one_place_late_is_one_hole_and_one_late_batch(length: int, data: st.DataObject) -> None:
+    # JetStream refusing batch k and storing k+1 first swaps two neighbours of the log
+    swapped = data.draw(st.lists(st.integers(0, max(0, length - 2)), unique=True))
+    swapped = sorted(k for k in swapped if k + 1 < length)
+    swapped = [k for i, k in enumerate(swapped) if i == 0 or k > swapped[i - 1] + 1]  # disjoint pairs
+    order = list(range(length))
+    for k in swapped:
+        order[k], order[k + 1] = order[k + 1], order[k]
+    s = Stream()
+    fold, _ = fold_with(*(s.batch(W, stored([seq + 1]), seq=seq) for seq in order))
+    assert fold.counters["sequence_hole"] == len(swapped)
+    assert fold.counters["late_batch"] == len(swapped)
+    assert fold.counters["duplicate_batch"] == 0
+    assert fold.is_uncertain(W) == bool(swapped)
