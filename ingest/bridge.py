@@ -38,7 +38,7 @@ from kvledger.events import (
     encode_dead_letter, events_subject,
 )
 from kvledger.http import health_routes, serve_connection
-from kvledger.lifetime import AsyncLifetime
+from kvledger.lifetime import AsyncLifetime, cancel_and_wait
 from kvledger.nats_options import connect_options
 from kvledger.settings import Settings
 from kvledger.streams import dead_letter_subject, dead_letters_stream, events_stream
@@ -301,23 +301,25 @@ class Bridge(AsyncLifetime):
         self._tasks = [asyncio.create_task(self._supervise(stream), name=f"stream-{stream.name}") for stream in self.streams]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
-        self._tasks = []
-        await self.publisher.close()
-        if self._http is not None:
-            self._http.close()
-            await self._http.wait_closed()
-            self._http = None
-        if self._reader is not None:
-            await self._reader.close()
-            self._reader = None
-        self._context.destroy(linger=0)
+        try:
+            # Cancelled more than once if need be: a stream resuming from JetStream right after
+            # start can swallow one cancel in nats-py's request and follow its engine forever.
+            await cancel_and_wait(self._tasks)
+            self._tasks = []
+            await self.publisher.close()
+            if self._http is not None:
+                self._http.close()
+                await self._http.wait_closed()
+                self._http = None
+            if self._reader is not None:
+                await self._reader.close()
+                self._reader = None
+        finally:
+            # Even if closing was itself cancelled: destroy closes every socket still open
+            # (term alone would block the loop until they were), then terminates the context.
+            for task in self._tasks:
+                task.cancel()
+            self._context.destroy(linger=0)
 
     def is_ready(self) -> bool:
         return all(stream.ready.is_set() for stream in self.streams)

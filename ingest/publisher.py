@@ -32,6 +32,7 @@ import nats.js.errors
 
 from ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError, msg_id_header
 
+from kvledger.lifetime import cancel_and_wait
 from kvledger.nats_options import auth_failure, connect_options, describe_server, is_auth_error
 from kvledger.settings import NatsSettings
 from kvledger.streams import StreamConflictError, StreamSpec, ensure_stream
@@ -234,11 +235,7 @@ class JetStreamPublisher:
             except (TimeoutError, Exception) as error:  # closing must not hide the caller's own error
                 log.warning("closing with unacknowledged batches: %s", error)
         self._closing = True
-        self._task.cancel()
-        try:
-            await self._task
-        except (asyncio.CancelledError, Exception):
-            pass
+        await cancel_and_wait([self._task])  # a cancel swallowed while connecting would leave it pumping
         await self._disconnect()
 
     # --- the pump ---------------------------------------------------------------------

@@ -14,6 +14,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvledger.lifetime import cancel_and_wait
+
 log = logging.getLogger("kvledger.ingest.subscriber")
 
 
@@ -48,17 +50,17 @@ class EngineSubscriber:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._monitor_task is not None:
-            self._monitor_task.cancel()
-            try:
-                await self._monitor_task
-            except asyncio.CancelledError:
-                pass
-        if self._sock is not None:
-            self._sock.disable_monitor()
-            self._sock.close(linger=0)
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
+        try:
+            if self._monitor_task is not None:
+                # Not `except CancelledError: pass` around an await: that would swallow our caller's cancel too.
+                await cancel_and_wait([self._monitor_task])
+        finally:
+            # Closed whatever happens above, so no socket outlives us to block the context's term.
+            if self._sock is not None:
+                self._sock.disable_monitor()  # while the monitor's PAIR is still open to take the stop event
+                self._sock.close(linger=0)
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
 
     async def recv(self, timeout_s: float) -> list[bytes] | None:
         """The next message's frames, or None when nothing arrived within `timeout_s`."""

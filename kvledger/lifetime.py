@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
 from typing import Self
+
+RECANCEL_S = 0.1  # how long a cancelled task may run on before it is cancelled again
 
 
 class AsyncLifetime:
@@ -24,3 +28,22 @@ class AsyncLifetime:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task]) -> None:
+    """Cancel `tasks` and return once every one has ended, cancelling again any that runs on.
+
+    One cancel is not always enough: Python 3.11's asyncio.wait_for, inside every nats-py
+    request and connect, returns a result that arrived in the same loop turn and drops the
+    cancellation, so the task carries on as if never cancelled. The tasks' own errors are
+    not raised here (closing must not hide the caller's); the caller's cancellation is.
+    """
+    tasks = list(tasks)
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" at garbage collection
