@@ -244,19 +244,23 @@ class IngestProcess:
         self.process = subprocess.Popen(self._args, env=self._env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     async def ready(self) -> None:
-        async def answers() -> bool:
-            if self.process.poll() is not None:
-                raise AssertionError(f"ingest exited: {self.process.stderr.read().decode()[-2000:]}")
-            try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", self.http_port)
-            except OSError:
-                return False
-            writer.write(b"GET /readyz HTTP/1.1\r\nConnection: close\r\n\r\n")
-            status = (await reader.readline()).decode()
-            writer.close()
-            return " 200 " in status
+        await wait_until(lambda: self._answers("/readyz"), 20, "ingest /readyz")
 
-        await wait_until(answers, 20, "ingest /readyz")
+    async def started(self) -> None:
+        """The health endpoint answers: the bridge has started, its streams have only just begun."""
+        await wait_until(lambda: self._answers("/healthz"), 20, "ingest /healthz")
+
+    async def _answers(self, path: str) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"ingest exited: {self.process.stderr.read().decode()[-2000:]}")
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.http_port)
+        except OSError:
+            return False
+        writer.write(f"GET {path} HTTP/1.1\r\nConnection: close\r\n\r\n".encode())
+        status = (await reader.readline()).decode()
+        writer.close()
+        return " 200 " in status
 
     def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)
@@ -264,7 +268,11 @@ class IngestProcess:
 
     def stop(self) -> int:
         self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(20)
+        try:
+            return self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.kill()  # a hung shutdown must fail the test, not outlive it
+            raise AssertionError(f"ingest did not exit within 20 s of SIGTERM: {self.process.stderr.read().decode()[-2000:]}")
 
 
 async def test_kill_9_of_ingest_resumes_from_jetstream_and_replay(nats_server) -> None:
@@ -324,7 +332,6 @@ async def test_the_health_endpoint_listens_on_the_configured_address(nats_server
     async with SimulatedEngine(pub, replay) as engine:
         settings = settings_for(nats_server.url, **{"ingest.http_host": host})
         async with Bridge(settings, [source(WorkerId("bound"), engine)]) as bridge:
-            await bridge.wait_ready(timeout=10)
             assert bridge._http.sockets[0].getsockname()[0] == host
             assert (await http_get(bridge.http_port, "/healthz"))[0] == 200
 
