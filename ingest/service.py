@@ -29,7 +29,11 @@ async def serve(settings: Settings, publishers: Sequence[str]) -> None:
     sources = sources_from(settings, publishers)
     stop = asyncio.Event()
     install_stop_signals(stop)
-    async with Bridge(settings, sources) as bridge:
+    bridge = Bridge(settings, sources)
+    if not await _start_unless_stopped(bridge, stop):
+        log.info("ingest: stopped while starting")
+        return
+    try:
         log.info(
             "ingest: %d engine streams -> %s (metrics and health on :%d)",
             len(sources), describe_server(settings.nats), bridge.http_port,
@@ -50,6 +54,29 @@ async def serve(settings: Settings, publishers: Sequence[str]) -> None:
             for waiter in (stopped, failed, ready):
                 waiter.cancel()
         log.info("ingest: stopping, flushing unacknowledged batches")
+    finally:
+        await bridge.close()
+
+
+async def _start_unless_stopped(bridge: Bridge, stop: asyncio.Event) -> bool:
+    """Start `bridge`; a stop that comes first (NATS slow or away) cancels the start instead of waiting it out.
+
+    False when stopped: the bridge is closed then, whether or not its start had finished.
+    """
+    starting = asyncio.ensure_future(bridge.__aenter__())  # a start that fails or is cancelled closes itself
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not stop.is_set():
+        starting.result()  # re-raises a failed start (a refused login, a stream conflict)
+        return True
+    starting.cancel()
+    await asyncio.wait({starting})
+    if not starting.cancelled() and starting.exception() is None:
+        await bridge.close()  # it had started (or the cancel was swallowed on the way): close it all the same
+    return False
 
 
 def run(settings: Settings, publishers: Sequence[str]) -> int:

@@ -35,7 +35,8 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task]) -> None:
 
     One cancel is not always enough: Python 3.11's asyncio.wait_for, inside every nats-py
     request and connect, returns a result that arrived in the same loop turn and drops the
-    cancellation, so the task carries on as if never cancelled. The tasks' own errors are
+    cancellation, so the task carries on as if never cancelled. For tasks whose cleanup does
+    not itself wait long: a repeated cancel cuts a slow one short. The tasks' own errors are
     not raised here (closing must not hide the caller's); the caller's cancellation is.
     """
     tasks = list(tasks)
