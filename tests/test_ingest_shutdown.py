@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 from collections.abc import Awaitable
 
 import pytest
 
-from engines import engine_endpoints, http_get, one_block, settings_for
+from engines import engine_endpoints, http_get, one_block, settings_for, wait_until
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
 from ingest.simulator import SimulatedEngine
 from kvledger.events import Provenance, WorkerId
+from services import free_ports
 from test_ingest_bridge import IngestProcess
 
 CLOSE_BOUND_S = 10.0
@@ -48,12 +50,12 @@ def sources_for(engine: SimulatedEngine, name: str) -> list[StreamSource]:
 
 
 @pytest.fixture
-def linux_threads() -> None:
+def linux_proc() -> None:
     if not os.path.isdir("/proc/self/task"):
-        pytest.skip("counting libzmq's threads needs /proc")
+        pytest.skip("counting libzmq's threads and reading signal handlers needs Linux's /proc")
 
 
-async def test_a_bridge_closed_at_any_moment_after_start_returns_and_terminates_its_zmq_context(nats_server, linux_threads) -> None:
+async def test_a_bridge_closed_at_any_moment_after_start_returns_and_terminates_its_zmq_context(nats_server, linux_proc) -> None:
     pub, replay = engine_endpoints()
     async with SimulatedEngine(pub, replay) as engine:
         for block in range(3):
@@ -78,7 +80,7 @@ async def test_a_bridge_closed_at_any_moment_after_start_returns_and_terminates_
         assert native_threads() == baseline, "a ZMQ context outlived its Bridge"
 
 
-async def test_a_bridge_cancelled_while_starting_closes_and_terminates_its_zmq_context(nats_server, linux_threads) -> None:
+async def test_a_bridge_cancelled_while_starting_closes_and_terminates_its_zmq_context(nats_server, linux_proc) -> None:
     pub, replay = engine_endpoints()
     async with SimulatedEngine(pub, replay) as engine:
         settings = settings_for(nats_server.url)
@@ -92,12 +94,13 @@ async def test_a_bridge_cancelled_while_starting_closes_and_terminates_its_zmq_c
                     async with bridge:
                         await stop.wait()
 
-                # Both, as `kvledger up` does: a cancellation may land inside start() or in the body.
+                # Both, as `kvledger up` does when another service fails: the cancel may land in start() or after.
                 serving = asyncio.create_task(serve())
                 await asyncio.sleep(delay)
                 stop.set()
                 serving.cancel()
                 await returns_within(asyncio.wait({serving}), f"cancel {delay * 1000:g} ms into start (round {round_})")
+                assert serving.cancelled() or serving.exception() is None
                 assert bridge._context.closed
         assert native_threads() == baseline, "a ZMQ context outlived its Bridge"
 
@@ -110,3 +113,24 @@ async def test_kvledger_ingest_stopped_by_sigterm_right_after_startup_exits_clea
             ingest.start()
             await ingest.started()  # /healthz answers: the streams have just been started
             assert await asyncio.to_thread(ingest.stop) == 0
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """The process has a SIGTERM handler (`kvledger ingest` installs it just before starting the bridge)."""
+    with open(f"/proc/{pid}/status") as status:
+        caught = next(line for line in status if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+
+
+async def test_kvledger_ingest_stopped_by_sigterm_while_nats_is_away_exits_cleanly(linux_proc) -> None:
+    [port] = free_ports(1)  # nothing listens there: the start waits for NATS
+    pub, replay = engine_endpoints()
+    async with SimulatedEngine(pub, replay) as engine:
+        ingest = IngestProcess(f"nats://127.0.0.1:{port}", engine, "unconnected")
+        ingest.start()
+        try:
+            await wait_until(lambda: _catches_sigterm(ingest.process.pid), 20, "ingest's SIGTERM handler")
+            assert await asyncio.to_thread(ingest.stop) == 0, "stopped while starting is a clean stop, not a failed start"
+        finally:
+            if ingest.process.poll() is None:
+                ingest.kill()
