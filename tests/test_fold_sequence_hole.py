@@ -50,7 +50,9 @@ async def test_a_batch_stored_after_later_ones_is_an_uncertain_period_in_the_aud
     with database.opened(db_url) as engine:
         with engine.connect() as connection:
             records = audit.Audit(connection)
-            periods = {(row["publisher"], row["since_seq"], row["reason"], row["resolved_by"]) for row in records.uncertain_periods()}
+            periods = {
+                (row["publisher"], row["since_seq"], row["reason"], row["resolved_by"]) for row in records.uncertain_periods()
+            }
             workers = {row["publisher"]: row for row in records.workers()}
             counters = dict(connection.exec_driver_sql(
                 "SELECT publisher, counters FROM workers ORDER BY publisher"
