@@ -105,7 +105,7 @@ ORDER BY publisher, dp_rank, stream_seq;""",
 
 UNCERTAIN_PERIODS = Query(
     "uncertain_periods",
-    "Periods during which a worker's inventory was uncertain (after a gap, until a clear or restart)",
+    "Periods during which a worker's inventory was uncertain (after a gap or a sequence hole, until a clear or restart)",
     """SELECT publisher, dp_rank, provenance, since_seq, since_ts, reason,
        until_seq, until_ts, COALESCE(resolved_by, 'still uncertain') AS resolved_by
 FROM uncertain_periods

@@ -44,7 +44,8 @@ _SEQ = sa.BigInteger
 _HASH = sa.BigInteger
 _TS = sa.Double
 _PUBLISHER = sa.String(128)
-_NAME = sa.String(32)
+NAME_CHARS = 32  # reasons, tiers, kinds: short names
+_NAME = sa.String(NAME_CHARS)
 
 # One row per canonical event; a batch of n events has rows event_idx 0..n-1.
 event_log = sa.Table(
