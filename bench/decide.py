@@ -278,6 +278,20 @@ def request_json(query: ReuseRequest, round_number: int) -> dict:
             "local_hashes": list(query.local_hashes), "block_size": query.block_size}
 
 
+async def time_requests(nc, subject: str, bodies: list[bytes], answers_each: int, timeout: float) -> dict[str, float]:
+    """NATS requests one after another, after an idle second: answers per second and latency per request."""
+    await asyncio.sleep(SETTLE_S)
+    latencies = []
+    started = time.perf_counter()
+    for body in bodies:
+        t0 = time.perf_counter()
+        await nc.request(subject, body, timeout=timeout)
+        latencies.append(time.perf_counter() - t0)
+    elapsed = time.perf_counter() - started
+    p50, p99 = percentiles(latencies)
+    return {"per_s": len(bodies) * answers_each / elapsed, "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3}
+
+
 async def service_figures(batches: list[EventBatch], queries: list[ReuseRequest], reuse: ReuseSettings,
                           batch: int, repeats: int) -> dict[str, list[dict[str, float]]]:
     """`kvledger decide` end to end on an embedded nats-server: KV_EVENTS replayed at startup,
@@ -312,28 +326,10 @@ async def service_figures(batches: list[EventBatch], queries: list[ReuseRequest]
                 number = next(rounds)
                 bodies = [json.dumps([request_json(q, number) for q in queries[start:start + batch]]).encode()
                           for start in range(0, len(queries) - batch + 1, batch)]
-                await asyncio.sleep(SETTLE_S)
-                latencies = []
-                started = time.perf_counter()
-                for body in bodies:
-                    t0 = time.perf_counter()
-                    await nc.request(DECIDE_BATCH_SUBJECT, body, timeout=60)
-                    latencies.append(time.perf_counter() - t0)
-                elapsed = time.perf_counter() - started
-                p50, p99 = percentiles(latencies)
-                runs["batched"].append({"per_s": len(bodies) * batch / elapsed, "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3})
+                runs["batched"].append(await time_requests(nc, DECIDE_BATCH_SUBJECT, bodies, batch, 60))
                 number = next(rounds)
                 singles = [json.dumps(request_json(q, number)).encode() for q in queries[:1000]]
-                await asyncio.sleep(SETTLE_S)
-                latencies = []
-                started = time.perf_counter()
-                for body in singles:
-                    t0 = time.perf_counter()
-                    await nc.request(DECIDE_SUBJECT, body, timeout=10)
-                    latencies.append(time.perf_counter() - t0)
-                elapsed = time.perf_counter() - started
-                p50, p99 = percentiles(latencies)
-                runs["single"].append({"per_s": len(singles) / elapsed, "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3})
+                runs["single"].append(await time_requests(nc, DECIDE_SUBJECT, singles, 1, 10))
         await nc.close()
     return runs
 
