@@ -1,6 +1,6 @@
 """Appending answers to KV_DECISIONS: one publish per answer, one subscription for every ack.
 
-`JetStreamContext.publish` costs a request (a future, a timer, a parsed PubAck) per
+`JetStreamContext.publish` costs a request (a future, a `wait_for` and its timer) per
 message, which made recording a batch of 1 024 answers take longer than ranking it.
 Here each answer is a plain publish whose reply subject names its batch and position
 under one inbox; the acks of every batch arrive on a single wildcard subscription and are
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 from collections.abc import Sequence
 
 import attrs
 import nats
 from nats.aio.msg import Msg
+
+from kvledger.jetstream_ack import AckError, read_ack
 
 
 class DecisionsNotRecorded(RuntimeError):
@@ -26,7 +27,7 @@ class DecisionsNotRecorded(RuntimeError):
 
 @attrs.define
 class _PendingAcks:
-    request_ids: Sequence[str]
+    answers: Sequence[tuple[str, bytes]]  # (request id, answer) by position
     waiting: set[int]
     done: asyncio.Future
 
@@ -51,8 +52,7 @@ class DecisionRecorder:
         if not answers:
             return
         token = str(next(self._tokens))
-        pending = _PendingAcks([request_id for request_id, _ in answers], set(range(len(answers))),
-                               asyncio.get_running_loop().create_future())
+        pending = _PendingAcks(answers, set(range(len(answers))), asyncio.get_running_loop().create_future())
         self._batches[token] = pending
         reply = f"{self._prefix}{token}."
         try:
@@ -76,27 +76,13 @@ class DecisionRecorder:
         if pending is None or pending.done.done():
             return  # a late ack of a batch that already failed or timed out
         number = int(number_text)
-        problem = _ack_problem(msg, self._stream)
-        if problem is not None:
+        headers = msg.headers or {}
+        try:
+            read_ack(headers.get("Status"), headers.get("Description", ""), msg.data)
+        except AckError as error:
             pending.done.set_exception(DecisionsNotRecorded(
-                f"{self._stream} refused the answer to request {pending.request_ids[number]!r}: {problem}"))
+                f"{self._stream} refused the answer to request {pending.answers[number][0]!r}: {error}"))
             return
         pending.waiting.discard(number)
         if not pending.waiting:
             pending.done.set_result(None)
-
-
-def _ack_problem(msg: Msg, stream: str) -> str | None:
-    """None for a JetStream ack, else what went wrong."""
-    status = (msg.headers or {}).get("Status")
-    if status == "503":
-        return f"no stream answers on the subject (is {stream} there?)"
-    if status:
-        return f"status {status} {(msg.headers or {}).get('Description', '')}".strip()
-    if b'"error"' not in msg.data:
-        return None
-    try:
-        error = json.loads(msg.data)["error"]
-        return f"{error.get('description', error)} (code {error.get('err_code', error.get('code'))})"
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return f"unreadable reply {msg.data[:200]!r}"

@@ -25,13 +25,13 @@ from collections import deque
 from collections.abc import Callable
 
 import attrs
-import msgspec
 import nats
 import nats.errors
 import nats.js.errors
 
 from ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError, msg_id_header
 
+from kvledger.jetstream_ack import AckError, read_ack
 from kvledger.lifetime import cancel_and_wait
 from kvledger.nats_options import auth_failure, connect_options, describe_server, is_auth_error
 from kvledger.settings import NatsSettings
@@ -39,49 +39,9 @@ from kvledger.streams import StreamConflictError, StreamSpec, ensure_stream
 
 log = logging.getLogger("kvledger.ingest.publisher")
 
-
-
-class AckError(Exception):
-    """JetStream answered a publish with an error (stream full, no stream for the subject…)."""
-
-
 _RETRYABLE = (
     asyncio.TimeoutError, OSError, nats.errors.Error, nats.js.errors.Error, AckError,
 )
-
-
-class _ApiError(msgspec.Struct):
-    code: int = 0
-    err_code: int = 0
-    description: str = ""
-
-
-class _PubAck(msgspec.Struct):
-    """JetStream's publish ack, `{"stream", "seq", "duplicate"}`, or `{"error": {...}}`."""
-
-    stream: str = ""
-    seq: int = 0
-    duplicate: bool = False
-    error: _ApiError | None = None
-
-
-_ack_decoder = msgspec.json.Decoder(_PubAck)
-
-
-def read_ack(reply: AckReply) -> _PubAck:
-    """The JetStream ack in a reply; raises `AckError` for an error reply or a status-only message."""
-    if reply.status:
-        reason = "no stream listens on the subject" if reply.status == "503" else reply.description
-        raise AckError(f"JetStream replied with status {reply.status} ({reason})")
-    try:
-        ack = _ack_decoder.decode(reply.data)
-    except msgspec.DecodeError as error:
-        raise AckError(f"unreadable JetStream ack {reply.data[:200]!r}: {error}") from None
-    if ack.error is not None:
-        raise AckError(f"JetStream refused the message: {ack.error.description} (err_code {ack.error.err_code})")
-    if not ack.stream:
-        raise AckError(f"JetStream ack names no stream: {reply.data[:200]!r}")
-    return ack
 
 
 class _Watchdog:
@@ -355,7 +315,8 @@ class JetStreamPublisher:
         acks, taken = self._acks, 0
         try:
             while in_flight and in_flight[0][0] in acks:
-                ack = read_ack(acks.pop(in_flight[0][0]))  # an error ack raises: resend from here
+                reply = acks.pop(in_flight[0][0])
+                ack = read_ack(reply.status, reply.description, reply.data)  # an error ack raises: resend from here
                 in_flight.popleft()
                 entry = self._pending.popleft()
                 taken += 1

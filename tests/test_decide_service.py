@@ -143,7 +143,7 @@ async def test_every_answer_of_a_batch_is_its_own_record_and_a_missing_decisions
             await js.delete_stream(decisions)
             failed = await ask(nc, DECIDE_SUBJECT, request_body("unrecorded"))
             assert failed["error"]["message"].startswith("internal error: DecisionsNotRecorded")
-            assert "no stream answers" in failed["error"]["message"]
+            assert "no stream listens on the subject" in failed["error"]["message"]
             await ensure_stream(js, decisions_stream(settings.stream))
             assert (await ask(nc, DECIDE_SUBJECT, request_body("recorded-again")))["request_id"] == "recorded-again"
             assert (await js.stream_info(decisions)).state.messages == 1
