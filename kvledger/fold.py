@@ -424,7 +424,7 @@ def _starts_with_restart(batch: EventBatch) -> bool:
     return type(first) is Gap and first.reason is GapReason.PUBLISHER_RESTART
 
 
-# Reasons land in SQL columns of 32 characters (store's uncertain_periods.reason).
+# Every uncertainty reason fits this many characters: store sizes uncertain_periods.reason by it.
 REASON_LIMIT = 32
 
 

@@ -23,8 +23,6 @@ from kvledger.fold import (
     UncertaintyFact,
 )
 
-from store.tables import NAME_CHARS as REASON_CHARS
-
 RowKey = tuple[int, int]  # (stored_seq, slot)
 # (worker, provenance) -> tier -> engine hash -> key of the open residency row
 ResidencyIndex = dict[tuple[WorkerId, Provenance], dict[Tier, dict[int, RowKey]]]
@@ -193,17 +191,14 @@ class ChangeBuilder:
                 assert kind is UncertaintyFact
                 period = (fact.worker.publisher, fact.worker.dp_rank, fact.provenance.value)
                 opened = changes.new_uncertain.setdefault(period, [])
-                # The column holds REASON_CHARS; a longer reason would make the database
-                # refuse the transaction (PostgreSQL) and the projector retry it forever.
-                reason = fact.reason[:REASON_CHARS]
                 if fact.uncertain:
-                    opened.append([*period, stream_seq, ts, reason, None, None, None])
+                    opened.append([*period, stream_seq, ts, fact.reason, None, None, None])
                 else:
                     row = opened[-1] if opened else None
                     if row is not None and row[6] is None:
-                        row[6], row[7], row[8] = stream_seq, ts, reason
+                        row[6], row[7], row[8] = stream_seq, ts, fact.reason
                     else:
-                        changes.resolved_uncertain.append((stream_seq, ts, reason, *period))
+                        changes.resolved_uncertain.append((stream_seq, ts, fact.reason, *period))
         changes.blocks += slot + removed
 
     def add_dead_letter(self, changes: ChangeSet, stream_seq: int, subject: str, reason: str, raw: bytes) -> None:

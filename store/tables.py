@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from kvledger.fold import REASON_LIMIT
+
 U64 = 1 << 64
 I64_LIMIT = 1 << 63
 
@@ -44,8 +46,7 @@ _SEQ = sa.BigInteger
 _HASH = sa.BigInteger
 _TS = sa.Double
 _PUBLISHER = sa.String(128)
-NAME_CHARS = 32  # reasons, tiers, kinds: short names
-_NAME = sa.String(NAME_CHARS)
+_NAME = sa.String(32)
 
 # One row per canonical event; a batch of n events has rows event_idx 0..n-1.
 event_log = sa.Table(
@@ -127,7 +128,9 @@ uncertain_periods = sa.Table(
     sa.Column("provenance", _NAME, primary_key=True),
     sa.Column("since_seq", _SEQ, primary_key=True, autoincrement=False),
     sa.Column("since_ts", _TS, nullable=False),
-    sa.Column("reason", _NAME, nullable=False),
+    # The fold keeps every uncertainty reason within REASON_LIMIT; a longer one would make
+    # PostgreSQL refuse the transaction and the projector retry it forever.
+    sa.Column("reason", sa.String(REASON_LIMIT), nullable=False),
     sa.Column("until_seq", _SEQ),
     sa.Column("until_ts", _TS),
     sa.Column("resolved_by", _NAME),
