@@ -185,9 +185,10 @@ def _dynamo_event(event_id: int, event) -> bytes:
     return json.dumps({"event_id": event_id, "data": data}).encode()
 
 
-def percentiles(samples: list[float]) -> tuple[float, float]:
-    ordered = np.sort(np.asarray(samples))
-    return float(np.percentile(ordered, 50)), float(np.percentile(ordered, 99))
+def figures(answered: int, elapsed: float, latencies: list[float]) -> dict[str, float]:
+    """A measurement: answers per second, and p50/p99 of the latencies (seconds) in ms."""
+    p50, p99 = np.percentile(np.asarray(latencies), [50, 99])
+    return {"per_s": answered / elapsed, "p50_ms": float(p50) * 1e3, "p99_ms": float(p99) * 1e3}
 
 
 # A pass over the trace's queries in batches of 1 024 takes about 30 ms: too short to
@@ -218,8 +219,7 @@ def time_single(decide_one, queries: list, rounds: int = 1) -> dict[str, float]:
         t0 = time.perf_counter()
         decide_one(query)
         latencies.append(time.perf_counter() - t0)
-    p50, p99 = percentiles(latencies)
-    return {"per_s": calls / elapsed, "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3}
+    return figures(calls, elapsed, latencies)
 
 
 def time_batches(decide_many, queries: list[ReuseRequest], batch: int, rounds: int = 1) -> dict[str, float]:
@@ -234,9 +234,7 @@ def time_batches(decide_many, queries: list[ReuseRequest], batch: int, rounds: i
             latencies.append(time.perf_counter() - t0)
             assert len(answers) == len(chunk)
             answered += len(chunk)
-    elapsed = time.perf_counter() - started
-    p50, p99 = percentiles(latencies)
-    return {"per_s": answered / elapsed, "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3}
+    return figures(answered, time.perf_counter() - started, latencies)
 
 
 SETTLE_S = 1.0
@@ -262,12 +260,12 @@ def interleaved(repeats: int, measures: dict[str, object]) -> dict[str, list[dic
 
 def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
     """The run with the median rate (the lower middle one of an even count)."""
-    return sorted(runs, key=lambda figures: figures["per_s"])[(len(runs) - 1) // 2]
+    return sorted(runs, key=lambda run: run["per_s"])[(len(runs) - 1) // 2]
 
 
 def row(label: str, runs: list[dict[str, float]]) -> str:
     middle = median_run(runs)
-    rates = [figures["per_s"] for figures in runs]
+    rates = [run["per_s"] for run in runs]
     return (f"| {label} | {middle['per_s']:,.0f} ({min(rates):,.0f} – {max(rates):,.0f}) "
             f"| {middle['p50_ms']:.3f} | {middle['p99_ms']:.3f} |")
 
@@ -287,9 +285,7 @@ async def time_requests(nc, subject: str, bodies: list[bytes], answers_each: int
         t0 = time.perf_counter()
         await nc.request(subject, body, timeout=timeout)
         latencies.append(time.perf_counter() - t0)
-    elapsed = time.perf_counter() - started
-    p50, p99 = percentiles(latencies)
-    return {"per_s": len(bodies) * answers_each / elapsed, "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3}
+    return figures(len(bodies) * answers_each, time.perf_counter() - started, latencies)
 
 
 async def service_figures(batches: list[EventBatch], queries: list[ReuseRequest], reuse: ReuseSettings,
@@ -471,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                     mismatches += differing
     print()
     batched, dynamo = median_run(runs["batched"]), median_run(runs["dynamo"])
-    dynamo_rates = [figures["per_s"] for figures in runs["dynamo"]]
+    dynamo_rates = [run["per_s"] for run in runs["dynamo"]]
     print(f"cpu batched JSON answers / Dynamo queries (medians): {batched['per_s'] / dynamo['per_s']:.2f}x (goal >= 3x); "
           f"cpu single p99 {median_run(runs['single'])['p99_ms']:.3f} ms (goal <= 1 ms, in process: "
           f"the service adds NATS request/reply and the KV_DECISIONS ack)")
