@@ -86,6 +86,19 @@ def choose_backend(wanted: str, index: InventoryIndex) -> tuple[Any, str]:
     return CpuBackend(index), f"backend cpu (auto: {reason})"
 
 
+async def settle_subscriptions(nc: nats.NATS) -> None:
+    """Return once the server has every subscription `nc` has made so far.
+
+    One `flush()` is not enough: nats-py (2.16) writes its PING straight to the socket
+    while SUBs wait in its pending buffer for the flusher task, so the PONG can come back
+    before the server has seen them, and a request sent at once gets "no responders" (about
+    1 start in 15 on a busy machine). The flusher runs while the first PING is answered,
+    so the second PING follows the SUBs.
+    """
+    await nc.flush()
+    await nc.flush()
+
+
 async def newest_snapshot(js: nats.js.JetStreamContext) -> tuple[InventoryIndex, str] | None:
     """The index rebuilt from the newest KV_SNAPSHOTS object, or None without bucket or snapshot."""
     try:
@@ -213,7 +226,7 @@ class DecideService(AsyncLifetime):
         ))
         self._subscriptions.append(await self._nc.subscribe(DECIDE_SUBJECT, queue=QUEUE_GROUP, cb=self._on_single))
         self._subscriptions.append(await self._nc.subscribe(DECIDE_BATCH_SUBJECT, queue=QUEUE_GROUP, cb=self._on_batch))
-        await self._nc.flush()  # the server has our interest before anyone is told we started
+        await settle_subscriptions(self._nc)  # the server has our interest before anyone is told we started
         self._http = await asyncio.start_server(
             functools.partial(serve_connection, router=self._routes()), host=settings.decide.http_host, port=settings.decide.http_port,
         )
