@@ -148,10 +148,13 @@ class InventoryIndex:
                 self._release_row(sequence_hash, row)
 
     def _index_all_records(self, records: Iterable[BlockRecord]) -> None:
+        holds = self.fold.holds
         for record in records:
             position = _CLASS_OF.get((record.provenance, record.tier))
-            if position is None or record.conflict:
-                continue  # external tier, or retained records that lost to native topology
+            if position is None or not record.indexable:
+                continue  # external tier, or audit-only records (retained conflicts, unresolved stores)
+            if not holds(record.worker, record.provenance, record.tier, record.sequence_hash):
+                continue  # a group that does not decide residency (kvledger.residency)
             slot = self._slot_of_worker[record.worker]
             row = self._row_of.get(record.sequence_hash)
             if row is None:

@@ -13,7 +13,10 @@ from typing import Annotated, Literal, Union
 import attrs
 import msgspec
 
-SCHEMA_VERSION = 1
+# Version 2 added each block's group and ownership, cache-spec metadata, and a Cleared's
+# tier; version-1 records still read (their events are group 0, no ownership, clear all).
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 U64_MAX = (1 << 64) - 1
 
 EVENTS_SUBJECT_PREFIX = "kv.ev"
@@ -104,7 +107,12 @@ class WorkerId:
 
 @attrs.frozen
 class Stored:
-    """Blocks stored on a tier. Local hashes are kvledger's token-content hashes; token ids are not kept."""
+    """Blocks stored on a tier, in one KV-cache group and ownership.
+
+    Local hashes are kvledger's token-content hashes (token ids are not kept); they are
+    empty for a store that carried no tokens (an offload placeholder), whose hashes the
+    fold takes from the block already known by engine hash on that worker.
+    """
 
     tier: Tier
     block_hashes: tuple[int, ...]
@@ -114,17 +122,30 @@ class Stored:
     lora_name: str | None = None
     cache_salt: str | None = None
     group_idx: int = 0
+    ownership: str | None = None
+    # The group's cache spec as the engine declares it (vLLM: "full_attention",
+    # "sliding_window", "mamba", ...); kvledger.residency decides what it means for a prefix.
+    spec_kind: str | None = None
+    sliding_window: int | None = None
+
+    @property
+    def has_tokens(self) -> bool:
+        return len(self.local_hashes) == len(self.block_hashes)
 
 
 @attrs.frozen
 class Removed:
     tier: Tier
     block_hashes: tuple[int, ...]
+    group_idx: int = 0
+    ownership: str | None = None
 
 
 @attrs.frozen
 class Cleared:
-    pass
+    """Every block of the worker's inventory on `tier` went away; None: on every tier."""
+
+    tier: Tier | None = None
 
 
 @attrs.frozen
@@ -199,15 +220,21 @@ class _StoredWire(msgspec.Struct, array_like=True, tag="S", frozen=True):
     lora_name: str | None
     cache_salt: str | None
     group_idx: _NonNegative
+    # Version 2 appended these; a version-1 record's shorter array takes the defaults.
+    ownership: str | None = None
+    spec_kind: str | None = None
+    sliding_window: _NonNegative | None = None
 
 
 class _RemovedWire(msgspec.Struct, array_like=True, tag="R", frozen=True):
     tier: _TierName
     block_hashes: list[_U64]
+    group_idx: _NonNegative = 0
+    ownership: str | None = None
 
 
 class _ClearedWire(msgspec.Struct, array_like=True, tag="C", frozen=True):
-    pass
+    tier: _TierName | None = None
 
 
 class _GapWire(msgspec.Struct, array_like=True, tag="G", frozen=True):
@@ -244,11 +271,12 @@ def _event_to_wire(event: Event) -> msgspec.Struct:
         return _StoredWire(
             event.tier.value, list(event.block_hashes), event.parent_hash, event.block_size,
             list(event.local_hashes), event.lora_name, event.cache_salt, event.group_idx,
+            event.ownership, event.spec_kind, event.sliding_window,
         )
     if type(event) is Removed:
-        return _RemovedWire(event.tier.value, list(event.block_hashes))
+        return _RemovedWire(event.tier.value, list(event.block_hashes), event.group_idx, event.ownership)
     if type(event) is Cleared:
-        return _ClearedWire()
+        return _ClearedWire(None if event.tier is None else event.tier.value)
     if type(event) is Gap:
         return _GapWire(event.expected_seq, event.received_seq, event.reason.value)
     raise TypeError(f"not a canonical event: {event!r}")
@@ -257,7 +285,7 @@ def _event_to_wire(event: Event) -> msgspec.Struct:
 def _event_from_wire(wire: msgspec.Struct) -> Event:
     kind = type(wire)
     if kind is _StoredWire:
-        if len(wire.block_hashes) != len(wire.local_hashes):
+        if wire.local_hashes and len(wire.block_hashes) != len(wire.local_hashes):
             raise RecordError(
                 f"Stored event has {len(wire.block_hashes)} block hashes "
                 f"but {len(wire.local_hashes)} local hashes"
@@ -265,11 +293,12 @@ def _event_from_wire(wire: msgspec.Struct) -> Event:
         return Stored(
             _TIERS[wire.tier], tuple(wire.block_hashes), wire.parent_hash, wire.block_size,
             tuple(wire.local_hashes), wire.lora_name, wire.cache_salt, wire.group_idx,
+            wire.ownership, wire.spec_kind, wire.sliding_window,
         )
     if kind is _RemovedWire:
-        return Removed(_TIERS[wire.tier], tuple(wire.block_hashes))
+        return Removed(_TIERS[wire.tier], tuple(wire.block_hashes), wire.group_idx, wire.ownership)
     if kind is _ClearedWire:
-        return Cleared()
+        return Cleared(None if wire.tier is None else _TIERS[wire.tier])
     return Gap(wire.expected_seq, wire.received_seq, _GAP_REASONS[wire.reason])
 
 
@@ -291,7 +320,7 @@ def decode_batch(data: bytes) -> EventBatch:
     except msgspec.DecodeError as error:
         _raise_if_newer_version(data)
         raise RecordError(f"malformed kvledger record: {error}") from None
-    if wire.v != SCHEMA_VERSION:
+    if wire.v not in READABLE_VERSIONS:
         _raise_version_error(wire.v)
     try:
         worker = WorkerId(wire.publisher, wire.dp_rank)
@@ -308,7 +337,7 @@ def _raise_if_newer_version(data: bytes) -> None:
         version = _version_decoder.decode(data).v
     except msgspec.DecodeError:
         return
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         _raise_version_error(version)
 
 
@@ -318,7 +347,7 @@ def _raise_version_error(version: int) -> None:
             f"record schema version {version} is newer than this kvledger understands "
             f"(up to {SCHEMA_VERSION}); upgrade kvledger to read it"
         )
-    raise RecordError(f"record schema version {version} is not supported (expected {SCHEMA_VERSION})")
+    raise RecordError(f"record schema version {version} is not supported (expected one of {READABLE_VERSIONS})")
 
 
 # --- dead letters -------------------------------------------------------------------

@@ -24,6 +24,7 @@ from kvledger.events import (
     WorkerId,
 )
 from kvledger.hashing import chain_hash
+from kvledger.residency import ResidencyRule, rule_for
 
 NATIVE = Provenance.NATIVE
 RETAINED = Provenance.RETAINED
@@ -35,12 +36,20 @@ class RemovalCause(enum.Enum):
     RESTART = "restart"
 
 
+# A block's identity within one provenance and tier of a worker: (group_idx, ownership,
+# engine hash). A removal in one KV-cache group or offload ownership never touches another.
+BlockKey = tuple[int, "str | None", int]
+
+
 @attrs.frozen
 class BlockRecord:
-    """One block held by a worker on one tier, as announced with one provenance.
+    """One block held by a worker on one tier, group and ownership, as announced with one provenance.
 
-    `conflict` marks a retained record whose topology disagrees with the engine's own:
-    kept for audit, never indexed.
+    `conflict` marks a retained record whose topology disagrees with the engine's own;
+    `unresolved` a store without tokens whose block the worker's engine-hash map did not
+    know (its hashes are unknown, recorded as 0). Both are kept for audit, never indexed.
+    `refs` counts repeated announcements of the same block: an engine may store one hash
+    twice (vLLM's offloading connector re-announces shared chunks) and remove it once per store.
     """
 
     worker: WorkerId
@@ -52,6 +61,20 @@ class BlockRecord:
     local_hash: int
     stream_seq: int
     conflict: bool = False
+    group_idx: int = 0
+    ownership: str | None = None
+    spec_kind: str | None = None
+    sliding_window: int | None = None
+    refs: int = 1
+    unresolved: bool = False
+
+    @property
+    def key(self) -> BlockKey:
+        return (self.group_idx, self.ownership, self.engine_hash)
+
+    @property
+    def indexable(self) -> bool:
+        return not (self.conflict or self.unresolved)
 
 
 # --- facts: what one batch changed, in order --------------------------------------------
@@ -70,14 +93,23 @@ class BlockRemovedFact:
 
 
 @attrs.frozen
+class BlockReferencedFact:
+    """A held block was announced again, or removed once of several times: `record.refs` changed."""
+
+    record: BlockRecord
+    stream_seq: int
+
+
+@attrs.frozen
 class InventoryClearedFact:
-    """Every block of `provenance` on the worker went away at once (Cleared or restart)."""
+    """Every block of `provenance` on the worker (on `tier`, or every tier) went away at once."""
 
     worker: WorkerId
     provenance: Provenance
     cause: RemovalCause
     stream_seq: int
     blocks: int
+    tier: Tier | None = None
 
 
 @attrs.frozen
@@ -97,13 +129,17 @@ class UncertaintyFact:
     stream_seq: int
 
 
-Fact = BlockStoredFact | BlockRemovedFact | InventoryClearedFact | RetainedConflictFact | UncertaintyFact
+Fact = (
+    BlockStoredFact | BlockRemovedFact | BlockReferencedFact | InventoryClearedFact | RetainedConflictFact
+    | UncertaintyFact
+)
 
 
 COUNTER_NAMES = (
     "unknown_parent",  # stored with a parent the worker does not hold: a new chain starts
     "unknown_remove",  # removed a block the worker does not hold
-    "duplicate_store",  # stored a block already held on that tier with that provenance
+    "duplicate_store",  # stored a block already held on that tier, group and ownership: one more reference
+    "unresolved_store",  # a store without tokens whose block the worker's engine-hash map did not know
     "retained_conflict",  # retained record disagreeing with native topology
     "native_reparent",  # the engine re-announced a block under a different parent
     "duplicate_batch",  # (epoch, seq) not after the worker's last one, and not a seq a hole skipped
@@ -117,19 +153,26 @@ COUNTER_NAMES = (
 
 @attrs.define
 class _TopologyEntry:
+    """Where one engine hash sits in the chain, and which indexable records hold it."""
+
     sequence_hash: int
     parent_hash: int | None
-    refs: int
+    local_hash: int
+    places: list[tuple[Tier, BlockKey]]
 
 
 @attrs.define
 class _ProvenanceState:
     """Everything one provenance of one worker announced."""
 
-    records: dict[Tier, dict[int, BlockRecord]] = attrs.field(factory=lambda: {tier: {} for tier in Tier})
-    # sequence hash -> number of indexable records on that tier (several engine hashes,
-    # e.g. one per KV-cache group, can share one sequence hash)
-    held: dict[Tier, Counter[int]] = attrs.field(factory=lambda: {tier: Counter() for tier in Tier})
+    records: dict[Tier, dict[BlockKey, BlockRecord]] = attrs.field(factory=lambda: {tier: {} for tier in Tier})
+    # group -> sequence hash -> number of indexable records of that group on that tier
+    # (several engine hashes or ownerships can share one sequence hash)
+    held: dict[Tier, dict[int, Counter[int]]] = attrs.field(factory=lambda: {tier: {} for tier in Tier})
+    # each KV-cache group's declared kind (kvledger.residency decides what it means)
+    group_kinds: dict[int, str | None] = attrs.field(factory=dict)
+    # per tier, the residency rule for the groups seen there (derived, dropped when they change)
+    rules: dict[Tier, ResidencyRule] = attrs.field(factory=dict)
     # engine hash -> where it sits in the chain, for resolving parents
     topology: dict[int, _TopologyEntry] = attrs.field(factory=dict)
     epoch: int | None = None
@@ -142,8 +185,16 @@ class _ProvenanceState:
     # applied, so a batch below it that turns up was stored late (a hole not yet accounted).
     unseen_below: int | None = None
 
-    def block_count(self) -> int:
+    def block_count(self, tier: Tier | None = None) -> int:
+        if tier is not None:
+            return len(self.records[tier])
         return sum(len(blocks) for blocks in self.records.values())
+
+    def rule(self, tier: Tier) -> ResidencyRule:
+        rule = self.rules.get(tier)
+        if rule is None:
+            rule = self.rules[tier] = rule_for(self.held[tier], self.group_kinds)
+        return rule
 
 
 @attrs.define
@@ -220,7 +271,7 @@ class InventoryFold:
             elif kind is Removed:
                 self._remove(state, batch.provenance, event, stream_seq, facts)
             elif kind is Cleared:
-                self._clear(state, batch.provenance, RemovalCause.CLEARED, stream_seq, facts)
+                self._clear(state, batch.provenance, RemovalCause.CLEARED, stream_seq, facts, event.tier)
             else:
                 self._gap(state, batch.provenance, event, stream_seq, facts)
         return facts
@@ -235,15 +286,28 @@ class InventoryFold:
         own = state.by_provenance[provenance]
         native = state.by_provenance[NATIVE]
         retained = state.by_provenance[RETAINED]
+        group, ownership = event.group_idx, event.ownership
         tier_records = own.records[event.tier]
+        if event.spec_kind is not None and own.group_kinds.get(group) != event.spec_kind:
+            own.group_kinds[group] = event.spec_kind
+            own.rules.clear()
+        if not event.has_tokens:
+            self._store_without_tokens(state, provenance, event, stream_seq, facts)
+            return
         parent = event.parent_hash
         parent_sequence = self._resolve_parent(state, parent)
         for engine_hash, local_hash in zip(event.block_hashes, event.local_hashes):
             sequence_hash = local_hash if parent_sequence is None else chain_hash(parent_sequence, local_hash)
-            if engine_hash in tier_records:
-                self._count(state, "duplicate_store")
+            held = tier_records.get((group, ownership, engine_hash))
+            if held is not None:
+                self._add_reference(state, own, held, stream_seq, facts)
             elif provenance is NATIVE:
-                self._store_native(state, event.tier, engine_hash, sequence_hash, parent, local_hash, stream_seq, facts)
+                self._store_native(
+                    state, BlockRecord(
+                        state.worker, event.tier, NATIVE, engine_hash, sequence_hash, parent, local_hash, stream_seq,
+                        False, group, ownership, event.spec_kind, event.sliding_window,
+                    ), stream_seq, facts,
+                )  # fmt: skip
             else:
                 # Retained records are advisory: one that disagrees with the engine's own
                 # topology for this block is kept for audit and never indexed.
@@ -255,21 +319,65 @@ class InventoryFold:
                     self._count(state, "retained_conflict")
                 record = BlockRecord(
                     state.worker, event.tier, RETAINED, engine_hash, sequence_hash, parent,
-                    local_hash, stream_seq, conflict,
+                    local_hash, stream_seq, conflict, group, ownership, event.spec_kind, event.sliding_window,
                 )
                 attach_record(retained, record)
                 facts.append(BlockStoredFact(record))
             parent, parent_sequence = engine_hash, sequence_hash
 
-    def _store_native(
-        self, state: WorkerState, tier: Tier, engine_hash: int, sequence_hash: int,
-        parent: int | None, local_hash: int, stream_seq: int, facts: list[Fact],
+    def _store_without_tokens(
+        self, state: WorkerState, provenance: Provenance, event: Stored, stream_seq: int, facts: list[Fact],
     ) -> None:
+        """A store that names blocks by engine hash alone (an offload placeholder, a connector's store).
+
+        Its hashes and parent come from the block the worker already holds under that engine
+        hash on another tier or group, native topology first. An unknown one is kept for
+        audit, unindexed, and counted.
+        """
+        own = state.by_provenance[provenance]
+        tier_records = own.records[event.tier]
+        group, ownership = event.group_idx, event.ownership
+        for engine_hash in event.block_hashes:
+            held = tier_records.get((group, ownership, engine_hash))
+            if held is not None:
+                self._add_reference(state, own, held, stream_seq, facts)
+                continue
+            entry = state.by_provenance[NATIVE].topology.get(engine_hash)
+            if entry is None:
+                entry = state.by_provenance[RETAINED].topology.get(engine_hash)
+            if entry is None:
+                self._count(state, "unresolved_store")
+                record = BlockRecord(
+                    state.worker, event.tier, provenance, engine_hash, 0, event.parent_hash, 0, stream_seq,
+                    False, group, ownership, event.spec_kind, event.sliding_window, unresolved=True,
+                )
+                attach_record(own, record)
+                facts.append(BlockStoredFact(record))
+                continue
+            record = BlockRecord(
+                state.worker, event.tier, provenance, engine_hash, entry.sequence_hash, entry.parent_hash,
+                entry.local_hash, stream_seq, False, group, ownership, event.spec_kind, event.sliding_window,
+            )
+            if provenance is NATIVE:
+                self._store_native(state, record, stream_seq, facts)
+            else:
+                attach_record(own, record)
+                facts.append(BlockStoredFact(record))
+
+    def _add_reference(
+        self, state: WorkerState, own: _ProvenanceState, held: BlockRecord, stream_seq: int, facts: list[Fact],
+    ) -> None:
+        self._count(state, "duplicate_store")
+        record = attrs.evolve(held, refs=held.refs + 1)
+        own.records[record.tier][record.key] = record
+        facts.append(BlockReferencedFact(record, stream_seq))
+
+    def _store_native(self, state: WorkerState, record: BlockRecord, stream_seq: int, facts: list[Fact]) -> None:
         native = state.by_provenance[NATIVE]
+        engine_hash, parent, sequence_hash = record.engine_hash, record.parent_hash, record.sequence_hash
         entry = native.topology.get(engine_hash)
         if entry is not None and (entry.parent_hash != parent or entry.sequence_hash != sequence_hash):
             self._count(state, "native_reparent")
-        record = BlockRecord(state.worker, tier, NATIVE, engine_hash, sequence_hash, parent, local_hash, stream_seq)
         attach_record(native, record)
         facts.append(BlockStoredFact(record))
         # Native is authoritative for topology: retained records of this block that
@@ -277,10 +385,8 @@ class InventoryFold:
         retained = state.by_provenance[RETAINED]
         if engine_hash not in retained.topology:
             return
-        for retained_records in retained.records.values():
-            held = retained_records.get(engine_hash)
-            if held is None or held.conflict:
-                continue
+        for tier, key in list(retained.topology[engine_hash].places):
+            held = retained.records[tier][key]
             if held.parent_hash != parent or held.sequence_hash != sequence_hash:
                 _detach(retained, held)
                 demoted = attrs.evolve(held, conflict=True)
@@ -300,21 +406,42 @@ class InventoryFold:
         return None
 
     def _remove(self, state: WorkerState, provenance: Provenance, event: Removed, stream_seq: int, facts: list[Fact]) -> None:
-        # A removal touches only its own provenance: a retained layer dropping a block never
-        # detaches the engine's copy, and an engine eviction leaves retained copies serving.
+        # A removal touches only its own provenance, group and ownership: a retained layer
+        # dropping a block never detaches the engine's copy, a sliding-window group's
+        # eviction leaves the full-attention group's copy, and one offload tier's another's.
         own = state.by_provenance[provenance]
         tier_records = own.records[event.tier]
+        group, ownership = event.group_idx, event.ownership
         for engine_hash in event.block_hashes:
-            record = tier_records.get(engine_hash)
+            record = tier_records.get((group, ownership, engine_hash))
             if record is None:
                 self._count(state, "unknown_remove")
+                continue
+            if record.refs > 1:
+                record = attrs.evolve(record, refs=record.refs - 1)
+                tier_records[record.key] = record
+                facts.append(BlockReferencedFact(record, stream_seq))
                 continue
             _detach(own, record)
             facts.append(BlockRemovedFact(record, RemovalCause.REMOVED, stream_seq))
 
-    def _clear(self, state: WorkerState, provenance: Provenance, cause: RemovalCause, stream_seq: int, facts: list[Fact]) -> None:
+    def _clear(
+        self, state: WorkerState, provenance: Provenance, cause: RemovalCause, stream_seq: int, facts: list[Fact],
+        tier: Tier | None = None,
+    ) -> None:
         own = state.by_provenance[provenance]
-        blocks = own.block_count()
+        blocks = own.block_count(tier)
+        if tier is not None:
+            # A tier-scoped clear (vLLM's reset of its GPU pool): other tiers keep their blocks.
+            for record in list(own.records[tier].values()):
+                _detach(own, record)
+            own.held[tier] = {}
+            own.rules.pop(tier, None)
+            facts.append(InventoryClearedFact(state.worker, provenance, cause, stream_seq, blocks, tier))
+            if own.uncertain_since is not None and not own.block_count():
+                own.uncertain_since = None
+                facts.append(UncertaintyFact(state.worker, provenance, False, cause.value, stream_seq))
+            return
         if own.unseen_below is not None:
             # What came before an empty cache cannot matter: a batch below is late, not a hole.
             _remember_hole(own, 0, own.unseen_below)
@@ -394,9 +521,18 @@ class InventoryFold:
         return self._workers.get(worker)
 
     def holds(self, worker: WorkerId, provenance: Provenance, tier: Tier, sequence_hash: int) -> bool:
-        """Whether the worker holds an indexable block with this sequence hash."""
+        """Whether the worker holds an indexable block with this sequence hash, by the residency rule."""
         state = self._workers.get(worker)
-        return state is not None and state.by_provenance[provenance].held[tier][sequence_hash] > 0
+        if state is None:
+            return False
+        own = state.by_provenance[provenance]
+        by_group = own.held[tier]
+        if not by_group:
+            return False
+        rule = own.rule(tier)
+        if len(rule.groups) == 1:
+            return by_group[rule.groups[0]][sequence_hash] > 0
+        return rule.holds(lambda group: by_group[group][sequence_hash] > 0)
 
     def is_uncertain(self, worker: WorkerId) -> bool:
         state = self._workers.get(worker)
@@ -410,7 +546,7 @@ class InventoryFold:
         state = self._workers.get(worker)
         if state is None:
             return []
-        return sorted(state.by_provenance[provenance].records[tier].values(), key=lambda r: r.engine_hash)
+        return sorted(state.by_provenance[provenance].records[tier].values(), key=_record_order)
 
     def iter_records(self) -> Iterator[BlockRecord]:
         for worker in self.workers():
@@ -458,29 +594,42 @@ def _fill_hole(own: _ProvenanceState, seq: int) -> bool:
     return False
 
 
+def _record_order(record: BlockRecord) -> tuple:
+    return (record.engine_hash, record.group_idx, record.ownership or "")
+
+
 def attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
-    """Hold `record` in one provenance's inventory (the fold's and snapshot restore's one way in)."""
-    own.records[record.tier][record.engine_hash] = record
-    if record.conflict:
+    """Hold `record` in one provenance's inventory (the fold's and every restore's one way in)."""
+    own.records[record.tier][record.key] = record
+    group = record.group_idx
+    if record.spec_kind is not None and own.group_kinds.get(group) != record.spec_kind:
+        own.group_kinds[group] = record.spec_kind
+        own.rules.clear()
+    by_group = own.held[record.tier]
+    if group not in by_group:
+        by_group[group] = Counter()
+        own.rules.pop(record.tier, None)
+    if not record.indexable:
         return
-    own.held[record.tier][record.sequence_hash] += 1
+    by_group[group][record.sequence_hash] += 1
+    place = (record.tier, record.key)
     entry = own.topology.get(record.engine_hash)
     if entry is None:
-        own.topology[record.engine_hash] = _TopologyEntry(record.sequence_hash, record.parent_hash, 1)
+        own.topology[record.engine_hash] = _TopologyEntry(record.sequence_hash, record.parent_hash, record.local_hash, [place])
     else:
-        entry.sequence_hash, entry.parent_hash = record.sequence_hash, record.parent_hash
-        entry.refs += 1
+        entry.sequence_hash, entry.parent_hash, entry.local_hash = record.sequence_hash, record.parent_hash, record.local_hash
+        entry.places.append(place)
 
 
 def _detach(own: _ProvenanceState, record: BlockRecord) -> None:
-    del own.records[record.tier][record.engine_hash]
-    if record.conflict:
+    del own.records[record.tier][record.key]
+    if not record.indexable:
         return
-    held = own.held[record.tier]
+    held = own.held[record.tier][record.group_idx]
     held[record.sequence_hash] -= 1
     if held[record.sequence_hash] <= 0:
         del held[record.sequence_hash]
     entry = own.topology[record.engine_hash]
-    entry.refs -= 1
-    if entry.refs <= 0:
+    entry.places.remove((record.tier, record.key))
+    if not entry.places:
         del own.topology[record.engine_hash]

@@ -13,7 +13,7 @@ import numpy as np
 from kvledger.events import Provenance, Tier, WorkerId
 from kvledger.fold import BlockRecord, InventoryFold, WorkerState, attach_record
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: each record's group, ownership, cache spec, references, resolution
 _TIER_CODES = {tier: code for code, tier in enumerate(Tier)}
 _TIERS = list(Tier)
 
@@ -35,6 +35,14 @@ class _ProvenanceWire(msgspec.Struct, array_like=True):
     local_hashes: bytes  # uint64
     stream_seqs: bytes  # int64
     conflicts: bytes  # bool
+    group_idxs: bytes  # uint32
+    refs: bytes  # uint32
+    unresolved: bytes  # bool
+    # per record an index into `names` (0: none) for its ownership and its group's spec kind
+    ownerships: bytes  # uint32
+    spec_kinds: bytes  # uint32
+    sliding_windows: bytes  # int64, -1: none
+    names: list[str]
 
 
 class _WorkerWire(msgspec.Struct, array_like=True):
@@ -60,8 +68,12 @@ def encode_snapshot(fold: InventoryFold) -> bytes:
         for provenance, own in state.by_provenance.items():
             records = sorted(
                 (record for tier_records in own.records.values() for record in tier_records.values()),
-                key=lambda r: (r.stream_seq, _TIER_CODES[r.tier], r.engine_hash),
+                key=lambda r: (r.stream_seq, _TIER_CODES[r.tier], r.engine_hash, r.group_idx, r.ownership or ""),
             )
+            names: dict[str | None, int] = {None: 0}
+            for record in records:
+                names.setdefault(record.ownership, len(names))
+                names.setdefault(record.spec_kind, len(names))
             provenances.append(
                 _ProvenanceWire(
                     provenance.value, own.epoch, own.seq, own.uncertain_since,
@@ -73,6 +85,13 @@ def encode_snapshot(fold: InventoryFold) -> bytes:
                     np.array([r.local_hash for r in records], dtype=np.uint64).tobytes(),
                     np.array([r.stream_seq for r in records], dtype=np.int64).tobytes(),
                     np.array([r.conflict for r in records], dtype=np.bool_).tobytes(),
+                    np.array([r.group_idx for r in records], dtype=np.uint32).tobytes(),
+                    np.array([r.refs for r in records], dtype=np.uint32).tobytes(),
+                    np.array([r.unresolved for r in records], dtype=np.bool_).tobytes(),
+                    np.array([names[r.ownership] for r in records], dtype=np.uint32).tobytes(),
+                    np.array([names[r.spec_kind] for r in records], dtype=np.uint32).tobytes(),
+                    np.array([-1 if r.sliding_window is None else r.sliding_window for r in records], dtype=np.int64).tobytes(),
+                    [name for name in names if name is not None],
                 )
             )
         workers.append(_WorkerWire(worker.publisher, worker.dp_rank, dict(state.counters), provenances))
@@ -107,14 +126,25 @@ def decode_snapshot(data: bytes) -> InventoryFold:
                 np.frombuffer(provenance_wire.local_hashes, dtype=np.uint64).tolist(),
                 np.frombuffer(provenance_wire.stream_seqs, dtype=np.int64).tolist(),
                 np.frombuffer(provenance_wire.conflicts, dtype=np.bool_).tolist(),
+                np.frombuffer(provenance_wire.group_idxs, dtype=np.uint32).tolist(),
+                np.frombuffer(provenance_wire.refs, dtype=np.uint32).tolist(),
+                np.frombuffer(provenance_wire.unresolved, dtype=np.bool_).tolist(),
+                np.frombuffer(provenance_wire.ownerships, dtype=np.uint32).tolist(),
+                np.frombuffer(provenance_wire.spec_kinds, dtype=np.uint32).tolist(),
+                np.frombuffer(provenance_wire.sliding_windows, dtype=np.int64).tolist(),
                 strict=True,
             )
+            names = [None, *provenance_wire.names]
             provenance = Provenance(provenance_wire.provenance)
             # Records go back in stream order, so topology ends as it was after folding.
-            for tier, engine, sequence, parent, has_parent, local, stream_seq, conflict in columns:
+            for (
+                tier, engine, sequence, parent, has_parent, local, stream_seq, conflict, group, refs, unresolved,
+                ownership, spec_kind, window,
+            ) in columns:
                 attach_record(own, BlockRecord(
-                    worker, _TIERS[tier], provenance, engine, sequence,
-                    parent if has_parent else None, local, stream_seq, conflict,
+                    worker, _TIERS[tier], provenance, engine, sequence, parent if has_parent else None, local,
+                    stream_seq, conflict, group, names[ownership], names[spec_kind], None if window < 0 else window,
+                    refs, unresolved,
                 ))
         fold.restore_worker(state)
     return fold

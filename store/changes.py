@@ -14,6 +14,8 @@ import attrs
 
 from kvledger.events import Cleared, EventBatch, Gap, Provenance, Removed, Stored, Tier, WorkerId
 from kvledger.fold import (
+    BlockKey,
+    BlockReferencedFact,
     BlockRemovedFact,
     BlockStoredFact,
     Fact,
@@ -24,8 +26,8 @@ from kvledger.fold import (
 )
 
 RowKey = tuple[int, int]  # (stored_seq, slot)
-# (worker, provenance) -> tier -> engine hash -> key of the open residency row
-ResidencyIndex = dict[tuple[WorkerId, Provenance], dict[Tier, dict[int, RowKey]]]
+# (worker, provenance) -> tier -> (group, ownership, engine hash) -> key of the open residency row
+ResidencyIndex = dict[tuple[WorkerId, Provenance], dict[Tier, dict[BlockKey, RowKey]]]
 _U64 = 1 << 64
 _I64_LIMIT = 1 << 63
 
@@ -33,11 +35,14 @@ _I64_LIMIT = 1 << 63
 RESIDENCY_COLUMNS = (
     "stored_seq", "slot", "publisher", "dp_rank", "tier", "provenance", "engine_hash", "sequence_hash",
     "parent_hash", "local_hash", "stored_ts", "conflict_since", "removed_seq", "removed_ts", "removal_cause",
+    "group_idx", "ownership", "kv_cache_spec_kind", "sliding_window", "refs", "unresolved",
 )  # fmt: skip
-_CONFLICT, _REMOVED_SEQ, _REMOVED_TS, _CAUSE = 11, 12, 13, 14
+_CONFLICT, _REMOVED_SEQ, _REMOVED_TS, _CAUSE, _REFS = 11, 12, 13, 14, 19
+_ALL_TIERS = tuple(tier.value for tier in Tier)
 EVENT_LOG_COLUMNS = (
     "stream_seq", "event_idx", "publisher", "dp_rank", "epoch", "engine_seq", "provenance", "kind", "tier",
     "block_count", "gap_reason", "gap_expected_seq", "gap_received_seq", "engine_ts", "ingest_ts",
+    "group_idx", "ownership",
 )  # fmt: skip
 UNCERTAIN_COLUMNS = ("publisher", "dp_rank", "provenance", "since_seq", "since_ts", "reason", "until_seq", "until_ts", "resolved_by")
 DEAD_LETTER_COLUMNS = (
@@ -60,9 +65,10 @@ class ChangeSet:
     new_residency: dict[RowKey, list] = attrs.field(factory=dict)
     # (removed_seq, removed_ts, cause, stored_seq, slot) for rows already in the database
     removals: list[tuple] = attrs.field(factory=list)
-    # (removed_seq, removed_ts, cause, publisher, dp_rank, provenance): close every open
-    # row of that worker stored before this transaction
+    # (removed_seq, removed_ts, cause, publisher, dp_rank, provenance, *four tier names):
+    # close every open row of that worker on those tiers stored before this transaction
     clears: list[tuple] = attrs.field(factory=list)
+    references: list[tuple] = attrs.field(factory=list)  # (refs, stored_seq, slot)
     conflicts: list[tuple] = attrs.field(factory=list)  # (conflict_since, stored_seq, slot)
     # (publisher, dp_rank, provenance) -> periods opened in this transaction, oldest first
     new_uncertain: dict[tuple, list[list]] = attrs.field(factory=dict)
@@ -99,14 +105,18 @@ class ChangeBuilder:
             kind = type(event)
             if kind is Stored:
                 row = ("stored", event.tier.value, len(event.block_hashes), None, None, None)
+                place = (event.group_idx, event.ownership)
             elif kind is Removed:
                 row = ("removed", event.tier.value, len(event.block_hashes), None, None, None)
+                place = (event.group_idx, event.ownership)
             elif kind is Cleared:
-                row = ("cleared", None, 0, None, None, None)
+                row = ("cleared", None if event.tier is None else event.tier.value, 0, None, None, None)
+                place = (None, None)
             else:
                 assert kind is Gap
                 row = ("gap", None, 0, event.reason.value, event.expected_seq, event.received_seq)
-            changes.event_rows.append((stream_seq, idx, *head[2:], *row, *tail))
+                place = (None, None)
+            changes.event_rows.append((stream_seq, idx, *head[2:], *row, *tail, *place))
         if facts:
             self._add_facts(changes, facts, stream_seq, batch.ingest_ts, worker, batch.provenance)
         previous = changes.workers.get(worker)
@@ -143,9 +153,11 @@ class ChangeBuilder:
                     None if parent is None else (parent - _U64 if parent >= _I64_LIMIT else parent),
                     local - _U64 if local >= _I64_LIMIT else local,
                     ts, stream_seq if record.conflict else None, None, None, None,
+                    record.group_idx, record.ownership, record.spec_kind, record.sliding_window, record.refs,
+                    record.unresolved,
                 ]  # fmt: skip
                 slot += 1
-                tier_held[engine] = key
+                tier_held[record.key] = key
             elif kind is BlockRemovedFact:
                 record = fact.record
                 if record.tier is not last_tier:
@@ -153,18 +165,32 @@ class ChangeBuilder:
                     tier_held = held.get(last_tier)
                     if tier_held is None:
                         tier_held = held[last_tier] = {}
-                key = tier_held.pop(record.engine_hash)
+                key = tier_held.pop(record.key)
                 removed += 1
                 row = new_rows.get(key)
                 if row is not None:
                     row[_REMOVED_SEQ], row[_REMOVED_TS], row[_CAUSE] = stream_seq, ts, fact.cause.value
                 else:
                     changes.removals.append((stream_seq, ts, fact.cause.value, key[0], key[1]))
+            elif kind is BlockReferencedFact:
+                record = fact.record
+                key = index[(record.worker, record.provenance)][record.tier][record.key]
+                row = new_rows.get(key)
+                if row is not None:
+                    row[_REFS] = record.refs
+                else:
+                    changes.references.append((record.refs, key[0], key[1]))
             elif kind is InventoryClearedFact:
-                cleared = index.pop((fact.worker, fact.provenance), None) or {}
-                if fact.worker == worker and fact.provenance is provenance:
-                    held = index[owner] = {}
-                    last_tier = None
+                if fact.tier is None:
+                    cleared = index.pop((fact.worker, fact.provenance), None) or {}
+                    if fact.worker == worker and fact.provenance is provenance:
+                        held = index[owner] = {}
+                    tiers = _ALL_TIERS
+                else:
+                    owned = index.get((fact.worker, fact.provenance)) or {}
+                    cleared = {fact.tier: owned.pop(fact.tier, {})}
+                    tiers = (fact.tier.value,) * len(_ALL_TIERS)
+                last_tier = None
                 older = False
                 blocks = 0
                 for key in (key for tier_held in cleared.values() for key in tier_held.values()):
@@ -175,13 +201,14 @@ class ChangeBuilder:
                     else:
                         row[_REMOVED_SEQ], row[_REMOVED_TS], row[_CAUSE] = stream_seq, ts, fact.cause.value
                 if older:
-                    changes.clears.append(
-                        (stream_seq, ts, fact.cause.value, fact.worker.publisher, fact.worker.dp_rank, fact.provenance.value)
-                    )
+                    changes.clears.append((
+                        stream_seq, ts, fact.cause.value, fact.worker.publisher, fact.worker.dp_rank,
+                        fact.provenance.value, *tiers,
+                    ))  # fmt: skip
                 changes.blocks += blocks
             elif kind is RetainedConflictFact:
                 record = fact.record
-                key = index[(record.worker, record.provenance)][record.tier][record.engine_hash]
+                key = index[(record.worker, record.provenance)][record.tier][record.key]
                 row = new_rows.get(key)
                 if row is not None:
                     row[_CONFLICT] = stream_seq

@@ -50,12 +50,14 @@ SQL_RESIDENCY = _insert("block_residency", RESIDENCY_COLUMNS)
 SQL_UNCERTAIN = _insert("uncertain_periods", UNCERTAIN_COLUMNS)
 SQL_DEAD_LETTER = _insert("dead_letters", DEAD_LETTER_COLUMNS)
 SQL_REMOVE = "UPDATE block_residency SET removed_seq = ?, removed_ts = ?, removal_cause = ? WHERE stored_seq = ? AND slot = ?"
-# `tier IN (...)` lets the (publisher, dp_rank, tier, removed_seq) index serve the scan.
+# `tier IN (...)` lets the (publisher, dp_rank, tier, removed_seq) index serve the scan; a
+# clear of one tier names it four times, a clear of all names each.
 SQL_CLEAR = (
     "UPDATE block_residency SET removed_seq = ?, removed_ts = ?, removal_cause = ? "
-    "WHERE publisher = ? AND dp_rank = ? AND tier IN ('device', 'host', 'disk', 'external') "
-    "AND removed_seq IS NULL AND provenance = ? AND stored_seq < ?"
+    "WHERE publisher = ? AND dp_rank = ? AND provenance = ? AND tier IN (?, ?, ?, ?) "
+    "AND removed_seq IS NULL AND stored_seq < ?"
 )
+SQL_REFERENCES = "UPDATE block_residency SET refs = ? WHERE stored_seq = ? AND slot = ?"
 SQL_CONFLICT = "UPDATE block_residency SET conflict_since = ? WHERE stored_seq = ? AND slot = ?"
 SQL_RESOLVE = (
     "UPDATE uncertain_periods SET until_seq = ?, until_ts = ?, resolved_by = ? "
@@ -107,6 +109,7 @@ class Recorder(abc.ABC):
         # earlier in the transaction must keep its own cause.
         for statement, rows in (
             (SQL_CONFLICT, changes.conflicts),
+            (SQL_REFERENCES, changes.references),
             (SQL_CLEAR, [(*row, changes.first_seq) for row in changes.clears]),
             (SQL_RESOLVE, changes.resolved_uncertain),
         ):
@@ -234,13 +237,17 @@ def load_fold(engine: sa.Engine) -> tuple[InventoryFold, ResidencyIndex]:
         rows = connection.execution_options(yield_per=50_000).execute(
             sa.select(
                 r.stored_seq, r.slot, r.publisher, r.dp_rank, r.tier, r.provenance, r.engine_hash,
-                r.sequence_hash, r.parent_hash, r.local_hash, r.conflict_since,
+                r.sequence_hash, r.parent_hash, r.local_hash, r.conflict_since, r.group_idx, r.ownership,
+                r.kv_cache_spec_kind, r.sliding_window, r.refs, r.unresolved,
             ).where(r.removed_seq.is_(None)).order_by(r.stored_seq, r.slot)
         )
         tiers = {tier.value: tier for tier in Tier}
         provenances = {provenance.value: provenance for provenance in Provenance}
         workers: dict[tuple[str, int], WorkerId] = {}
-        for stored_seq, slot, publisher, dp_rank, tier_name, provenance_name, engine, sequence, parent, local, conflict in rows:
+        for (
+            stored_seq, slot, publisher, dp_rank, tier_name, provenance_name, engine, sequence, parent, local, conflict,
+            group, ownership, spec_kind, window, refs, unresolved,
+        ) in rows:
             worker = workers.get((publisher, dp_rank))
             if worker is None:
                 worker = workers[(publisher, dp_rank)] = WorkerId(publisher, dp_rank)
@@ -249,9 +256,10 @@ def load_fold(engine: sa.Engine) -> tuple[InventoryFold, ResidencyIndex]:
             record = BlockRecord(
                 worker, tier, provenance, engine_hash, to_unsigned(sequence),
                 None if parent is None else to_unsigned(parent), to_unsigned(local), stored_seq, conflict is not None,
+                group, ownership, spec_kind, window, refs, bool(unresolved),
             )  # fmt: skip
             attach_record(states[worker].by_provenance[provenance], record)
-            index.setdefault((worker, provenance), {}).setdefault(tier, {})[engine_hash] = (stored_seq, slot)
+            index.setdefault((worker, provenance), {}).setdefault(tier, {})[record.key] = (stored_seq, slot)
     for state in states.values():
         fold.restore_worker(state)
     return fold, index

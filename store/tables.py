@@ -47,6 +47,7 @@ _HASH = sa.BigInteger
 _TS = sa.Double
 _PUBLISHER = sa.String(128)
 _NAME = sa.String(32)
+_OWNERSHIP = sa.String(128)
 
 # One row per canonical event; a batch of n events has rows event_idx 0..n-1.
 event_log = sa.Table(
@@ -67,6 +68,9 @@ event_log = sa.Table(
     sa.Column("gap_received_seq", _SEQ),
     sa.Column("engine_ts", _TS, nullable=False),
     sa.Column("ingest_ts", _TS, nullable=False),
+    # a store's or removal's KV-cache group and offload ownership (NULL for clears and gaps)
+    sa.Column("group_idx", sa.Integer),
+    sa.Column("ownership", _OWNERSHIP),
     sa.Index("ix_event_log_worker", "publisher", "dp_rank", "stream_seq"),
     sa.Index("ix_event_log_ingest_ts", "ingest_ts", "stream_seq"),
     # gaps are rare: a partial index finds them without scanning the log
@@ -96,6 +100,15 @@ block_residency = sa.Table(
     sa.Column("removed_seq", _SEQ),
     sa.Column("removed_ts", _TS),
     sa.Column("removal_cause", _NAME),  # NULL while stored; removed | cleared | restart
+    # A block's identity on a tier is (group_idx, ownership, engine_hash): one KV-cache group's
+    # or one offload tier's removal never closes another's row.
+    sa.Column("group_idx", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("ownership", _OWNERSHIP),
+    sa.Column("kv_cache_spec_kind", _NAME),  # the group's kind as its store declared it
+    sa.Column("sliding_window", sa.Integer),
+    sa.Column("refs", sa.Integer, nullable=False, server_default="1"),  # announcements not yet removed
+    # a store without tokens whose block was unknown: hashes 0, kept for audit, never indexed
+    sa.Column("unresolved", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Index("ix_residency_worker_removed", "publisher", "dp_rank", "tier", "removed_seq"),
     sa.Index("ix_residency_engine_hash", "engine_hash"),
     # Clustered on (stored_seq, slot) in SQLite: one B-tree fewer to insert into per block.

@@ -63,6 +63,10 @@ def test_device_overlaps_equal_dynamo_radix_tree_scores(data: st.DataObject) -> 
             start = data.draw(st.sampled_from(starts))
             end = data.draw(st.integers(start + 1, len(path)))
             blocks = tuple(engine_hash(path, i) for i in range(start, end))
+            if mine.intersection(blocks):
+                # A second store of a held block is one more reference in kvledger (vLLM stores
+                # and removes each copy of a block), a no-op in Dynamo's tree: not compared here.
+                continue
             parent_of.update({engine_hash(path, i): engine_hash(path, i - 1) if i else None for i in range(start, end)})
             event = Stored(Tier.DEVICE, blocks, engine_hash(path, start - 1) if start else None, BLOCK_SIZE,
                            local_hashes(list(path[start:end])))

@@ -97,7 +97,7 @@ def _raw_record(**overrides) -> bytes:
 
 
 def test_a_record_from_a_newer_schema_fails_clearly() -> None:
-    with pytest.raises(RecordError, match=r"schema version 2 is newer than this kvledger understands \(up to 1\)"):
+    with pytest.raises(RecordError, match=rf"schema version {SCHEMA_VERSION + 1} is newer than this kvledger understands \(up to {SCHEMA_VERSION}\)"):
         decode_batch(_raw_record(v=SCHEMA_VERSION + 1))
 
 
