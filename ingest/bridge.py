@@ -32,7 +32,7 @@ from ingest.publisher import JetStreamPublisher
 from ingest.replay import ReplayClient
 from ingest.sequence import Emit, SequenceTracker
 from ingest.subscriber import EngineSubscriber
-from ingest.wire import WireError, decode_payload, split_publisher_frames, well_framed_seq
+from ingest.wire import EngineBatch, WireError, decode_payload, split_publisher_frames, well_framed_seq
 from kvledger.events import (
     DeadLetter, EventBatch, Gap, GapReason, Provenance, decode_batch, encode_batch,
     encode_dead_letter, events_subject,
@@ -84,6 +84,8 @@ class IngestMetrics:
         self.gaps: collections.Counter[str] = collections.Counter()  # per reason
         self.dead_letters: collections.Counter[str] = collections.Counter()  # per publisher
         self.remote_skipped = 0
+        self.rejected_events: collections.Counter[str] = collections.Counter()  # per event type tag
+        self.unaligned_tokens = 0
         self.streams: list[EngineStream] = []
         self.publisher: JetStreamPublisher | None = None
         self.publish_latency = LatencyHistogram(
@@ -113,6 +115,10 @@ class IngestMetrics:
         yield family("kvledger_ingest_gaps", "Gap events synthesised", "reason", self.gaps)
         yield family("kvledger_ingest_dead_letters", "malformed inputs dead-lettered", "publisher", self.dead_letters)
         yield family("kvledger_ingest_remote_events_skipped", "events about REMOTE blocks kept out", None, self.remote_skipped)
+        yield family("kvledger_ingest_rejected_events", "single events dead-lettered while the rest of their batch applied",
+                     "type", self.rejected_events)
+        yield family("kvledger_ingest_unaligned_token_stores", "stores whose token ids do not line up with their hashes "
+                     "(null blocks): hashed from the worker's other groups", None, self.unaligned_tokens)
         yield family("kvledger_ingest_replays", "replay requests sent to engines", None, sum(t.counters.replays for t in trackers))
         yield family("kvledger_ingest_duplicates", "engine batches dropped as already published", None,
                      sum(t.counters.duplicates for t in trackers))
@@ -217,6 +223,22 @@ class EngineStream:
         for emit in emits:
             await self._publish_one(emit)
 
+    async def _reject_events(self, decoded: EngineBatch, emit: Emit) -> tuple[Gap, ...]:
+        """Dead-letter each unusable event alone; the gaps the batch then carries.
+
+        The batch's other events still apply. Only a lost event that may hide an eviction
+        makes the worker uncertain (`RejectedEvent.loses_state`).
+        """
+        for rejected in decoded.rejected:
+            self._bridge.metrics.rejected_events[rejected.tag or "untagged"] += 1
+            await self._bridge.dead_letter(
+                self.source, f"event {rejected.position} ({rejected.tag or 'untagged'}): {rejected.reason}",
+                [rejected.raw], emit, position=rejected.position,
+            )
+        if any(rejected.loses_state for rejected in decoded.rejected):
+            return (*emit.gaps, Gap(emit.seq, emit.seq + 1, GapReason.MISSED))
+        return emit.gaps
+
     async def _publish_one(self, emit: Emit) -> None:
         """Decode, count, encode and queue one batch (the hot path: one call per engine batch)."""
         metrics = self._bridge.metrics
@@ -224,7 +246,7 @@ class EngineStream:
         metrics.batches_in[source.worker.publisher] += 1
         engine_ts = 0.0
         try:
-            decoded = decode_payload(emit.payload, max_bytes=self._max_batch_bytes)
+            decoded = decode_payload(emit.payload, max_bytes=self._max_batch_bytes, engine=source.engine)
         except WireError as error:
             await self._bridge.dead_letter(source, str(error), [emit.payload], emit)
             # The batch's events are lost to us: say so, so the worker is reported uncertain.
@@ -233,8 +255,11 @@ class EngineStream:
         else:
             engine_ts = decoded.engine_ts
             gaps = emit.gaps  # usually none: then the batch is the engine's events as decoded
+            if decoded.rejected:
+                gaps = await self._reject_events(decoded, emit)
             events = (*gaps, *decoded.events) if gaps else decoded.events
             metrics.remote_skipped += decoded.skipped_remote
+            metrics.unaligned_tokens += decoded.unaligned_tokens
         kinds = metrics.events
         for event in events:
             kinds[type(event).__name__] += 1
@@ -371,7 +396,10 @@ class Bridge(AsyncLifetime):
         last = decode_batch(message.data)
         return last.epoch, last.seq + 1
 
-    async def dead_letter(self, source: StreamSource, reason: str, frames: list[bytes], emit: Emit | None = None) -> None:
+    async def dead_letter(
+        self, source: StreamSource, reason: str, frames: list[bytes], emit: Emit | None = None,
+        position: int | None = None,
+    ) -> None:
         worker = source.worker
         log.warning("%s: dead-lettered: %s", worker.name, reason)
         self.metrics.dead_letters[worker.publisher] += 1
@@ -388,6 +416,8 @@ class Bridge(AsyncLifetime):
             f"dlq:{worker.publisher}:{worker.dp_rank}:{source.provenance.value}:{emit.epoch}:{emit.seq}"
             if emit is not None else f"dlq:{uuid.uuid4()}"
         )
+        if position is not None:
+            msg_id += f":{position}"  # one dead letter per rejected event of the batch
         await self.publisher.publish(dead_letter_subject(worker.publisher), encode_dead_letter(letter), msg_id)
 
     def _acked(self, latency_s: float, engine_ts: float | None) -> None:

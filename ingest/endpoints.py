@@ -1,4 +1,4 @@
-"""Endpoint specs: `tcp://HOST:PORT[,replay=tcp://HOST:PORT][,provenance=retained][,dp_ranks=N][,publisher=NAME]`."""
+"""Endpoint specs: `tcp://HOST:PORT[,replay=tcp://HOST:PORT][,provenance=retained][,dp_ranks=N][,publisher=NAME][,engine=vllm|sglang|trtllm]`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from ingest.wire import Engine
 from kvledger.events import Provenance, WorkerId, validate_publisher
 
 
@@ -28,6 +29,7 @@ class EndpointSpec:
     replay_url: str | None = None
     provenance: Provenance = Provenance.NATIVE
     dp_ranks: int = 1
+    engine: Engine = Engine.VLLM
 
 
 @attrs.frozen
@@ -38,6 +40,7 @@ class StreamSource:
     pub_url: str
     replay_url: str | None
     provenance: Provenance
+    engine: Engine = Engine.VLLM  # what a clear means differs by engine (docs/ingest.md)
 
 
 def _check_url(url: str, spec: str) -> str:
@@ -57,8 +60,10 @@ def parse_endpoint(spec: str, publisher: str | None = None) -> EndpointSpec:
     values: dict[str, str] = {}
     for option in options:
         key, sep, value = option.partition("=")
-        if not sep or key not in ("replay", "provenance", "dp_ranks", "publisher"):
-            raise EndpointError(f"endpoint {spec!r}: unknown option {option!r} (replay=, provenance=, dp_ranks=, publisher=)")
+        if not sep or key not in ("replay", "provenance", "dp_ranks", "publisher", "engine"):
+            raise EndpointError(
+                f"endpoint {spec!r}: unknown option {option!r} (replay=, provenance=, dp_ranks=, publisher=, engine=)"
+            )
         values[key] = value
     name = values.get("publisher", publisher)
     if name is None:
@@ -81,7 +86,12 @@ def parse_endpoint(spec: str, publisher: str | None = None) -> EndpointSpec:
             raise EndpointError(f"endpoint {spec!r}: dp_ranks > 1 needs tcp:// addresses (rank r uses port + r)")
         if replay:
             _check_rank_ports(pub_url, replay, int(ranks), spec)
-    return EndpointSpec(name, pub_url, replay, provenance, int(ranks))
+    try:
+        engine = Engine(values.get("engine", "vllm").lower())
+    except ValueError:
+        choices = ", ".join(engine.value for engine in Engine)
+        raise EndpointError(f"endpoint {spec!r}: engine must be one of {choices}") from None
+    return EndpointSpec(name, pub_url, replay, provenance, int(ranks), engine)
 
 
 def _check_rank_ports(pub_url: str, replay_url: str, ranks: int, spec: str) -> None:
@@ -118,6 +128,7 @@ def stream_sources(endpoints: Sequence[EndpointSpec]) -> list[StreamSource]:
             with_port_offset(endpoint.pub_url, rank),
             with_port_offset(endpoint.replay_url, rank) if endpoint.replay_url else None,
             endpoint.provenance,
+            endpoint.engine,
         )
         for endpoint in endpoints
         for rank in range(endpoint.dp_ranks)

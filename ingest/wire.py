@@ -8,6 +8,7 @@ anything else raises `WireError` with a reason that ends up in the dead-letter c
 from __future__ import annotations
 
 import array
+import enum
 import functools
 import struct
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ import msgspec
 import xxhash
 
 from kvledger.events import Cleared, Event, Removed, Stored, Tier
-from kvledger.hashing import block_seed, local_block_hashes
+from kvledger.hashing import block_seed, local_block_hashes, parse_extra_keys
 
 U64 = 1 << 64
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -39,10 +40,44 @@ _STORED_FIELDS = (
     "ownership", "session_id",
 )
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+_OWNERSHIP_MAX_LEN = 128  # the SQL column's size
+
+
+class Engine(enum.Enum):
+    """Which engine an endpoint is: the wire is shared, what a clear covers is not (docs/ingest.md)."""
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    TRTLLM = "trtllm"
+
+
+# vLLM's AllBlocksCleared comes from its GPU pool's reset_prefix_cache: offload tiers survive.
+# SGLang's flush_cache resets the radix tree and its host pool together. TensorRT-LLM's
+# clear is of its KV-cache manager's one pool (its host tier is reported as moves).
+CLEAR_SCOPE: dict[Engine, Tier | None] = {Engine.VLLM: Tier.DEVICE, Engine.SGLANG: None, Engine.TRTLLM: None}
 
 
 class WireError(ValueError):
     """Engine input that cannot be turned into canonical events; the message is the reason."""
+
+
+@attrs.frozen
+class RejectedEvent:
+    """One event of a batch that could not be used: dead-lettered alone, the rest of its batch applies."""
+
+    position: int  # in the engine's batch
+    tag: str  # its type tag as sent, or "" when it had none
+    reason: str
+    raw: bytes  # the event re-encoded as msgpack, for the dead-letter copy
+
+    @property
+    def loses_state(self) -> bool:
+        """Whether dropping it leaves the fold believing blocks the engine no longer holds.
+
+        A lost store only leaves blocks out (decisions stay safe, and the store is counted);
+        a lost removal, clear or unknown event may hide an eviction, so the worker is uncertain.
+        """
+        return self.tag != "BlockStored"
 
 
 @attrs.frozen
@@ -53,6 +88,8 @@ class EngineBatch:
     events: tuple[Event, ...]
     dp_rank: int | None
     skipped_remote: int = 0  # events about blocks held elsewhere (locality REMOTE)
+    rejected: tuple[RejectedEvent, ...] = ()
+    unaligned_tokens: int = 0  # stores whose tokens do not line up with their hashes (null blocks)
 
 
 @attrs.frozen
@@ -166,39 +203,94 @@ def _hash_list(value: object, field: str) -> tuple[int, ...]:
         return tuple(block_hash(item) for item in value)
 
 
-def _optional_str(fields: dict[str, Any], name: str) -> str | None:
+def _optional_str(fields: dict[str, Any], name: str, max_len: int | None = None) -> str | None:
     value = fields.get(name)
     if value is not None and not isinstance(value, str):
         raise WireError(f"{name} must be a string or null, got {type(value).__name__}")
+    if value is not None and max_len is not None and len(value) > max_len:
+        raise WireError(f"{name} is longer than {max_len} characters")
     return value
 
 
-def _stored(fields: dict[str, Any]) -> Stored:
+def _optional_int(fields: dict[str, Any], name: str) -> int | None:
+    value = fields.get(name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise WireError(f"{name} must be a non-negative integer or null, got {value!r}")
+    return value
+
+
+def _bigram_tokens(pairs: Sequence[object]) -> list[int]:
+    """EAGLE's bigram keys (SGLang: token ids as `[t[j], t[j+1]]` pairs) as the flat tokens they cover.
+
+    A page of n pairs covers n + 1 tokens; hashed with a one-token lookahead it is exactly
+    Dynamo's EAGLE window (block_size + 1 tokens), so a request with `lookahead=1` matches.
+    """
+    flat = []
+    for position, pair in enumerate(pairs):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise WireError(f"token_ids mixes pairs and single tokens (item {position} is {pair!r:.40})")
+        if flat and pair[0] != flat[-1][1]:
+            raise WireError(f"bigram token pairs do not chain at item {position}: {flat[-1]!r} then {pair!r}")
+        flat.append(pair)
+    return [pair[0] for pair in flat] + [flat[-1][1]] if flat else []
+
+
+def _stored(fields: dict[str, Any]) -> tuple[Stored, bool]:
+    """The canonical store, and whether its tokens had to be set aside as unaligned."""
     hashes = _hash_list(fields.get("block_hashes"), "block_hashes")
     parent = fields.get("parent_block_hash")
     block_size = fields.get("block_size")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-        raise WireError(f"block_size must be a positive integer, got {block_size!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
+        raise WireError(f"block_size must be a non-negative integer, got {block_size!r}")
     tokens = fields.get("token_ids")
+    if tokens is None:
+        tokens = ()
     if not isinstance(tokens, (list, tuple)):
         raise WireError(f"token_ids must be a list, got {type(tokens).__name__}")
-    if len(tokens) != len(hashes) * block_size:
-        raise WireError(
-            f"BlockStored has {len(hashes)} blocks of {block_size} tokens but {len(tokens)} token ids"
-        )
     lora_name = _optional_str(fields, "lora_name")
     cache_salt = _optional_str(fields, "cache_salt")
-    group_idx = fields.get("group_idx") or 0
-    if not isinstance(group_idx, int) or isinstance(group_idx, bool) or group_idx < 0:
-        raise WireError(f"group_idx must be a non-negative integer, got {group_idx!r}")
+    ownership = _optional_str(fields, "ownership", _OWNERSHIP_MAX_LEN)
+    spec_kind = _optional_str(fields, "kv_cache_spec_kind", 32)
+    window = _optional_int(fields, "kv_cache_spec_sliding_window")
+    group_idx = _optional_int(fields, "group_idx") or 0
+    lookahead = 0
+    if tokens and isinstance(tokens[0], (list, tuple)):
+        tokens, lookahead = _bigram_tokens(tokens), 1
+    event = Stored(
+        _tier(fields.get("medium")), hashes, None if parent is None else block_hash(parent), block_size,
+        (), lora_name, cache_salt, group_idx, ownership, spec_kind, window,
+    )
+    if not tokens or not hashes:
+        # An offload placeholder or a connector's store: no tokens, so the fold takes the
+        # block's hashes from the worker's engine-hash map.
+        return event, False
+    if block_size == 0:
+        raise WireError(f"block_size must be positive when token ids are given, got {block_size}")
+    expected = len(hashes) * block_size + lookahead
+    if len(tokens) != expected:
+        if len(tokens) > expected and (len(tokens) - lookahead) % block_size == 0:
+            # vLLM leaves null blocks (outside a sliding window, Mamba's skipped states) out of
+            # block_hashes but keeps their tokens: which slice belongs to which hash is not
+            # in the event, so the hashes come from the same blocks in another group.
+            return event, True
+        raise WireError(f"BlockStored has {len(hashes)} blocks of {block_size} tokens but {len(tokens) - lookahead} token ids")
     try:
-        local = local_block_hashes(tokens, block_size, lora_name=lora_name, cache_salt=cache_salt)
+        keys = parse_extra_keys(fields.get("extra_keys"), lora_name)
+        if keys and len(keys) != len(hashes):
+            raise ValueError(f"extra_keys has {len(keys)} entries for {len(hashes)} blocks")
+        lookahead_tokens = fields.get("lookahead_token_ids")
+        if lookahead_tokens is not None and (
+            not isinstance(lookahead_tokens, (list, tuple)) or len(lookahead_tokens) != len(hashes)
+            or not all(isinstance(extra, (list, tuple)) for extra in lookahead_tokens)
+        ):
+            raise ValueError(f"lookahead_token_ids must be one list of token ids per block ({len(hashes)})")
+        local = local_block_hashes(
+            tokens, block_size, lora_name=lora_name, cache_salt=cache_salt if parent is None else None,
+            block_keys=keys, lookahead=lookahead, lookahead_token_ids=lookahead_tokens,
+        )
     except ValueError as error:
         raise WireError(str(error)) from None
-    return Stored(
-        _tier(fields.get("medium")), hashes, None if parent is None else block_hash(parent), block_size,
-        tuple(local), lora_name, cache_salt, group_idx,
-    )
+    return attrs.evolve(event, local_hashes=tuple(local)), False
 
 
 def _is_remote(fields: dict[str, Any]) -> bool:
@@ -206,18 +298,33 @@ def _is_remote(fields: dict[str, Any]) -> bool:
     return isinstance(locality, str) and locality.upper() == "REMOTE"
 
 
-def decode_event(event: object) -> Event | None:
+def decode_event(event: object, engine: Engine = Engine.VLLM) -> Event | None:
     """One engine event as a canonical event, or None for an event about remote blocks."""
+    return _decode_event(event, engine)[0]
+
+
+def _decode_event(event: object, engine: Engine) -> tuple[Event | None, bool]:
     tag, fields = _fields(event)
     if tag == "BlockStored":
-        stored = _stored(fields)
-        return None if _is_remote(fields) else stored
+        stored, unaligned = _stored(fields)
+        return (None if _is_remote(fields) else stored), unaligned
     if tag == "BlockRemoved":
-        removed = Removed(_tier(fields.get("medium")), _hash_list(fields.get("block_hashes"), "block_hashes"))
-        return None if _is_remote(fields) else removed
+        removed = Removed(
+            _tier(fields.get("medium")), _hash_list(fields.get("block_hashes"), "block_hashes"),
+            _optional_int(fields, "group_idx") or 0, _optional_str(fields, "ownership", _OWNERSHIP_MAX_LEN),
+        )
+        return (None if _is_remote(fields) else removed), False
     if tag == "AllBlocksCleared":
-        return Cleared()
+        return Cleared(CLEAR_SCOPE[engine]), False
     raise WireError(f"unknown event type {tag!r}")
+
+
+def _tag_of(event: object) -> str:
+    if isinstance(event, dict) and isinstance(event.get("type"), str):
+        return event["type"]
+    if isinstance(event, (list, tuple)) and event and isinstance(event[0], str):
+        return event[0]
+    return ""
 
 
 def _batch_parts(batch: object) -> tuple[object, object, object]:
@@ -228,17 +335,21 @@ def _batch_parts(batch: object) -> tuple[object, object, object]:
     raise WireError("batch must be [ts, events, dp_rank], [ts, events] or a map with those keys")
 
 
-def decode_payload(payload: bytes, *, max_bytes: int | None = None) -> EngineBatch:
-    """Decode one msgpack engine batch in any accepted variant."""
+def decode_payload(payload: bytes, *, max_bytes: int | None = None, engine: Engine = Engine.VLLM) -> EngineBatch:
+    """Decode one msgpack engine batch in any accepted variant.
+
+    A batch that cannot be read at all raises WireError; an event that cannot be used is
+    left out and listed in `rejected`, and the rest of its batch decodes as usual.
+    """
     if max_bytes is not None and len(payload) > max_bytes:
         raise WireError(f"batch of {len(payload)} bytes exceeds the limit of {max_bytes}")
-    fast = _decode_vllm_layout(payload)
+    fast = _decode_vllm_layout(payload, engine)
     if fast is not None:
         return fast
-    return _decode_any_variant(payload)
+    return _decode_any_variant(payload, engine)
 
 
-def _decode_any_variant(payload: bytes) -> EngineBatch:
+def _decode_any_variant(payload: bytes, engine: Engine) -> EngineBatch:
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as error:
@@ -251,14 +362,20 @@ def _decode_any_variant(payload: bytes) -> EngineBatch:
     if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool) or dp_rank < 0):
         raise WireError(f"data_parallel_rank must be a non-negative integer or null, got {dp_rank!r}")
     events: list[Event] = []
-    skipped = 0
-    for raw_event in raw_events:
-        event = decode_event(raw_event)
+    rejected: list[RejectedEvent] = []
+    skipped = unaligned = 0
+    for position, raw_event in enumerate(raw_events):
+        try:
+            event, set_aside = _decode_event(raw_event, engine)
+        except WireError as error:
+            rejected.append(RejectedEvent(position, _tag_of(raw_event), str(error), _encoder.encode(raw_event)))
+            continue
+        unaligned += set_aside
         if event is None:
             skipped += 1
         else:
             events.append(event)
-    return EngineBatch(float(ts), tuple(events), dp_rank, skipped)
+    return EngineBatch(float(ts), tuple(events), dp_rank, skipped, tuple(rejected), unaligned)
 
 
 # --- the fast path: vLLM's own layout, decoded typed ---------------------------------
@@ -288,12 +405,20 @@ class _VllmStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False)
     cache_salt: str | None = None
     group_idx: int | None = None
     locality: str | None = None
+    # Anything but None here (per-block keys, lookahead) is left to the generic path.
+    extra_keys: tuple[None, ...] | None = None
+    lookahead_token_ids: None = None
+    ownership: str | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class _VllmRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
     block_hashes: tuple[_U64, ...]
     medium: str | None = None
     locality: str | None = None
+    group_idx: int | None = None
+    ownership: str | None = None
 
 
 class _VllmCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
@@ -310,7 +435,7 @@ _vllm_batch_decoder = msgspec.msgpack.Decoder(_VllmBatch)
 _FIXARRAY_OF_3 = 0x93  # msgpack's first byte of a 3-element array: the typed path takes no other length
 
 
-def _decode_vllm_layout(payload: bytes) -> EngineBatch | None:
+def _decode_vllm_layout(payload: bytes, engine: Engine) -> EngineBatch | None:
     """The batch if it is in vLLM's own layout with plain values, else None (for the generic path)."""
     if not payload or payload[0] != _FIXARRAY_OF_3:
         return None
@@ -323,7 +448,7 @@ def _decode_vllm_layout(payload: bytes) -> EngineBatch | None:
         for raw_event in batch.events:
             kind = type(raw_event)
             if kind is _VllmCleared:
-                events.append(Cleared())
+                events.append(Cleared(CLEAR_SCOPE[engine]))
                 continue
             event = _typed_stored(raw_event) if kind is _VllmStored else _typed_removed(raw_event)
             if raw_event.locality is not None and raw_event.locality.upper() == "REMOTE":
@@ -347,12 +472,18 @@ def _typed_stored(event: _VllmStored) -> Stored:
     block_size = event.block_size
     tokens = event.token_ids
     group_idx = event.group_idx or 0
-    if block_size <= 0 or group_idx < 0 or len(tokens) != len(hashes) * block_size:
+    window = event.kv_cache_spec_sliding_window
+    if (
+        block_size <= 0 or group_idx < 0 or not tokens or len(tokens) != len(hashes) * block_size
+        or (event.cache_salt and event.parent_block_hash is None) or (window is not None and window < 0)
+        or (event.ownership is not None and len(event.ownership) > _OWNERSHIP_MAX_LEN)
+        or (event.kv_cache_spec_kind is not None and len(event.kv_cache_spec_kind) > 32)
+    ):
         raise _NotFast
-    local = _local_hashes(tokens, block_size, block_seed(event.lora_name, event.cache_salt))
+    local = _local_hashes(tokens, block_size, block_seed(event.lora_name))
     return Stored(
         _typed_tier(event.medium), hashes, event.parent_block_hash, block_size,
-        tuple(local), event.lora_name, event.cache_salt, group_idx,
+        tuple(local), event.lora_name, event.cache_salt, group_idx, event.ownership, event.kv_cache_spec_kind, window,
     )
 
 
@@ -369,7 +500,10 @@ def _local_hashes(tokens: tuple[int, ...], block_size: int, seed: int) -> list[i
 
 
 def _typed_removed(event: _VllmRemoved) -> Removed:
-    return Removed(_typed_tier(event.medium), event.block_hashes)
+    group_idx = event.group_idx or 0
+    if group_idx < 0 or (event.ownership is not None and len(event.ownership) > _OWNERSHIP_MAX_LEN):
+        raise _NotFast
+    return Removed(_typed_tier(event.medium), event.block_hashes, group_idx, event.ownership)
 
 
 # --- encoding vLLM's current format (the simulator and tests speak it) ---------------

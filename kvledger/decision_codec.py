@@ -12,7 +12,7 @@ from typing import Any
 import cattrs
 
 from kvledger.events import Tier, WorkerId
-from kvledger.hashing import local_block_hashes
+from kvledger.hashing import local_block_hashes, parse_extra_keys
 from kvledger.reuse import Candidate, Decision, Overlap, ReuseRequest
 
 U64_MAX = (1 << 64) - 1
@@ -33,7 +33,11 @@ class RequestError(ValueError):
 
 
 MAX_REQUEST_ID_CHARS = 256
-_REQUEST_FIELDS = frozenset({"request_id", "target", "token_ids", "local_hashes", "block_size", "lora_name", "cache_salt"})
+_REQUEST_FIELDS = frozenset({
+    "request_id", "target", "token_ids", "local_hashes", "block_size", "lora_name", "cache_salt", "extra_keys",
+    "lookahead",
+})
+MAX_LOOKAHEAD = 64
 
 
 def _int_list(value: object, field: str, *, upper: int) -> list[int]:
@@ -91,9 +95,22 @@ def request_from_json(body: object) -> ReuseRequest:
     has_tokens, has_hashes = body.get("token_ids") is not None, body.get("local_hashes") is not None
     if has_tokens == has_hashes:
         raise RequestError("token_ids", "give exactly one of token_ids or local_hashes")
+    lookahead = body.get("lookahead", 0)
+    if not isinstance(lookahead, int) or isinstance(lookahead, bool) or not 0 <= lookahead <= MAX_LOOKAHEAD:
+        raise RequestError("lookahead", f"an integer in [0, {MAX_LOOKAHEAD}] (1: EAGLE's window), got {lookahead!r}")
+    if has_hashes and (lookahead or body.get("extra_keys") is not None or cache_salt):
+        field = "lookahead" if lookahead else "extra_keys" if body.get("extra_keys") is not None else "cache_salt"
+        raise RequestError(field, "applies to token_ids; local_hashes are already hashed")
     if has_tokens:
         tokens = _int_list(body["token_ids"], "token_ids", upper=0xFFFFFFFF)
-        local = local_block_hashes(tokens, block_size, lora_name=lora_name, cache_salt=cache_salt)
+        try:
+            # The same per-block keys as an engine's stores, so a request hashes as its blocks did.
+            keys = parse_extra_keys(body.get("extra_keys"), lora_name)
+        except ValueError as error:
+            raise RequestError("extra_keys", str(error)) from None
+        local = local_block_hashes(
+            tokens, block_size, lora_name=lora_name, cache_salt=cache_salt, block_keys=keys, lookahead=lookahead,
+        )
     else:
         local = _int_list(body["local_hashes"], "local_hashes", upper=U64_MAX)
     if len(local) > MAX_REQUEST_BLOCKS:

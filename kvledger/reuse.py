@@ -13,7 +13,7 @@ from typing import Protocol
 import attrs
 
 from kvledger.events import Provenance, Tier, WorkerId
-from kvledger.hashing import local_block_hashes, sequence_hashes
+from kvledger.hashing import BlockKeys, local_block_hashes, sequence_hashes
 from kvledger.settings import ReuseSettings, settings_digest
 
 NATIVE = Provenance.NATIVE
@@ -54,8 +54,12 @@ class ReuseRequest:
         target: WorkerId | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        block_keys: Sequence[BlockKeys] = (),
+        lookahead: int = 0,
     ) -> ReuseRequest:
-        local = local_block_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
+        local = local_block_hashes(
+            token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt, block_keys=block_keys, lookahead=lookahead,
+        )
         return cls(request_id, tuple(local), block_size, target, lora_name)
 
     @property

@@ -46,9 +46,9 @@ def test_vllm_current_format_batch_array_with_tagged_maps() -> None:
     batch = decode_payload(payload)
     assert batch.engine_ts == 1700000000.5 and batch.dp_rank == 2
     assert batch.events == (
-        Stored(Tier.DEVICE, (BIG, 7), 3, 16, LOCAL, None, None, 0),
+        Stored(Tier.DEVICE, (BIG, 7), 3, 16, LOCAL, None, None, 0, "OWNED", "full_attention"),
         Removed(Tier.HOST, (7,)),
-        Cleared(),
+        Cleared(Tier.DEVICE),  # vLLM's clear is its GPU pool's
     )
 
 
@@ -63,7 +63,7 @@ def test_the_encoder_speaks_what_the_decoder_reads() -> None:
     assert batch.events == (
         Stored(Tier.DISK, (BIG, 7), None, 16, tuple(local_block_hashes(TOKENS, 16, lora_name="adapter")), "adapter", None, 0),
         Removed(Tier.DEVICE, (BIG,)),
-        Cleared(),
+        Cleared(Tier.DEVICE),
     )
 
 
@@ -129,23 +129,41 @@ def test_remote_locality_is_kept_out_of_inventory_and_counted() -> None:
 @pytest.mark.parametrize(
     ("payload", "reason"),
     [
-        (pack([1.0, [stored_map(medium="TAPE")]]), "unknown medium 'TAPE'"),
-        (pack([1.0, [stored_map(token_ids=TOKENS[:20])]]), "2 blocks of 16 tokens but 20 token ids"),
-        (pack([1.0, [stored_map(block_size=0)]]), "block_size must be a positive integer"),
-        (pack([1.0, [{"type": "BlockMoved"}]]), "unknown event type 'BlockMoved'"),
-        (pack([1.0, [{"no": "type"}]]), "no string 'type' tag"),
-        (pack([1.0, [42]]), "tagged map or a tagged array"),
         (pack(["x", []]), "ts must be a number"),
         (pack([1.0, "events"]), "events must be a list"),
         (pack([1.0]), "batch must be"),
         (pack([1.0, [], -1]), "data_parallel_rank"),
-        (pack([1.0, [stored_map(token_ids=[1.5] * 32)]]), "token ids"),
         (b"\xc1", "not msgpack"),
     ],
 )
 def test_malformed_batches_give_a_precise_reason(payload: bytes, reason: str) -> None:
     with pytest.raises(WireError, match=reason):
         decode_payload(payload)
+
+
+@pytest.mark.parametrize(
+    ("bad", "tag", "reason"),
+    [
+        (stored_map(medium="TAPE"), "BlockStored", "unknown medium 'TAPE'"),
+        (stored_map(token_ids=TOKENS[:20]), "BlockStored", "2 blocks of 16 tokens but 20 token ids"),
+        (stored_map(block_size=0), "BlockStored", "block_size must be positive when token ids are given"),
+        (stored_map(block_size=-1), "BlockStored", "block_size must be a non-negative integer"),
+        (stored_map(token_ids=[1.5] * 32), "BlockStored", "token ids"),
+        (stored_map(extra_keys=[None]), "BlockStored", "extra_keys has 1 entries for 2 blocks"),
+        (stored_map(ownership="x" * 200), "BlockStored", "ownership is longer than 128"),
+        ({"type": "BlockMoved"}, "BlockMoved", "unknown event type 'BlockMoved'"),
+        ({"no": "type"}, "", "no string 'type' tag"),
+        (42, "", "tagged map or a tagged array"),
+    ],
+)
+def test_one_bad_event_is_rejected_alone_and_the_rest_of_its_batch_decodes(bad, tag: str, reason: str) -> None:
+    good = stored_map()
+    batch = decode_payload(pack([1.0, [good, bad, {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}]]))
+    assert [type(event).__name__ for event in batch.events] == ["Stored", "Removed"]
+    [rejected] = batch.rejected
+    assert (rejected.position, rejected.tag) == (1, tag) and reason in rejected.reason
+    assert msgspec.msgpack.decode(rejected.raw) == bad  # the dead-letter copy is the event as sent
+    assert rejected.loses_state is (tag != "BlockStored")
 
 
 def test_oversized_batches_are_refused_before_decoding() -> None:
@@ -233,7 +251,7 @@ def _vllm_like_events(draw) -> dict:
 
 def _generic_or_error(payload: bytes):
     try:
-        return wire._decode_any_variant(payload)
+        return wire._decode_any_variant(payload, wire.Engine.VLLM)
     except WireError as error:
         return ("WireError", str(error))
 
@@ -246,9 +264,9 @@ def _generic_or_error(payload: bytes):
 )
 def test_the_typed_fast_path_decides_exactly_as_the_generic_path(ts, events, dp_rank) -> None:
     payload = pack([ts, events, dp_rank])
-    fast = wire._decode_vllm_layout(payload)
+    fast = wire._decode_vllm_layout(payload, wire.Engine.VLLM)
     if fast is not None:
-        assert fast == wire._decode_any_variant(payload)
+        assert fast == wire._decode_any_variant(payload, wire.Engine.VLLM)
     result = decode_payload(payload) if fast is not None else None
     assert fast is None or result == fast
     try:
@@ -261,6 +279,8 @@ def test_the_fast_path_takes_vllm_batches_with_lora_salt_and_big_hashes() -> Non
     events = [stored_map(lora_name="adapter", cache_salt="s"), {"type": "BlockRemoved", "block_hashes": [BIG], "medium": "CPU"},
               {"type": "AllBlocksCleared"}]
     payload = pack([1.5, events, 2])
-    fast = wire._decode_vllm_layout(payload)
-    assert fast is not None and fast == wire._decode_any_variant(payload)
-    assert fast.events[0].local_hashes == tuple(local_block_hashes(TOKENS, 16, lora_name="adapter", cache_salt="s"))
+    fast = wire._decode_vllm_layout(payload, wire.Engine.VLLM)
+    assert fast is not None and fast == wire._decode_any_variant(payload, wire.Engine.VLLM)
+    # A salt enters a request's first block; these blocks continue a chain (parent 3), which keeps them apart.
+    assert fast.events[0].local_hashes == tuple(local_block_hashes(TOKENS, 16, lora_name="adapter"))
+    assert fast.events[0].cache_salt == "s"
