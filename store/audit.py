@@ -41,38 +41,40 @@ WHERE ingest_ts = (SELECT MAX(ingest_ts) FROM event_log WHERE ingest_ts <= :ts);
 
 INVENTORY_AT_SEQ = Query(
     "inventory_at_seq",
-    "Inventory of one worker's tier as of a stream seq",
-    """SELECT publisher, dp_rank, tier, provenance, engine_hash, sequence_hash, parent_hash,
-       stored_seq, stored_ts,
-       CASE WHEN conflict_since <= :seq THEN 1 ELSE 0 END AS conflict
+    "Inventory of one worker's tier as of a stream seq, per KV-cache group and ownership",
+    """SELECT publisher, dp_rank, tier, group_idx, kv_cache_spec_kind, ownership, provenance,
+       engine_hash, sequence_hash, parent_hash, stored_seq, stored_ts,
+       CASE WHEN conflict_since <= :seq THEN 1 ELSE 0 END AS conflict,
+       CASE WHEN unresolved THEN 1 ELSE 0 END AS unresolved
 FROM block_residency
 WHERE publisher = :publisher AND dp_rank = :dp_rank AND tier = :tier
   AND stored_seq <= :seq AND (removed_seq IS NULL OR removed_seq > :seq)
-ORDER BY provenance, stored_seq, slot;""",
+ORDER BY provenance, group_idx, ownership, stored_seq, slot;""",
     ("publisher", "dp_rank", "tier", "seq"),
     _RESIDENCY_HASHES,
 )
 
 INVENTORY_SUMMARY_AT_SEQ = Query(
     "inventory_summary_at_seq",
-    "How many blocks one worker held per tier and provenance as of a stream seq",
-    """SELECT tier, provenance, COUNT(*) AS blocks,
+    "How many blocks one worker held per tier, group, ownership and provenance as of a stream seq",
+    """SELECT tier, group_idx, MAX(kv_cache_spec_kind) AS kv_cache_spec_kind, ownership, provenance,
+       COUNT(*) AS blocks,
        SUM(CASE WHEN conflict_since <= :seq THEN 1 ELSE 0 END) AS conflicting
 FROM block_residency
 WHERE publisher = :publisher AND dp_rank = :dp_rank
   AND tier IN ('device', 'host', 'disk', 'external')
   AND stored_seq <= :seq AND (removed_seq IS NULL OR removed_seq > :seq)
-GROUP BY tier, provenance
-ORDER BY tier, provenance;""",
+GROUP BY tier, group_idx, ownership, provenance
+ORDER BY tier, group_idx, ownership, provenance;""",
     ("publisher", "dp_rank", "seq"),
 )
 
 BLOCK_HISTORY = Query(
     "block_history",
     "Every stay of one block (by its engine hash, signed) on every worker and tier",
-    """SELECT publisher, dp_rank, tier, provenance, engine_hash, sequence_hash, parent_hash,
-       stored_seq, stored_ts, conflict_since, removed_seq, removed_ts,
-       COALESCE(removal_cause, 'stored') AS state
+    """SELECT publisher, dp_rank, tier, group_idx, kv_cache_spec_kind, ownership, provenance,
+       engine_hash, sequence_hash, parent_hash, stored_seq, stored_ts, conflict_since,
+       removed_seq, removed_ts, COALESCE(removal_cause, 'stored') AS state
 FROM block_residency
 WHERE engine_hash = :hash
 ORDER BY stored_seq, slot;""",

@@ -152,7 +152,10 @@ def audit_inventory(settings: Settings, worker: str, tier: str | None, at_seq: i
             _emit({"worker": worker, "stream_seq": seq, "blocks": rows}, True)
         else:
             print(f"inventory of {worker} as of stream seq {seq}: {len(rows)} block(s)")
-            print_table(rows, ["tier", "provenance", "engine_hash", "sequence_hash", "parent_hash", "stored_seq", "conflict"])
+            print_table(rows, [
+                "tier", "group_idx", "kv_cache_spec_kind", "ownership", "provenance", "engine_hash", "sequence_hash",
+                "parent_hash", "stored_seq", "conflict",
+            ])
     finally:
         connection.close()
         engine.dispose()
@@ -174,8 +177,8 @@ def audit_block(settings: Settings, block_hash: str, as_json: bool) -> int:
         else:
             print(f"block {value} (0x{value:016x}): {len(rows)} stay(s)")
             print_table(rows, [
-                "publisher", "dp_rank", "tier", "provenance", "engine_hash", "sequence_hash", "parent_hash",
-                "stored_seq", "removed_seq", "state",
+                "publisher", "dp_rank", "tier", "group_idx", "kv_cache_spec_kind", "ownership", "provenance",
+                "engine_hash", "sequence_hash", "parent_hash", "stored_seq", "removed_seq", "state",
             ])  # fmt: skip
     finally:
         connection.close()

@@ -454,7 +454,10 @@ async def test_decisions_and_ingest_dead_letters_are_projected_and_audited(nats_
     assert seen["target"] == "prefill" and seen["baseline_blocks"] == decision.baseline_blocks == 2
     assert seen["chosen_source"] == "decode" and seen["chosen_dp_rank"] == 1 and seen["chosen_tier"] == "device"
     assert seen["candidates"] == decision_to_json(decision)["candidates"]
-    assert seen["target_inventory"] == [{"tier": "device", "provenance": "native", "blocks": 2, "conflicting": 0}]
+    assert seen["target_inventory"] == [{
+        "tier": "device", "group_idx": 0, "kv_cache_spec_kind": None, "ownership": None, "provenance": "native",
+        "blocks": 2, "conflicting": 0,
+    }]
     assert main(["audit", "decision", "req-1", "--db", db_url]) == 0
     assert "decode" in capsys.readouterr().out
     assert main(["audit", "dead-letters", "--db", db_url, "--json"]) == 0
