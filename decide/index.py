@@ -91,6 +91,7 @@ class InventoryIndex:
 
     def apply(self, batch: EventBatch, stream_seq: int) -> list[Fact]:
         """Fold one KV_EVENTS batch and bring the bitmasks up to date with what it touched."""
+        rules_before = self._residency_rules(batch.worker)
         facts = self.fold.apply(batch, stream_seq)
         self.inventory_seq = max(self.inventory_seq, stream_seq)
         if batch.worker not in self._slot_of_worker and self.fold.worker_state(batch.worker) is not None:
@@ -107,11 +108,23 @@ class InventoryIndex:
                     if provenance is fact.provenance:
                         for sequence_hash in self._held[slot][position]:
                             touched[(slot, sequence_hash)] = None
+        if facts and self._residency_rules(batch.worker) != rules_before:
+            # A group appeared on a tier or declared another kind: what its other blocks count
+            # as changed too (kvledger.residency), so every record of the worker is re-read.
+            slot = self._slot_of_worker[batch.worker]
+            for record in self.fold.iter_worker_records(batch.worker):
+                touched[(slot, record.sequence_hash)] = None
         for slot, sequence_hash in touched:
             self._refresh(slot, sequence_hash)
         if facts:
             self._uncertain_cache = None
         return facts
+
+    def _residency_rules(self, worker: WorkerId) -> tuple:
+        state = self.fold.worker_state(worker)
+        if state is None:
+            return ()
+        return tuple(own.rule(tier) for own in state.by_provenance.values() for tier in Tier)
 
     def skip(self, stream_seq: int) -> None:
         """A stream message that could not be decoded still moves the index past its seq."""

@@ -169,8 +169,12 @@ class _ProvenanceState:
     # group -> sequence hash -> number of indexable records of that group on that tier
     # (several engine hashes or ownerships can share one sequence hash)
     held: dict[Tier, dict[int, Counter[int]]] = attrs.field(factory=lambda: {tier: {} for tier in Tier})
-    # each KV-cache group's declared kind (kvledger.residency decides what it means)
-    group_kinds: dict[int, str | None] = attrs.field(factory=dict)
+    # the groups that have stored on each tier since it was last cleared: a group whose
+    # blocks all left a tier still holds none of them there (snapshots and SQL keep it)
+    tier_groups: dict[Tier, set[int]] = attrs.field(factory=lambda: {tier: set() for tier in Tier})
+    # each KV-cache group's kind as its stores last declared it (a property of the engine's
+    # configuration, so it outlives the records that declared it; snapshots and SQL keep it)
+    group_kinds: dict[int, str] = attrs.field(factory=dict)
     # per tier, the residency rule for the groups seen there (derived, dropped when they change)
     rules: dict[Tier, ResidencyRule] = attrs.field(factory=dict)
     # engine hash -> where it sits in the chain, for resolving parents
@@ -193,7 +197,7 @@ class _ProvenanceState:
     def rule(self, tier: Tier) -> ResidencyRule:
         rule = self.rules.get(tier)
         if rule is None:
-            rule = self.rules[tier] = rule_for(self.held[tier], self.group_kinds)
+            rule = self.rules[tier] = rule_for(self.tier_groups[tier], self.group_kinds)
         return rule
 
 
@@ -436,6 +440,7 @@ class InventoryFold:
             for record in list(own.records[tier].values()):
                 _detach(own, record)
             own.held[tier] = {}
+            own.tier_groups[tier] = set()
             own.rules.pop(tier, None)
             facts.append(InventoryClearedFact(state.worker, provenance, cause, stream_seq, blocks, tier))
             if own.uncertain_since is not None and not own.block_count():
@@ -445,7 +450,9 @@ class InventoryFold:
         if own.unseen_below is not None:
             # What came before an empty cache cannot matter: a batch below is late, not a hole.
             _remember_hole(own, 0, own.unseen_below)
-        fresh = _ProvenanceState(epoch=own.epoch, seq=own.seq, holes=own.holes)
+        # A restarted engine may run another configuration; a cleared one keeps its groups.
+        kinds = own.group_kinds if cause is RemovalCause.CLEARED else {}
+        fresh = _ProvenanceState(epoch=own.epoch, seq=own.seq, holes=own.holes, group_kinds=kinds)
         state.by_provenance[provenance] = fresh
         facts.append(InventoryClearedFact(state.worker, provenance, cause, stream_seq, blocks))
         if own.uncertain_since is not None:
@@ -531,8 +538,9 @@ class InventoryFold:
             return False
         rule = own.rule(tier)
         if len(rule.groups) == 1:
-            return by_group[rule.groups[0]][sequence_hash] > 0
-        return rule.holds(lambda group: by_group[group][sequence_hash] > 0)
+            counts = by_group.get(rule.groups[0])
+            return counts is not None and counts[sequence_hash] > 0
+        return rule.holds(lambda group: sequence_hash in by_group.get(group, ()))
 
     def is_uncertain(self, worker: WorkerId) -> bool:
         state = self._workers.get(worker)
@@ -548,11 +556,14 @@ class InventoryFold:
             return []
         return sorted(state.by_provenance[provenance].records[tier].values(), key=_record_order)
 
+    def iter_worker_records(self, worker: WorkerId) -> Iterator[BlockRecord]:
+        for provenance in Provenance:
+            for tier in Tier:
+                yield from self.records(worker, provenance, tier)
+
     def iter_records(self) -> Iterator[BlockRecord]:
         for worker in self.workers():
-            for provenance in Provenance:
-                for tier in Tier:
-                    yield from self.records(worker, provenance, tier)
+            yield from self.iter_worker_records(worker)
 
 
 def _starts_with_restart(batch: EventBatch) -> bool:
@@ -594,6 +605,22 @@ def _fill_hole(own: _ProvenanceState, seq: int) -> bool:
     return False
 
 
+def groups_state(own: _ProvenanceState) -> dict[str, dict]:
+    """What one provenance knows of its KV-cache groups beyond its records, JSON-ready (for restores)."""
+    return {
+        "kinds": {str(group): kind for group, kind in sorted(own.group_kinds.items())},
+        "tiers": {tier.value: sorted(groups) for tier, groups in own.tier_groups.items() if groups},
+    }
+
+
+def restore_groups(own: _ProvenanceState, state: dict[str, dict]) -> None:
+    """Adopt `groups_state`'s output (before or after the records are attached)."""
+    own.group_kinds.update({int(group): kind for group, kind in state.get("kinds", {}).items()})
+    for tier_name, groups in state.get("tiers", {}).items():
+        own.tier_groups[Tier(tier_name)].update(groups)
+    own.rules.clear()
+
+
 def _record_order(record: BlockRecord) -> tuple:
     return (record.engine_hash, record.group_idx, record.ownership or "")
 
@@ -602,15 +629,15 @@ def attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
     """Hold `record` in one provenance's inventory (the fold's and every restore's one way in)."""
     own.records[record.tier][record.key] = record
     group = record.group_idx
-    if record.spec_kind is not None and own.group_kinds.get(group) != record.spec_kind:
-        own.group_kinds[group] = record.spec_kind
-        own.rules.clear()
+    if not record.indexable:
+        return
     by_group = own.held[record.tier]
     if group not in by_group:
         by_group[group] = Counter()
+    seen = own.tier_groups[record.tier]
+    if group not in seen:
+        seen.add(group)
         own.rules.pop(record.tier, None)
-    if not record.indexable:
-        return
     by_group[group][record.sequence_hash] += 1
     place = (record.tier, record.key)
     entry = own.topology.get(record.engine_hash)
@@ -625,11 +652,19 @@ def _detach(own: _ProvenanceState, record: BlockRecord) -> None:
     del own.records[record.tier][record.key]
     if not record.indexable:
         return
-    held = own.held[record.tier][record.group_idx]
+    by_group = own.held[record.tier]
+    held = by_group[record.group_idx]
     held[record.sequence_hash] -= 1
     if held[record.sequence_hash] <= 0:
         del held[record.sequence_hash]
+        if not held:
+            del by_group[record.group_idx]
     entry = own.topology[record.engine_hash]
     entry.places.remove((record.tier, record.key))
     if not entry.places:
         del own.topology[record.engine_hash]
+        return
+    # The chain position is the latest remaining copy's, as restoring in stored order leaves it.
+    tier, key = entry.places[-1]
+    latest = own.records[tier][key]
+    entry.sequence_hash, entry.parent_hash, entry.local_hash = latest.sequence_hash, latest.parent_hash, latest.local_hash

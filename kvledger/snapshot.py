@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 
 from kvledger.events import Provenance, Tier, WorkerId
-from kvledger.fold import BlockRecord, InventoryFold, WorkerState, attach_record
+from kvledger.fold import BlockRecord, InventoryFold, WorkerState, attach_record, groups_state, restore_groups
 
 SNAPSHOT_VERSION = 2  # 2: each record's group, ownership, cache spec, references, resolution
 _TIER_CODES = {tier: code for code, tier in enumerate(Tier)}
@@ -43,6 +43,7 @@ class _ProvenanceWire(msgspec.Struct, array_like=True):
     spec_kinds: bytes  # uint32
     sliding_windows: bytes  # int64, -1: none
     names: list[str]
+    kv_cache_groups: dict[str, dict]  # kvledger.fold.groups_state
 
 
 class _WorkerWire(msgspec.Struct, array_like=True):
@@ -92,6 +93,7 @@ def encode_snapshot(fold: InventoryFold) -> bytes:
                     np.array([names[r.spec_kind] for r in records], dtype=np.uint32).tobytes(),
                     np.array([-1 if r.sliding_window is None else r.sliding_window for r in records], dtype=np.int64).tobytes(),
                     [name for name in names if name is not None],
+                    groups_state(own),
                 )
             )
         workers.append(_WorkerWire(worker.publisher, worker.dp_rank, dict(state.counters), provenances))
@@ -117,6 +119,7 @@ def decode_snapshot(data: bytes) -> InventoryFold:
             own = state.by_provenance[Provenance(provenance_wire.provenance)]
             own.epoch, own.seq = provenance_wire.epoch, provenance_wire.seq
             own.uncertain_since = provenance_wire.uncertain_since
+            restore_groups(own, provenance_wire.kv_cache_groups)
             columns = zip(
                 np.frombuffer(provenance_wire.tiers, dtype=np.uint8).tolist(),
                 np.frombuffer(provenance_wire.engine_hashes, dtype=np.uint64).tolist(),

@@ -23,6 +23,7 @@ from kvledger.fold import (
     InventoryFold,
     RetainedConflictFact,
     UncertaintyFact,
+    groups_state,
 )
 
 RowKey = tuple[int, int]  # (stored_seq, slot)
@@ -50,7 +51,7 @@ DEAD_LETTER_COLUMNS = (
 )  # fmt: skip
 WORKER_COLUMNS = (
     "publisher", "dp_rank", "epoch", "engine_seq", "uncertain_since", "retained_epoch", "retained_engine_seq",
-    "retained_uncertain_since", "first_stream_seq", "last_stream_seq", "last_ingest_ts", "counters",
+    "retained_uncertain_since", "first_stream_seq", "last_stream_seq", "last_ingest_ts", "counters", "kv_cache_groups",
 )  # fmt: skip
 
 
@@ -241,6 +242,7 @@ class ChangeBuilder:
                 worker.publisher, worker.dp_rank, native.epoch, native.seq, native.uncertain_since,
                 retained.epoch, retained.seq, retained.uncertain_since,
                 first, last, ingest_ts, json.dumps(dict(state.counters), sort_keys=True),
+                json.dumps({p.value: groups_state(own) for p, own in state.by_provenance.items()}, sort_keys=True),
             ))  # fmt: skip
         changes.checkpoint_counters = json.dumps(dict(fold.counters), sort_keys=True)
         return changes

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import sqlalchemy as sa
 
 from kvledger.events import Provenance, Tier, WorkerId
-from kvledger.fold import BlockRecord, InventoryFold, WorkerState, attach_record
+from kvledger.fold import BlockRecord, InventoryFold, WorkerState, attach_record, restore_groups
 from store import tables
 from store.changes import (
     DEAD_LETTER_COLUMNS,
@@ -233,6 +233,8 @@ def load_fold(engine: sa.Engine) -> tuple[InventoryFold, ResidencyIndex]:
             retained.epoch, retained.seq, retained.uncertain_since = (
                 w.retained_epoch, w.retained_engine_seq, w.retained_uncertain_since,
             )
+            for provenance_name, groups in json.loads(w.kv_cache_groups).items():
+                restore_groups(state.by_provenance[Provenance(provenance_name)], groups)
         r = t.block_residency.c
         rows = connection.execution_options(yield_per=50_000).execute(
             sa.select(

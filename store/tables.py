@@ -131,6 +131,8 @@ workers = sa.Table(
     sa.Column("last_stream_seq", _SEQ, nullable=False),
     sa.Column("last_ingest_ts", _TS, nullable=False),
     sa.Column("counters", sa.Text, nullable=False),  # JSON: the fold's counters for this worker
+    # JSON per provenance: each KV-cache group's declared kind and the groups seen per tier
+    sa.Column("kv_cache_groups", sa.Text, nullable=False, server_default="{}"),
 )
 
 uncertain_periods = sa.Table(

@@ -31,11 +31,19 @@ def engine_hash(path: tuple[int, ...], upto: int, salt: int = 0) -> int:
     return xxhash.xxh3_64_intdigest(repr((path[: upto + 1], salt)).encode())
 
 
+# KV-cache groups of a hybrid model: (group_idx, declared kind). Most events are group 0
+# with no kind (a plain model); the rest exercise kvledger.residency's rule.
+GROUPS = ((0, None),) * 6 + ((0, "full_attention"), (1, "sliding_window"), (1, None), (2, "full_attention"), (3, "mamba"))
+OWNERSHIPS = (None,) * 5 + ("kvcr",)
+
+
 @st.composite
 def events_for(draw: st.DrawFn) -> object:
     kind = draw(st.sampled_from(("stored",) * 10 + ("removed",) * 2 + ("cleared", "gap")))
     path = draw(st.sampled_from(PATHS))
     tier = draw(st.sampled_from(TIERS))
+    group, spec_kind = draw(st.sampled_from(GROUPS))
+    ownership = draw(st.sampled_from(OWNERSHIPS))
     # A salted engine hash models an engine whose topology disagrees with another announcer.
     salt = draw(st.sampled_from((0,) * 7 + (1,)))
     if kind == "stored":
@@ -44,14 +52,16 @@ def events_for(draw: st.DrawFn) -> object:
         end = draw(st.integers(start + 1, len(path)))
         parent = engine_hash(path, start - 1, salt) if start > 0 else None
         ids = list(path[start:end])
+        # Sometimes without tokens, as an offload placeholder: hashes from the engine-hash map.
+        local = () if draw(st.sampled_from((False,) * 5 + (True,))) else local_hashes(ids)
         return Stored(tier, tuple(engine_hash(path, i, salt) for i in range(start, end)), parent, BLOCK_SIZE,
-                      local_hashes(ids))
+                      local, None, None, group, ownership, spec_kind)
     if kind == "removed":
         start = draw(st.integers(0, len(path) - 1))
         end = draw(st.integers(start + 1, len(path)))
-        return Removed(tier, tuple(engine_hash(path, i, salt) for i in range(start, end)))
+        return Removed(tier, tuple(engine_hash(path, i, salt) for i in range(start, end)), group, ownership)
     if kind == "cleared":
-        return Cleared()
+        return Cleared(draw(st.sampled_from((None, None, Tier.DEVICE, Tier.HOST))))
     return Gap(1, 5, draw(st.sampled_from(tuple(GapReason))))
 
 

@@ -3,7 +3,8 @@
 Adds to block_residency the group, its declared cache-spec kind and window, the
 ownership (secondary offload tier), the count of announcements not yet removed, and the
 flag of a store without tokens whose block was unknown; to event_log each store's and
-removal's group and ownership. The audit views show group, kind and ownership.
+removal's group and ownership; to workers each group's declared kind and the groups seen per tier. The audit views
+show group, kind and ownership.
 Existing rows become group 0 with no ownership, which is what version-1 records meant.
 
 Revision ID: 0003
@@ -72,11 +73,15 @@ def upgrade() -> None:
     with op.batch_alter_table("event_log") as table:
         table.add_column(sa.Column("group_idx", sa.Integer))
         table.add_column(sa.Column("ownership", OWNERSHIP))
+    with op.batch_alter_table("workers") as table:
+        table.add_column(sa.Column("kv_cache_groups", sa.Text, nullable=False, server_default="{}"))
     _create_views(with_groups=True)
 
 
 def downgrade() -> None:
     _drop_views()
+    with op.batch_alter_table("workers") as table:
+        table.drop_column("kv_cache_groups")
     with op.batch_alter_table("event_log") as table:
         table.drop_column("ownership")
         table.drop_column("group_idx")
