@@ -14,6 +14,7 @@ import random
 import time
 from collections.abc import Callable, Iterable
 
+import attrs
 import nats
 import pytest
 import sqlalchemy as sa
@@ -31,7 +32,7 @@ from kvledger.events import (
     WorkerId,
     encode_batch,
 )
-from kvledger.fold import InventoryFold
+from kvledger.fold import InventoryFold, groups_state
 from kvledger.settings import Settings, load_settings
 from kvledger.snapshot import decode_snapshot
 from kvledger.streams import SNAPSHOTS_BUCKET, events_stream
@@ -84,8 +85,11 @@ def recorded_stream(seed: int, batches: int) -> list[EventBatch | bytes]:
             if rng.random() < 0.05:
                 parent = engine_hash(worker, 10_000_000)  # unknown parent
             hashes = tuple(engine_hash(worker, i) for i in ids)
-            event = Stored(tier, hashes, parent, BLOCK_SIZE, local_hashes([i + 7919 * worker.dp_rank for i in ids]))
-            out.append(batch(worker, Provenance.NATIVE, event))
+            event = Stored(tier, hashes, parent, BLOCK_SIZE, local_hashes([i + 7919 * worker.dp_rank for i in ids]),
+                           spec_kind="full_attention")
+            # A hybrid model stores each block in its sliding-window group too, under the same hashes.
+            window = (attrs.evolve(event, group_idx=1, spec_kind="sliding_window", sliding_window=64),) if rng.random() < 0.3 else ()
+            out.append(batch(worker, Provenance.NATIVE, event, *window))
             blocks.extend(hashes)
         elif roll < 0.75:
             victims = rng.sample(blocks, min(len(blocks), rng.randint(1, 4)))
@@ -93,7 +97,9 @@ def recorded_stream(seed: int, batches: int) -> list[EventBatch | bytes]:
                 blocks.remove(victim)
             if rng.random() < 0.1:
                 victims.append(engine_hash(worker, 20_000_000))  # unknown block
-            out.append(batch(worker, Provenance.NATIVE, Removed(tier, tuple(victims))))
+            # Sometimes the sliding-window group's eviction: the full-attention copy stays.
+            group = 1 if rng.random() < 0.2 else 0
+            out.append(batch(worker, Provenance.NATIVE, Removed(tier, tuple(victims), group)))
         elif roll < 0.87:
             # A retained layer announcing some of the worker's blocks, sometimes under another parent.
             pool = held[worker][Tier.DEVICE] or [engine_hash(worker, 30_000_000 + len(out))]
@@ -105,8 +111,12 @@ def recorded_stream(seed: int, batches: int) -> list[EventBatch | bytes]:
                 event = Stored(Tier.DEVICE, tuple(pick), parent, BLOCK_SIZE, local_hashes([p % 100_000 for p in pick]))
             out.append(batch(worker, Provenance.RETAINED, event))
         elif roll < 0.9:
-            out.append(batch(worker, Provenance.NATIVE, Cleared()))
-            held[worker] = {t: [] for t in TIERS}
+            if rng.random() < 0.5:
+                out.append(batch(worker, Provenance.NATIVE, Cleared(Tier.DEVICE)))  # vLLM's: its GPU pool only
+                held[worker][Tier.DEVICE] = []
+            else:
+                out.append(batch(worker, Provenance.NATIVE, Cleared()))
+                held[worker] = {t: [] for t in TIERS}
         elif roll < 0.93:
             reason = rng.choice([GapReason.MISSED, GapReason.REPLAY_INCOMPLETE])
             out.append(batch(worker, Provenance.NATIVE, Gap(seq[(worker, Provenance.NATIVE)] + 1, seq[(worker, Provenance.NATIVE)] + 5, reason)))
@@ -130,6 +140,9 @@ def recorded_stream(seed: int, batches: int) -> list[EventBatch | bytes]:
                 Stored(tier, hashes, None, BLOCK_SIZE, local_hashes(ids)),
                 Removed(tier, hashes[:1]),
                 Stored(tier, hashes[:1], hashes[2], BLOCK_SIZE, local_hashes(ids[:1])),
+                Stored(tier, hashes[2:], hashes[1], BLOCK_SIZE, local_hashes(ids[2:])),  # one more reference
+                # offload placeholders (no tokens), one known, one not, under an ownership
+                Stored(Tier.DISK, (hashes[1], engine_hash(worker, 40_000_000 + len(out))), None, 0, (), ownership="kvcr"),
             ))  # fmt: skip
             blocks.extend(hashes[1:])
             blocks.append(hashes[0])
@@ -150,8 +163,8 @@ def reference_folds(stream: list[EventBatch | bytes], every: int) -> tuple[Inven
 
 def fold_rows(fold: InventoryFold, seq: int | None = None) -> set:
     return {
-        (r.worker.publisher, r.worker.dp_rank, r.provenance.value, r.tier.value, r.engine_hash, r.sequence_hash,
-         r.parent_hash, r.stream_seq, int(r.conflict))
+        (r.worker.publisher, r.worker.dp_rank, r.provenance.value, r.tier.value, r.group_idx, r.spec_kind, r.ownership,
+         r.engine_hash, r.sequence_hash, r.parent_hash, r.stream_seq, int(r.conflict), int(r.unresolved))
         for r in fold.iter_records()
     }  # fmt: skip
 
@@ -162,7 +175,7 @@ def fold_state(fold: InventoryFold) -> dict:
     for worker in fold.workers():
         state = fold.worker_state(worker)
         workers[worker.name] = (
-            {p.value: (s.epoch, s.seq, s.uncertain_since) for p, s in state.by_provenance.items()},
+            {p.value: (s.epoch, s.seq, s.uncertain_since, groups_state(s)) for p, s in state.by_provenance.items()},
             {k: v for k, v in state.counters.items() if v},
         )
     return {
@@ -170,6 +183,7 @@ def fold_state(fold: InventoryFold) -> dict:
         "counters": {k: v for k, v in fold.counters.items() if v},
         "workers": workers,
         "records": fold_rows(fold),
+        "references": {(r.worker, r.provenance, r.tier, r.key): r.refs for r in fold.iter_records() if r.refs > 1},
     }
 
 
@@ -265,8 +279,9 @@ def sql_inventory_at(connection: sa.Connection, workers: list[WorkerId], seq: in
     for worker in workers:
         for row in audit.Audit(connection).inventory(worker, list(Tier), seq):
             rows.add((
-                row["publisher"], row["dp_rank"], row["provenance"], row["tier"], row["engine_hash"],
-                row["sequence_hash"], row["parent_hash"], row["stored_seq"], int(row["conflict"]),
+                row["publisher"], row["dp_rank"], row["provenance"], row["tier"], row["group_idx"],
+                row["kv_cache_spec_kind"], row["ownership"], row["engine_hash"], row["sequence_hash"],
+                row["parent_hash"], row["stored_seq"], int(row["conflict"]), int(row["unresolved"]),
             ))  # fmt: skip
     return rows
 
