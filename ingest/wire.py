@@ -305,15 +305,16 @@ def decode_event(event: object, engine: Engine = Engine.VLLM) -> Event | None:
 
 def _decode_event(event: object, engine: Engine) -> tuple[Event | None, bool]:
     tag, fields = _fields(event)
+    if tag in ("BlockStored", "BlockRemoved") and _is_remote(fields):
+        return None, False  # about blocks held elsewhere: kept out whatever else it says
     if tag == "BlockStored":
-        stored, unaligned = _stored(fields)
-        return (None if _is_remote(fields) else stored), unaligned
+        return _stored(fields)
     if tag == "BlockRemoved":
         removed = Removed(
             _tier(fields.get("medium")), _hash_list(fields.get("block_hashes"), "block_hashes"),
             _optional_int(fields, "group_idx") or 0, _optional_str(fields, "ownership", _OWNERSHIP_MAX_LEN),
         )
-        return (None if _is_remote(fields) else removed), False
+        return removed, False
     if tag == "AllBlocksCleared":
         return Cleared(CLEAR_SCOPE[engine]), False
     raise WireError(f"unknown event type {tag!r}")

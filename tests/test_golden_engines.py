@@ -12,6 +12,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import attrs
 import msgspec
 import nats
 import pytest
@@ -25,12 +26,13 @@ from ingest.simulator import SimulatedEngine
 from ingest.wire import Engine, _tier, decode_payload
 from kvledger.decision_codec import decision_to_json, request_from_json
 from kvledger.events import EventBatch, Provenance, Tier, WorkerId
-from kvledger.fold import InventoryFold
+from kvledger.fold import InventoryFold, groups_state
 from kvledger.reuse import decide, overlap_of
 from kvledger.streams import DECIDE_SUBJECT
 from pipeline import pipeline_settings
 from store import database
 from store.projector import StoreService
+from store.recorder import load_fold
 from test_e2e import REUSE_ON
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -183,6 +185,18 @@ async def test_every_golden_stream_through_ingest_store_and_decide(nats_server, 
                 assert held.get(fixture_worker(fixture).publisher, set()) == truth_held(fixture), fixture["feature"]
             assert _sql_scalar(db_url, "SELECT COUNT(*) FROM uncertain_periods") == 0
             assert _sql_scalar(db_url, "SELECT COUNT(*) FROM dead_letters") == 0
+            # What a restarted store reads back is the fold itself: references, kinds and groups included.
+            with database.opened(db_url) as engine:
+                restored, _ = load_fold(engine)
+            for fixture in fixtures:
+                fold, _ = folded(fixture)
+                worker = fixture_worker(fixture)
+                assert list(restored.iter_worker_records(worker)) == [
+                    attrs.evolve(record, stream_seq=_stream_seq_of(restored, record)) for record in fold.iter_worker_records(worker)
+                ]
+                for provenance in Provenance:
+                    assert groups_state(restored.worker_state(worker).by_provenance[provenance]) == groups_state(
+                        fold.worker_state(worker).by_provenance[provenance])
             async with DecideService(settings) as service:
                 await _decide_equals_reference(service, settings, fixtures, total)
             store_stop.set()
@@ -222,6 +236,12 @@ async def _decide_equals_reference(service: DecideService, settings, fixtures: l
 
 async def _caught_up_by(ask, probe: dict, last_seq: int) -> bool:
     return (await ask(probe))["inventory_seq"] >= last_seq
+
+
+def _stream_seq_of(fold: InventoryFold, record) -> int:
+    """The KV_EVENTS seq the pipeline stored `record` at (the fixture's own fold numbers its frames from 1)."""
+    [held] = [r for r in fold.records(record.worker, record.provenance, record.tier) if r.key == record.key]
+    return held.stream_seq
 
 
 def _checkpoint(db_url: str) -> int:
