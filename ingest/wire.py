@@ -1,8 +1,10 @@
 """Engine wire formats (DESIGN §1): ZMQ frames in, canonical events out — and vLLM's format out.
 
-Engines differ in framing (batch as array, map or SGLang's pair; events as tagged maps or
-tagged arrays; hashes as u64, negative i64 or bytes). Everything is normalised here, once;
-anything else raises `WireError` with a reason that ends up in the dead-letter copy.
+Engines differ in framing (batch as `[ts, events, dp_rank]` — SGLang 0.5.23's third is its
+attention-dp rank —, a map, or older SGLang's `[ts, events]`; events as tagged maps or
+tagged arrays; hashes as u64, negative i64 or bytes). Everything is normalised here, once:
+a batch that cannot be read raises `WireError`, one unusable event is left out of its
+batch as a `RejectedEvent`, and either reason ends up in a dead-letter copy.
 """
 
 from __future__ import annotations
