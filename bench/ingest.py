@@ -1,6 +1,6 @@
 """Ingest throughput and latency, against raw JetStream `publish_async` on the same server.
 
-    python bench/ingest.py [--batches 40000] [--latency-batches 10000]
+    python bench/ingest.py [--batches 40000] [--latency-batches 10000] [--decode-batches 5000]
 
 A simulated engine in its own process publishes batches of 16 stored blocks × 16 tokens
 plus 16 removals over real ZMQ; ingest (this process) bridges them into JetStream and we
@@ -8,6 +8,10 @@ count acknowledged batches. The yardstick, measured in the same run on the same 
 nats-server: publishing the very canonical payloads ingest produced with `publish_async`
 and the same in-flight window. Then the engine is paced at half of ingest's maximum rate
 and every engine-send → JetStream-ack latency is recorded.
+
+Last, decoding alone for what current engines send (docs/ingest.md): the plain batch, a
+hybrid model's two groups, per-block extra keys (an image and a salt), and offload
+placeholders beside the GPU store; each against msgspec's untyped decode of the same bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import nats
 from nats.js.api import StorageType, StreamConfig
 
@@ -116,6 +121,43 @@ async def run_ingest(url: str, batches: int, rate: float, port: int) -> tuple[fl
     return batches / elapsed, latencies
 
 
+def engine_variants(index: int) -> dict[str, bytes]:
+    """One batch of `engine_events(index)` as each engine feature sends it, in vLLM's wire form."""
+    plain = [event.as_wire() for event in engine_events(index)]
+    stored = plain[0]
+    hybrid = [
+        {**stored, "kv_cache_spec_kind": "full_attention"},
+        {**stored, "group_idx": 1, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 64},
+        *plain[1:],
+    ]
+    image = "%064x" % (index + 1)
+    keys = [[[image, 16 * (8 - block)]] if block < 8 else None for block in range(BLOCKS)]
+    keys[0] = [*(keys[0] or []), "tenant-a"] if stored["parent_block_hash"] is None else keys[0]
+    extra = [{**stored, "extra_keys": keys}, *plain[1:]]
+    placeholder = {**stored, "token_ids": [], "block_size": 0, "medium": "CPU", "parent_block_hash": None}
+    offload = [stored, placeholder, *plain[1:]]
+    return {
+        name: msgspec.msgpack.encode([1.0, events, 0])
+        for name, events in (("plain", plain), ("hybrid", hybrid), ("extra keys", extra), ("offload", offload))
+    }
+
+
+def decode_figures(batches: int) -> list[tuple[str, float, float]]:
+    """(variant, µs per batch decoded, µs per batch for msgspec's untyped decode of the same bytes)."""
+    payloads = [engine_variants(i) for i in range(batches)]
+    figures = []
+    for name in payloads[0]:
+        variant = [payload[name] for payload in payloads]
+        timings = []
+        for decode in (decode_payload, msgspec.msgpack.decode):
+            start = time.perf_counter()
+            for payload in variant:
+                decode(payload)
+            timings.append((time.perf_counter() - start) / batches * 1e6)
+        figures.append((name, *timings))
+    return figures
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] if len(values) > 1 else float("nan")
 
@@ -125,6 +167,7 @@ async def main() -> None:
     parser.add_argument("--batches", type=int, default=40_000)
     parser.add_argument("--latency-batches", type=int, default=10_000)
     parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--decode-batches", type=int, default=5_000)
     args = parser.parse_args()
 
     # The canonical payloads ingest will produce, for the yardstick.
@@ -150,6 +193,9 @@ async def main() -> None:
         f"latency engine send -> JetStream ack at {paced:.0f} batches/s (half of max), {len(ms)} batches: "
         f"p50 {percentile(ms, 0.50):.2f} ms  p99 {percentile(ms, 0.99):.2f} ms"
     )
+    print(f"decoding alone, {args.decode_batches} batches each (yardstick: msgspec's untyped decode of the same bytes):")
+    for name, decoded_us, untyped_us in decode_figures(args.decode_batches):
+        print(f"  {name:<11} {decoded_us:7.1f} us/batch   untyped {untyped_us:6.1f} us   ratio {decoded_us / untyped_us:5.2f}")
 
 
 if __name__ == "__main__":

@@ -476,6 +476,16 @@ def _typed_stored(event: _VllmStored) -> Stored:
     tokens = event.token_ids
     group_idx = event.group_idx or 0
     window = event.kv_cache_spec_sliding_window
+    if not tokens and block_size >= 0 and group_idx >= 0 and (window is None or window >= 0) and hashes:
+        # An offload placeholder: nothing to hash, the fold resolves it by engine hash.
+        if (event.ownership is not None and len(event.ownership) > _OWNERSHIP_MAX_LEN) or (
+            event.kv_cache_spec_kind is not None and len(event.kv_cache_spec_kind) > 32
+        ):
+            raise _NotFast
+        return Stored(
+            _typed_tier(event.medium), hashes, event.parent_block_hash, block_size, (), event.lora_name,
+            event.cache_salt, group_idx, event.ownership, event.kv_cache_spec_kind, window,
+        )
     if (
         block_size <= 0 or group_idx < 0 or not tokens or len(tokens) != len(hashes) * block_size
         or (event.cache_salt and event.parent_block_hash is None) or (window is not None and window < 0)

@@ -149,18 +149,20 @@ def local_block_hashes(
         return [_xxh3(raw[offset : offset + step], seed=seed) for offset in range(0, len(raw), step)]
     if lookahead_token_ids is not None and len(lookahead_token_ids) < count:
         raise ValueError(f"{count} blocks but lookahead token ids for {len(lookahead_token_ids)}")
+    raw = _pack_tokens(token_ids[: count * block_size + lookahead])
+    step = block_size * 4
+    base_seed = block_seed(lora_name)
     result = []
     for position in range(count):
-        start = position * block_size
-        end = start + block_size
-        data = _pack_tokens(token_ids[start : end + lookahead])
+        offset = position * step
+        data = raw[offset : offset + step + lookahead * 4]
         if lookahead_token_ids is not None:
             data += _pack_tokens(lookahead_token_ids[position])
         keys = block_keys[position] if position < len(block_keys) else PLAIN_BLOCK
         if keys.mm_hashes:
             data += struct.pack(f"<{len(keys.mm_hashes)}Q", *keys.mm_hashes)
         salt = keys.cache_salt or (cache_salt if position == 0 else None)
-        result.append(_xxh3(data, seed=block_seed(lora_name, salt)))
+        result.append(_xxh3(data, seed=block_seed(lora_name, salt) if salt else base_seed))
     return result
 
 
