@@ -29,12 +29,18 @@ class Tier(enum.Enum):
     DISK = "disk"
     EXTERNAL = "external"
 
+    # Tiers key the fold's per-block dicts; Enum's own __hash__ is Python code (a third of
+    # the fold's time went there). Members are singletons, so identity hashing is exact.
+    __hash__ = object.__hash__
+
 
 class Provenance(enum.Enum):
     """Who announced a batch: the engine itself, or a layer that retains blocks after it."""
 
     NATIVE = "native"
     RETAINED = "retained"
+
+    __hash__ = object.__hash__  # as Tier's: it keys per-worker dicts on the hot path
 
 
 class GapReason(enum.Enum):

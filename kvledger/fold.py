@@ -153,12 +153,12 @@ COUNTER_NAMES = (
 
 @attrs.define
 class _TopologyEntry:
-    """Where one engine hash sits in the chain, and which indexable records hold it."""
+    """Where one engine hash sits in the chain, and how many indexable records hold it."""
 
     sequence_hash: int
     parent_hash: int | None
     local_hash: int
-    places: list[tuple[Tier, BlockKey]]
+    refs: int
 
 
 @attrs.define
@@ -177,6 +177,9 @@ class _ProvenanceState:
     group_kinds: dict[int, str] = attrs.field(factory=dict)
     # per tier, the residency rule for the groups seen there (derived, dropped when they change)
     rules: dict[Tier, ResidencyRule] = attrs.field(factory=dict)
+    # every (group, ownership) an indexable record was attached under: where the copies of
+    # one engine hash can be, so finding them takes a few lookups, not a scan
+    placements: set[tuple[int, str | None]] = attrs.field(factory=set)
     # engine hash -> where it sits in the chain, for resolving parents
     topology: dict[int, _TopologyEntry] = attrs.field(factory=dict)
     epoch: int | None = None
@@ -389,8 +392,7 @@ class InventoryFold:
         retained = state.by_provenance[RETAINED]
         if engine_hash not in retained.topology:
             return
-        for tier, key in list(retained.topology[engine_hash].places):
-            held = retained.records[tier][key]
+        for held in _copies(retained, engine_hash):
             if held.parent_hash != parent or held.sequence_hash != sequence_hash:
                 _detach(retained, held)
                 demoted = attrs.evolve(held, conflict=True)
@@ -627,25 +629,38 @@ def _record_order(record: BlockRecord) -> tuple:
 
 def attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
     """Hold `record` in one provenance's inventory (the fold's and every restore's one way in)."""
-    own.records[record.tier][record.key] = record
-    group = record.group_idx
-    if not record.indexable:
+    tier, group = record.tier, record.group_idx
+    own.records[tier][(group, record.ownership, record.engine_hash)] = record
+    if record.conflict or record.unresolved:
         return
-    by_group = own.held[record.tier]
-    if group not in by_group:
-        by_group[group] = Counter()
-    seen = own.tier_groups[record.tier]
-    if group not in seen:
-        seen.add(group)
-        own.rules.pop(record.tier, None)
-    by_group[group][record.sequence_hash] += 1
-    place = (record.tier, record.key)
+    by_group = own.held[tier]
+    counts = by_group.get(group)
+    if counts is None:
+        counts = by_group[group] = Counter()
+        seen = own.tier_groups[tier]
+        if group not in seen:
+            seen.add(group)
+            own.rules.pop(tier, None)
+    counts[record.sequence_hash] += 1
+    own.placements.add((group, record.ownership))
     entry = own.topology.get(record.engine_hash)
     if entry is None:
-        own.topology[record.engine_hash] = _TopologyEntry(record.sequence_hash, record.parent_hash, record.local_hash, [place])
+        own.topology[record.engine_hash] = _TopologyEntry(record.sequence_hash, record.parent_hash, record.local_hash, 1)
     else:
         entry.sequence_hash, entry.parent_hash, entry.local_hash = record.sequence_hash, record.parent_hash, record.local_hash
-        entry.places.append(place)
+        entry.refs += 1
+
+
+def _copies(own: _ProvenanceState, engine_hash: int) -> list[BlockRecord]:
+    """Every indexable record of one engine hash in one provenance, on any tier, group and ownership."""
+    found = []
+    for tier_records in own.records.values():
+        if tier_records:
+            for group, ownership in own.placements:
+                record = tier_records.get((group, ownership, engine_hash))
+                if record is not None and record.indexable:
+                    found.append(record)
+    return found
 
 
 def _detach(own: _ProvenanceState, record: BlockRecord) -> None:
@@ -660,11 +675,12 @@ def _detach(own: _ProvenanceState, record: BlockRecord) -> None:
         if not held:
             del by_group[record.group_idx]
     entry = own.topology[record.engine_hash]
-    entry.places.remove((record.tier, record.key))
-    if not entry.places:
+    entry.refs -= 1
+    if entry.refs <= 0:
         del own.topology[record.engine_hash]
         return
-    # The chain position is the latest remaining copy's, as restoring in stored order leaves it.
-    tier, key = entry.places[-1]
-    latest = own.records[tier][key]
-    entry.sequence_hash, entry.parent_hash, entry.local_hash = latest.sequence_hash, latest.parent_hash, latest.local_hash
+    if (entry.sequence_hash, entry.parent_hash) == (record.sequence_hash, record.parent_hash):
+        # The copy that set the chain position left: it is the latest remaining copy's, as
+        # restoring in stored order leaves it (copies disagree only after a re-parenting).
+        latest = max(_copies(own, record.engine_hash), key=lambda copy: copy.stream_seq)
+        entry.sequence_hash, entry.parent_hash, entry.local_hash = latest.sequence_hash, latest.parent_hash, latest.local_hash
