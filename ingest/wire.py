@@ -486,6 +486,8 @@ def _typed_stored(event: _VllmStored) -> Stored:
             _typed_tier(event.medium), hashes, event.parent_block_hash, block_size, (), event.lora_name,
             event.cache_salt, group_idx, event.ownership, event.kv_cache_spec_kind, window,
         )
+    if event.extra_keys is not None and len(event.extra_keys) != len(hashes):
+        raise _NotFast  # the generic path words the mismatch
     if (
         block_size <= 0 or group_idx < 0 or not tokens or len(tokens) != len(hashes) * block_size
         or (event.cache_salt and event.parent_block_hash is None) or (window is not None and window < 0)

@@ -242,6 +242,17 @@ def _vllm_like_events(draw) -> dict:
             lora_name=draw(_OPTIONAL_TEXT), cache_salt=draw(_OPTIONAL_TEXT),
             group_idx=draw(st.one_of(st.none(), st.integers(-1, 3), st.just(False))),
         )
+        if draw(st.booleans()):
+            # what hybrid models, offload tiers and multimodal requests add
+            blocks_keys = draw(st.sampled_from([len(hashes), len(hashes) + 1]))
+            event.update(
+                extra_keys=draw(st.sampled_from([None, [None] * blocks_keys, [[["a" * 64, 0]]] * blocks_keys, [["salt"]] * blocks_keys])),
+                ownership=draw(st.sampled_from([None, "kvcr", "x" * 200, 7])),
+                kv_cache_spec_kind=draw(st.sampled_from([None, "full_attention", "sliding_window"])),
+                kv_cache_spec_sliding_window=draw(st.sampled_from([None, -1, 64])),
+            )
+            if draw(st.booleans()):
+                event["token_ids"] = []  # an offload placeholder
     if draw(st.booleans()):
         event["locality"] = draw(st.sampled_from(["LOCAL", "remote", "REMOTE", 5]))
     for name in draw(st.lists(st.sampled_from(["block_hashes", "medium", "token_ids", "block_size"]), max_size=1)):
@@ -284,3 +295,10 @@ def test_the_fast_path_takes_vllm_batches_with_lora_salt_and_big_hashes() -> Non
     # A salt enters a request's first block; these blocks continue a chain (parent 3), which keeps them apart.
     assert fast.events[0].local_hashes == tuple(local_block_hashes(TOKENS, 16, lora_name="adapter"))
     assert fast.events[0].cache_salt == "s"
+
+
+def test_the_fast_path_leaves_a_wrong_count_of_extra_keys_to_the_generic_path() -> None:
+    payload = pack([1.0, [stored_map(extra_keys=[None]), stored_map(extra_keys=[None, None])], 0])
+    assert wire._decode_vllm_layout(payload, wire.Engine.VLLM) is None
+    batch = decode_payload(payload)
+    assert len(batch.events) == 1 and "extra_keys has 1 entries for 2 blocks" in batch.rejected[0].reason
