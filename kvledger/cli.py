@@ -79,7 +79,7 @@ def _config_show(args: argparse.Namespace, loaded: LoadedSettings) -> int:
 def _ingest_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting_flag(
         parser, "--endpoint", key="ingest.endpoints", action="append", metavar="SPEC",
-        help="tcp://HOST:PORT[,replay=tcp://HOST:PORT][,provenance=retained][,dp_ranks=N] (repeatable)",
+        help="tcp://HOST:PORT[,replay=tcp://HOST:PORT][,provenance=retained][,dp_ranks=N][,engine=vllm|sglang|trtllm] (repeatable)",
     )
     parser.add_argument(
         "--publisher", action="append", default=[], metavar="NAME",

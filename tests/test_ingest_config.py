@@ -9,6 +9,7 @@ from nats.js.api import StorageType, StreamConfig
 from engines import settings_for
 from ingest.endpoints import EndpointError, EndpointSpec, parse_endpoint, parse_endpoints, stream_sources
 from ingest.publisher import JetStreamPublisher, StreamConflictError
+from ingest.wire import Engine
 from kvledger.events import Provenance, WorkerId
 from kvledger.nats_options import connect_options, describe_server
 from kvledger.settings import NatsSettings
@@ -24,6 +25,14 @@ def test_endpoint_specs_with_every_option() -> None:
         (WorkerId("vllm-a", 1), "tcp://10.0.0.5:5558", "tcp://10.0.0.5:5658"),
     ]
     assert parse_endpoint("tcp://h:1,publisher=own", "flag").publisher == "own"
+
+
+def test_an_endpoint_names_its_engine_which_decides_what_a_clear_covers() -> None:
+    assert parse_endpoint("tcp://h:1", "a").engine is Engine.VLLM
+    spec = parse_endpoint("tcp://h:1,engine=SGLang,dp_ranks=2", "a")
+    assert spec.engine is Engine.SGLANG and {s.engine for s in stream_sources([spec])} == {Engine.SGLANG}
+    with pytest.raises(EndpointError, match="engine must be one of vllm, sglang, trtllm"):
+        parse_endpoint("tcp://h:1,engine=tgi", "a")
 
 
 @pytest.mark.parametrize(
