@@ -34,6 +34,7 @@ class RemovalCause(enum.Enum):
     REMOVED = "removed"
     CLEARED = "cleared"
     RESTART = "restart"
+    RESOLVED = "resolved"  # an unresolved record replaced by its resolved copy, stored at that seq
 
 
 # A block's identity within one provenance and tier of a worker: (group_idx, ownership,
@@ -180,6 +181,8 @@ class _ProvenanceState:
     # every (group, ownership) an indexable record was attached under: where the copies of
     # one engine hash can be, so finding them takes a few lookups, not a scan
     placements: set[tuple[int, str | None]] = attrs.field(factory=set)
+    # engine hash -> where its unresolved records are, to resolve them once it is known
+    waiting: dict[int, list[tuple[Tier, BlockKey]]] = attrs.field(factory=dict)
     # engine hash -> where it sits in the chain, for resolving parents
     topology: dict[int, _TopologyEntry] = attrs.field(factory=dict)
     epoch: int | None = None
@@ -330,6 +333,8 @@ class InventoryFold:
                 )
                 attach_record(retained, record)
                 facts.append(BlockStoredFact(record))
+            if native.waiting or retained.waiting:
+                self._resolve_waiting(state, engine_hash, stream_seq, facts)
             parent, parent_sequence = engine_hash, sequence_hash
 
     def _store_without_tokens(
@@ -370,6 +375,30 @@ class InventoryFold:
             else:
                 attach_record(own, record)
                 facts.append(BlockStoredFact(record))
+            if state.by_provenance[NATIVE].waiting or state.by_provenance[RETAINED].waiting:
+                self._resolve_waiting(state, engine_hash, stream_seq, facts)
+
+    def _resolve_waiting(self, state: WorkerState, engine_hash: int, stream_seq: int, facts: list[Fact]) -> None:
+        """Stores without tokens that came before their block was known take its hashes now.
+
+        (A sliding-window group's null-block store ahead of the full-attention group's in one
+        batch, a placeholder ahead of the store it copies.) The unresolved record leaves with
+        cause `resolved` and its resolved copy is stored, so the audit keeps both stays.
+        """
+        entry = state.by_provenance[NATIVE].topology.get(engine_hash) or state.by_provenance[RETAINED].topology.get(engine_hash)
+        if entry is None:
+            return
+        for own in state.by_provenance.values():
+            for tier, key in list(own.waiting.get(engine_hash, ())):
+                held = own.records[tier][key]
+                _detach(own, held)
+                resolved = attrs.evolve(
+                    held, sequence_hash=entry.sequence_hash, parent_hash=entry.parent_hash, local_hash=entry.local_hash,
+                    stream_seq=stream_seq, unresolved=False,
+                )
+                attach_record(own, resolved)
+                facts.append(BlockRemovedFact(held, RemovalCause.RESOLVED, stream_seq))
+                facts.append(BlockStoredFact(resolved))
 
     def _add_reference(
         self, state: WorkerState, own: _ProvenanceState, held: BlockRecord, stream_seq: int, facts: list[Fact],
@@ -631,7 +660,10 @@ def attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
     """Hold `record` in one provenance's inventory (the fold's and every restore's one way in)."""
     tier, group = record.tier, record.group_idx
     own.records[tier][(group, record.ownership, record.engine_hash)] = record
-    if record.conflict or record.unresolved:
+    if record.unresolved:
+        own.waiting.setdefault(record.engine_hash, []).append((tier, (group, record.ownership, record.engine_hash)))
+        return
+    if record.conflict:
         return
     by_group = own.held[tier]
     counts = by_group.get(group)
@@ -665,7 +697,13 @@ def _copies(own: _ProvenanceState, engine_hash: int) -> list[BlockRecord]:
 
 def _detach(own: _ProvenanceState, record: BlockRecord) -> None:
     del own.records[record.tier][record.key]
-    if not record.indexable:
+    if record.unresolved:
+        places = own.waiting[record.engine_hash]
+        places.remove((record.tier, record.key))
+        if not places:
+            del own.waiting[record.engine_hash]
+        return
+    if record.conflict:
         return
     by_group = own.held[record.tier]
     held = by_group[record.group_idx]

@@ -99,7 +99,7 @@ block_residency = sa.Table(
     sa.Column("conflict_since", _SEQ),
     sa.Column("removed_seq", _SEQ),
     sa.Column("removed_ts", _TS),
-    sa.Column("removal_cause", _NAME),  # NULL while stored; removed | cleared | restart
+    sa.Column("removal_cause", _NAME),  # NULL while stored; removed | cleared | restart | resolved
     # A block's identity on a tier is (group_idx, ownership, engine_hash): one KV-cache group's
     # or one offload tier's removal never closes another's row.
     sa.Column("group_idx", sa.Integer, nullable=False, server_default="0"),

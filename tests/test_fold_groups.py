@@ -208,6 +208,26 @@ def test_an_unknown_placeholder_is_kept_unresolved_unindexed_and_counted() -> No
     assert (0, None, 77) not in keyed(fold, HOST)
 
 
+def test_a_placeholder_ahead_of_the_store_it_copies_is_resolved_when_that_store_comes() -> None:
+    s = Stream()
+    # A sliding-window group's null-block store (no usable tokens) ahead of the full-attention
+    # group's store of the same blocks in one batch, then a CPU placeholder a batch before its GPU store.
+    fold, facts = fold_with(s.batch(W, placeholder([1, 2], tier=DEVICE, group=1, kind=SW), put([1, 2], kind=FULL)),
+                            s.batch(W, placeholder([3], tier=HOST)))
+    window = keyed(fold)
+    assert not window[(1, None, 2)].unresolved and window[(1, None, 2)].sequence_hash == seq(1, 2)
+    unresolved_1 = attrs.evolve(window[(1, None, 1)], sequence_hash=0, parent_hash=None, local_hash=0, unresolved=True)
+    # the unresolved stay ends with cause `resolved`, its resolved copy is stored at that seq
+    assert facts[3:5] == [BlockRemovedFact(unresolved_1, RemovalCause.RESOLVED, 1), BlockStoredFact(window[(1, None, 1)])]
+    assert keyed(fold, HOST)[(0, None, 3)].unresolved
+    fold.apply(*s.batch(W, put([1, 2, 3], kind=FULL)))
+    host = keyed(fold, HOST)[(0, None, 3)]
+    assert not host.unresolved and host.sequence_hash == seq(1, 2, 3) and host.parent_hash == 2
+    assert holds(fold, seq(1, 2, 3), HOST) and not fold.worker_state(W).by_provenance[NATIVE].waiting
+    restored = decode_snapshot(encode_snapshot(fold))
+    assert list(restored.iter_records()) == list(fold.iter_records())
+
+
 # --- 4. the residency rule ------------------------------------------------------------------
 
 

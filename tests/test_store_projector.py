@@ -137,12 +137,16 @@ def recorded_stream(seed: int, batches: int) -> list[EventBatch | bytes]:
             hashes = tuple(engine_hash(worker, i) for i in ids)
             out.append(batch(
                 worker, Provenance.NATIVE,
+                # a placeholder ahead of the store it copies: unresolved, then resolved in this batch
+                Stored(Tier.DISK, hashes[:1], None, 0, ()),
                 Stored(tier, hashes, None, BLOCK_SIZE, local_hashes(ids)),
                 Removed(tier, hashes[:1]),
                 Stored(tier, hashes[:1], hashes[2], BLOCK_SIZE, local_hashes(ids[:1])),
                 Stored(tier, hashes[2:], hashes[1], BLOCK_SIZE, local_hashes(ids[2:])),  # one more reference
                 # offload placeholders (no tokens), one known, one not, under an ownership
                 Stored(Tier.DISK, (hashes[1], engine_hash(worker, 40_000_000 + len(out))), None, 0, (), ownership="kvcr"),
+                # and one for the next block this worker will store, resolved by a later transaction
+                Stored(Tier.HOST, (engine_hash(worker, next_id[worker]),), None, 0, (), ownership="kvcr"),
             ))  # fmt: skip
             blocks.extend(hashes[1:])
             blocks.append(hashes[0])
