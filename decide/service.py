@@ -47,6 +47,7 @@ from kvledger.streams import (
 )
 from kvledger.system import install_stop_signals
 
+from decide.batching import MicroBatcher
 from decide.cpu import CpuBackend
 from decide.index import InventoryIndex
 from decide.ranked import AnswerBatch
@@ -178,6 +179,11 @@ class DecideService(AsyncLifetime):
         self._js: nats.js.JetStreamContext | None = None
         self._recorder: DecisionRecorder | None = None
         self._subscriptions: list[Any] = []
+        # Concurrent single requests (NATS and HTTP) are ranked and recorded together.
+        self._batcher = MicroBatcher(
+            self.answer, window_s=settings.decide.batch_window_us / 1e6, max_batch=settings.decide.max_batch,
+        )
+        self._singles: set[asyncio.Task] = set()  # single NATS requests being answered
         self._http: asyncio.base_events.Server | None = None
         self._ready = asyncio.Event()
         self._warm_target = 0
@@ -245,6 +251,10 @@ class DecideService(AsyncLifetime):
             except Exception:  # the connection may already be gone; nothing left to undo
                 pass
         self._subscriptions.clear()
+        # Requests already taken are answered (and recorded) before the connection drains.
+        await self._batcher.close()
+        if self._singles:
+            await asyncio.gather(*self._singles, return_exceptions=True)
         if self._nc is not None and not self._nc.is_closed:
             await self._nc.drain()
         self._nc = None
@@ -334,7 +344,11 @@ class DecideService(AsyncLifetime):
         await self._recorder.record(payloads)
 
     async def _on_single(self, msg: Msg) -> None:
-        await self._reply(msg, batch=False)
+        # nats-py awaits one callback at a time per subscription: answering here would
+        # serialise every client. The request joins the current micro-batch instead.
+        task = asyncio.get_running_loop().create_task(self._reply(msg, batch=False), name="decide-single")
+        self._singles.add(task)
+        task.add_done_callback(self._singles.discard)
 
     async def _on_batch(self, msg: Msg) -> None:
         await self._reply(msg, batch=True)
@@ -348,13 +362,16 @@ class DecideService(AsyncLifetime):
             await msg.respond(_json(error.as_json()))
             return
         try:
-            answers = await self.answer(body if batch else [body])
+            if batch:
+                reply = (await self.answer(body)).as_list()
+            else:
+                reply, _ = await self._batcher.submit(body)
         except Exception as failure:  # e.g. KV_DECISIONS unreachable: say so rather than let the client time out
             log.exception("decide: request failed")
             await msg.respond(_json({"request_id": None, "error": {
                 "field": None, "message": f"internal error: {type(failure).__name__}: {failure}"}}))
             return
-        await msg.respond(answers.as_list() if batch else answers.parts[0])
+        await msg.respond(reply)
 
     # HTTP front
 
@@ -379,10 +396,10 @@ class DecideService(AsyncLifetime):
         if error is not None:
             self.metrics.malformed.labels(error.field).inc()
             return _encoded(400, error.as_json(), media_type)
-        answers = await self.answer(body if batch else [body])
         if batch:
-            return _encoded(200, answers.as_list(), media_type)
-        return _encoded(400 if answers.refused else 200, answers.parts[0], media_type)
+            return _encoded(200, (await self.answer(body)).as_list(), media_type)
+        part, refused = await self._batcher.submit(body)
+        return _encoded(400 if refused else 200, part, media_type)
 
 
 def _parse_json(data: bytes) -> tuple[object, RequestError | None]:

@@ -279,6 +279,14 @@ class DecideSettings:
     reject_media_status_code: int = _setting(
         415, "HTTP status returned for a request body that is not JSON.", rule=_between(400, 599)
     )
+    batch_window_us: float = _setting(
+        0.0, "Single requests arriving within this many microseconds of the first are ranked and recorded "
+        "together; 0 = those pending when the event loop next turns (the loop's timers have millisecond "
+        "resolution, so a shorter window waits a whole millisecond).", rule=_at_least(0),
+    )
+    max_batch: int = _setting(
+        256, "Most single requests answered in one micro-batch.", rule=_between(1, 65536)
+    )
 
 
 @attrs.frozen

@@ -8,6 +8,7 @@ import time
 import urllib.error
 import urllib.request
 
+import attrs
 import msgspec
 import nats
 import pytest
@@ -286,3 +287,50 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+async def test_concurrent_single_requests_are_ranked_together_each_answer_its_own_and_on_record(nats_server) -> None:
+    """64 clients at once on `kvledger.decide`, 8 over HTTP: few backend calls, each answer exact and on record."""
+    settings = decide_settings(nats_server.url)
+    settings = attrs.evolve(settings, decide=attrs.evolve(settings.decide, batch_window_us=5000.0, max_batch=16))
+    early, late = scenario()
+    async with await nats.connect(nats_server.url) as nc:
+        js = nc.jetstream()
+        await ensure_stream(js, events_stream(settings.stream))
+        await publish(js, early + late)
+        async with DecideService(settings) as service:
+            await service.wait_ready(DEADLINE_S)
+            await answer_at(nc, request_body("warm"), 5)
+            fold = InventoryFold()
+            fold.apply_all(early + late)
+            bodies = [request_body(f"c-{n}", target=("target", "other", None)[n % 3], blocks=1 + n % 12) for n in range(64)]
+            before = _batch_sizes(service)
+            answers = await asyncio.gather(*(ask(nc, DECIDE_SUBJECT, body) for body in bodies))
+            over_http = await asyncio.gather(*(
+                asyncio.to_thread(http, service.http_port, "/v1/decide", json.dumps(body).encode()) for body in bodies[:8]
+            ))
+            for body, answer in zip(bodies, answers):
+                request = ReuseRequest(body["request_id"], tuple(int(h) for h in body["local_hashes"]), BLOCK_SIZE,
+                                       WorkerId.parse(body["target"]) if body["target"] else None)
+                assert answer == decision_to_json(decide(fold, request, settings.reuse, backend=service.backend.name))
+            assert [(status, json.loads(raw)) for status, raw, _ in over_http] == [(200, answer) for answer in answers[:8]]
+            calls, largest, _ = _batch_sizes(service, since=before)
+            assert calls < 64 + 8 and largest > 1  # concurrent singles shared backend calls
+            assert largest <= 16  # never more than decide.max_batch (16 is a bucket bound)
+            # each answer on record once under its request id (the HTTP ones are retries of the same ids)
+            assert (await js.stream_info(settings.stream.decisions_stream)).state.messages == 1 + 64
+
+
+def _batch_sizes(service: DecideService, since: tuple | None = None) -> tuple:
+    """(backend calls, bucket bound of the largest, buckets) from kvledger_decide_batch_size, optionally since `since`."""
+    samples = {
+        (sample.name, sample.labels.get("le")): sample.value
+        for metric in service.metrics.batch_size.collect() for sample in metric.samples
+    }
+    count = samples[("kvledger_decide_batch_size_count", None)]
+    buckets = sorted((float(le), value) for (name, le), value in samples.items() if name.endswith("_bucket"))
+    if since is not None:
+        count -= since[0]
+        buckets = [(le, value - before) for (le, value), (_, before) in zip(buckets, since[2])]
+    largest = next(le for le, value in buckets if value >= count)
+    return count, largest, buckets
