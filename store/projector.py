@@ -424,12 +424,7 @@ class StoreService:
                 return
             try:
                 js = connection.jetstream()
-                for spec in (
-                    events_stream(self.settings.stream),
-                    dead_letters_stream(self.settings.stream),
-                    decisions_stream(self.settings.stream),
-                ):
-                    await ensure_stream(js, spec)
+                await self._ensure_streams(js, stop)
                 async with asyncio.TaskGroup() as group:
                     for projector in (self.events, self.decisions, self.dead_letters):
                         group.create_task(projector.run(js, stop))
@@ -442,6 +437,29 @@ class StoreService:
             server.close()
             await server.wait_closed()
             self.engine.dispose()
+
+
+    async def _ensure_streams(self, js: JetStreamContext, stop: asyncio.Event) -> None:
+        """Make sure the three streams exist as specified, waiting out a NATS restart.
+
+        Connected is not yet served: a nats-server killed just after store connected (or one
+        still recovering JetStream) times the stream lookups out, and the store must then
+        wait like its projectors do, not end. A stream that differs from the spec stays fatal.
+        """
+        backoff = _Backoff()
+        specs = (
+            events_stream(self.settings.stream), dead_letters_stream(self.settings.stream),
+            decisions_stream(self.settings.stream),
+        )
+        while not stop.is_set():
+            try:
+                for spec in specs:
+                    await ensure_stream(js, spec)
+                return
+            except NATS_ERRORS as error:
+                self.metrics.nats_errors.inc()
+                log.warning("NATS error while making sure the streams exist (%s); retrying", error)
+                await backoff.wait(stop)
 
 
 async def serve(settings: Settings) -> None:
