@@ -534,11 +534,14 @@ class VllmBlockStored:
     lora_name: str | None = None
 
     def as_wire(self) -> dict[str, Any]:
+        # As vLLM 0.33 sends a plain model's store (tests/golden/vllm_plain.json): one
+        # extra-keys entry per block, group 0, the group's kind.
         return {
             "type": "BlockStored", "block_hashes": list(self.block_hashes),
             "parent_block_hash": self.parent_block_hash, "token_ids": list(self.token_ids),
             "block_size": self.block_size, "lora_id": None, "medium": self.medium,
-            "lora_name": self.lora_name, "extra_keys": None, "group_idx": 0,
+            "lora_name": self.lora_name, "extra_keys": [None] * len(self.block_hashes), "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
         }
 
 

@@ -61,7 +61,8 @@ def test_the_encoder_speaks_what_the_decoder_reads() -> None:
     assert msgspec.msgpack.decode(payload)[1][0]["type"] == "BlockStored"
     batch = decode_payload(payload)
     assert batch.events == (
-        Stored(Tier.DISK, (BIG, 7), None, 16, tuple(local_block_hashes(TOKENS, 16, lora_name="adapter")), "adapter", None, 0),
+        Stored(Tier.DISK, (BIG, 7), None, 16, tuple(local_block_hashes(TOKENS, 16, lora_name="adapter")), "adapter", None, 0,
+               None, "full_attention"),
         Removed(Tier.DEVICE, (BIG,)),
         Cleared(Tier.DEVICE),
     )
