@@ -42,7 +42,8 @@ _STORED_FIELDS = (
     "ownership", "session_id",
 )
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
-_OWNERSHIP_MAX_LEN = 128  # the SQL column's size
+_OWNERSHIP_MAX_LEN = 128  # the SQL columns' sizes
+_SPEC_KIND_MAX_LEN = 32
 
 
 class Engine(enum.Enum):
@@ -252,7 +253,7 @@ def _stored(fields: dict[str, Any]) -> tuple[Stored, bool]:
     lora_name = _optional_str(fields, "lora_name")
     cache_salt = _optional_str(fields, "cache_salt")
     ownership = _optional_str(fields, "ownership", _OWNERSHIP_MAX_LEN)
-    spec_kind = _optional_str(fields, "kv_cache_spec_kind", 32)
+    spec_kind = _optional_str(fields, "kv_cache_spec_kind", _SPEC_KIND_MAX_LEN)
     window = _optional_int(fields, "kv_cache_spec_sliding_window")
     group_idx = _optional_int(fields, "group_idx") or 0
     lookahead = 0
@@ -476,29 +477,25 @@ def _typed_stored(event: _VllmStored) -> Stored:
     tokens = event.token_ids
     group_idx = event.group_idx or 0
     window = event.kv_cache_spec_sliding_window
-    if not tokens and block_size >= 0 and group_idx >= 0 and (window is None or window >= 0) and hashes:
-        # An offload placeholder: nothing to hash, the fold resolves it by engine hash.
-        if (event.ownership is not None and len(event.ownership) > _OWNERSHIP_MAX_LEN) or (
-            event.kv_cache_spec_kind is not None and len(event.kv_cache_spec_kind) > 32
-        ):
-            raise _NotFast
-        return Stored(
-            _typed_tier(event.medium), hashes, event.parent_block_hash, block_size, (), event.lora_name,
-            event.cache_salt, group_idx, event.ownership, event.kv_cache_spec_kind, window,
-        )
-    if event.extra_keys is not None and len(event.extra_keys) != len(hashes):
-        raise _NotFast  # the generic path words the mismatch
     if (
-        block_size <= 0 or group_idx < 0 or not tokens or len(tokens) != len(hashes) * block_size
-        or (event.cache_salt and event.parent_block_hash is None) or (window is not None and window < 0)
+        group_idx < 0 or (window is not None and window < 0)
         or (event.ownership is not None and len(event.ownership) > _OWNERSHIP_MAX_LEN)
-        or (event.kv_cache_spec_kind is not None and len(event.kv_cache_spec_kind) > 32)
+        or (event.kv_cache_spec_kind is not None and len(event.kv_cache_spec_kind) > _SPEC_KIND_MAX_LEN)
     ):
         raise _NotFast
-    local = _local_hashes(tokens, block_size, block_seed(event.lora_name))
+    if not tokens and block_size >= 0 and hashes:
+        local: tuple[int, ...] = ()  # an offload placeholder: the fold resolves it by engine hash
+    elif (
+        block_size <= 0 or not tokens or len(tokens) != len(hashes) * block_size
+        or (event.cache_salt and event.parent_block_hash is None)
+        or (event.extra_keys is not None and len(event.extra_keys) != len(hashes))
+    ):
+        raise _NotFast  # the generic path decides, and words what is wrong
+    else:
+        local = tuple(_local_hashes(tokens, block_size, block_seed(event.lora_name)))
     return Stored(
         _typed_tier(event.medium), hashes, event.parent_block_hash, block_size,
-        tuple(local), event.lora_name, event.cache_salt, group_idx, event.ownership, event.kv_cache_spec_kind, window,
+        local, event.lora_name, event.cache_salt, group_idx, event.ownership, event.kv_cache_spec_kind, window,
     )
 
 
