@@ -271,6 +271,10 @@ class CudaBackend:
 
     # --- ranking -------------------------------------------------------------------------------
 
+    def warm_up(self, settings: ReuseSettings) -> None:
+        """Run every code path once before the service reports ready."""
+        self.answer_batch([ReuseRequest("warm-up", (1, 2, 3), 16)], settings).encoded()
+
     def answer_batch(
         self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,
     ) -> AnswerBatch:
