@@ -1,10 +1,10 @@
 """`kvledger decide`: the reuse decision service (DESIGN §4, §6).
 
 Warm-starts the index from the newest KV_SNAPSHOTS object (or replays KV_EVENTS from the
-start), follows KV_EVENTS live with an ordered consumer, answers `kvledger.decide` and
-`kvledger.decide.batch` over NATS and `POST /v1/decide[/batch]` over HTTP, and appends
-every answer to KV_DECISIONS with Nats-Msg-Id = request id so a retried request is
-recorded once.
+start), warms the backend up, follows KV_EVENTS live with an ordered consumer, answers
+`kvledger.decide` and `kvledger.decide.batch` over NATS and `POST /v1/decide[/batch]` over
+HTTP, and appends every answer to KV_DECISIONS with Nats-Msg-Id = request id so a retried
+request is recorded once.
 """
 
 from __future__ import annotations
@@ -12,28 +12,24 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
-import attrs
-import msgspec
 import nats
-import nats.js.errors
+import nats.js
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 
 from kvledger.decision_codec import RequestError, request_from_json
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
-from kvledger.http import Request, Response, health_routes, serve_connection
+from kvledger.http import Handler, Request, Response, health_routes, serve_connection
 from kvledger.lifetime import AsyncLifetime
 from kvledger.nats_options import auth_failure, connect_options, is_auth_error
 from kvledger.reuse import Reason, ReuseRequest
 from kvledger.settings import Settings
-from kvledger.snapshot import SnapshotError, decode_snapshot
 from kvledger.streams import (
     StreamConflictError,
     ensure_stream,
@@ -43,121 +39,29 @@ from kvledger.streams import (
     SNAPSHOTS_BUCKET,
     decisions_stream,
     events_stream,
-    snapshot_seq,
 )
 from kvledger.system import install_stop_signals
 
+from decide.backend import RankingBackend, choose_backend
 from decide.batching import MicroBatcher
-from decide.cpu import CpuBackend
 from decide.index import InventoryIndex
+from decide.media import (
+    MEDIA_TYPES,
+    EncodedAnswers,
+    batch_problem,
+    encoded_response,
+    json_bytes,
+    parse_json,
+    parse_msgpack,
+)
+from decide.metrics import DecideMetrics
 from decide.ranked import AnswerBatch
 from decide.recorder import DecisionRecorder
+from decide.startup import StartupError, newest_snapshot, seconds_since_process_start, settle_subscriptions
 
 log = logging.getLogger("kvledger.decide")
 
 QUEUE_GROUP = "kvledger-decide"
-MAX_BATCH_REQUESTS = 65536
-_MEDIA_TYPES = ("application/json", "application/msgpack")
-
-
-class StartupError(RuntimeError):
-    """decide cannot start as configured; the message says what to change."""
-
-
-# --- backend choice ----------------------------------------------------------------------
-
-
-def choose_backend(wanted: str, index: InventoryIndex) -> tuple[Any, str]:
-    """The ranking backend for `decide.backend`, and a line saying what was chosen and why."""
-    if wanted == "cpu":
-        return CpuBackend(index), "backend cpu (as configured)"
-    from decide.cuda import CudaBackend, CudaUnavailable, device_unavailable_reason
-
-    reason = device_unavailable_reason()
-    if reason is None:
-        try:
-            backend = CudaBackend(index)
-            return backend, f"backend cuda on {backend.device.name} ({backend.arch})" + (
-                " (auto: a CUDA device answered)" if wanted == "auto" else " (as configured)"
-            )
-        except CudaUnavailable as error:  # CudaBackend turns every startup failure into this
-            reason = str(error)
-    if wanted == "cuda":
-        raise StartupError(f"decide.backend = cuda, but {reason}; use backend = auto or cpu")
-    return CpuBackend(index), f"backend cpu (auto: {reason})"
-
-
-async def settle_subscriptions(nc: nats.NATS) -> None:
-    """Return once the server has every subscription `nc` has made so far.
-
-    One `flush()` is not enough: nats-py (2.16) writes its PING straight to the socket
-    while SUBs wait in its pending buffer for the flusher task, so the PONG can come back
-    before the server has seen them, and a request sent at once gets "no responders" (about
-    1 start in 15 on a busy machine). The flusher runs while the first PING is answered,
-    so the second PING follows the SUBs.
-    """
-    await nc.flush()
-    await nc.flush()
-
-
-async def newest_snapshot(js: nats.js.JetStreamContext) -> tuple[InventoryIndex, str] | None:
-    """The index rebuilt from the newest KV_SNAPSHOTS object, or None without bucket or snapshot."""
-    try:
-        store = await js.object_store(SNAPSHOTS_BUCKET)
-        objects = await store.list()
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError):
-        return None
-    named = sorted(((snapshot_seq(info.name), info.name) for info in objects
-                    if not info.deleted and snapshot_seq(info.name) is not None), reverse=True)
-    for _seq, name in named:
-        try:
-            result = await store.get(name)
-            return InventoryIndex(decode_snapshot(result.data)), name
-        except (SnapshotError, nats.js.errors.Error) as error:
-            log.warning("decide: snapshot %s unusable (%s); trying an older one", name, error)
-    return None
-
-
-# --- metrics ---------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class DecideMetrics:
-    registry: CollectorRegistry
-    decisions: Counter
-    latency: Histogram
-    batch_size: Histogram
-    budget_exhausted: Counter
-    malformed: Counter
-    index_size: Gauge
-    workers: Gauge
-    inventory_seq: Gauge
-    inventory_lag: Gauge
-    undecodable_events: Counter
-
-    @classmethod
-    def create(cls) -> DecideMetrics:
-        registry = CollectorRegistry()
-        return cls(
-            registry,
-            Counter("kvledger_decide_decisions", "Decisions answered.", ["backend", "reason"], registry=registry),
-            Histogram("kvledger_decide_latency_seconds", "Time to rank one request or one batch.",
-                      ["backend", "kind"], registry=registry,
-                      buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)),
-            Histogram("kvledger_decide_batch_size", "Requests per batch.", registry=registry,
-                      buckets=(1, 2, 4, 16, 64, 256, 1024, 4096, 16384, 65536)),
-            Counter("kvledger_decide_budget_exhausted", "Answers whose scan stopped at the lookup budget.",
-                    registry=registry),
-            Counter("kvledger_decide_malformed_requests", "Requests refused, by offending field.", ["field"],
-                    registry=registry),
-            Gauge("kvledger_decide_index_size", "Sequence hashes held by at least one worker.", registry=registry),
-            Gauge("kvledger_decide_workers", "Workers in the index.", registry=registry),
-            Gauge("kvledger_decide_inventory_seq", "KV_EVENTS stream sequence the index reflects.", registry=registry),
-            Gauge("kvledger_decide_inventory_lag", "KV_EVENTS messages not yet applied to the index.",
-                  registry=registry),
-            Counter("kvledger_decide_undecodable_events", "KV_EVENTS messages that could not be decoded.",
-                    registry=registry),
-        )
 
 
 # --- the service -----------------------------------------------------------------------------
@@ -170,15 +74,17 @@ class DecideService(AsyncLifetime):
         self.settings = settings
         self.metrics = DecideMetrics.create()
         self.index = InventoryIndex()
-        self.backend: Any = None
+        self.backend: RankingBackend | None = None
         self.backend_line = ""
         self.http_port: int | None = None
         self.started_from: str | None = None  # the snapshot object of a warm start
+        self.warm_up_seconds: float | None = None  # set before the service can become ready
+        self.ready_after_process_start_s: float | None = None  # the cold start, where the OS tells it
         self._clock = clock
         self._nc: nats.NATS | None = None
         self._js: nats.js.JetStreamContext | None = None
         self._recorder: DecisionRecorder | None = None
-        self._subscriptions: list[Any] = []
+        self._subscriptions: list[Subscription] = []
         # Concurrent single requests (NATS and HTTP) are ranked and recorded together.
         self._batcher = MicroBatcher(
             self.answer, window_s=settings.decide.batch_window_us / 1e6, max_batch=settings.decide.max_batch,
@@ -217,15 +123,13 @@ class DecideService(AsyncLifetime):
             log.info("decide: warm start from snapshot %s (inventory_seq %d)", name, self.index.inventory_seq)
         else:
             log.info("decide: no snapshot in %s; replaying %s from the start", SNAPSHOTS_BUCKET, events_spec.name)
-        self.backend, self.backend_line = choose_backend(settings.decide.backend, self.index)
-        log.info("decide: %s", self.backend_line)
+        self._start_backend()
 
         info = await js.stream_info(events_spec.name)
         self._warm_target = info.state.last_seq
         start_seq = max(self.index.inventory_seq + 1, info.state.first_seq, 1)
         self.metrics.inventory_lag.set(max(self._warm_target - start_seq + 1, 0))
         self._report_index()
-        self._check_warm()
         self._subscriptions.append(await js.subscribe(
             f"{EVENTS_SUBJECT_PREFIX}.>", stream=events_spec.name, cb=self._on_event, ordered_consumer=True,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq),
@@ -239,6 +143,7 @@ class DecideService(AsyncLifetime):
         self.http_port = self._http.sockets[0].getsockname()[1]
         log.info("decide: NATS %s and %s; HTTP front, metrics and health on :%d",
                  DECIDE_SUBJECT, DECIDE_BATCH_SUBJECT, self.http_port)
+        self._check_warm()
 
     async def close(self) -> None:
         if self._http is not None:
@@ -258,9 +163,8 @@ class DecideService(AsyncLifetime):
         if self._nc is not None and not self._nc.is_closed:
             await self._nc.drain()
         self._nc = None
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
+        if self.backend is not None:
+            self.backend.close()
         self._stopped.set()
 
     @property
@@ -272,9 +176,32 @@ class DecideService(AsyncLifetime):
         await asyncio.wait_for(self._ready.wait(), timeout)
 
     def _check_warm(self) -> None:
-        if not self._ready.is_set() and self.index.inventory_seq >= self._warm_target:
+        # Ready needs both: caught up with KV_EVENTS, and listening, so the cold start
+        # measured here ends when a client can be answered.
+        listening = self.http_port is not None
+        if not self._ready.is_set() and listening and self.index.inventory_seq >= self._warm_target:
+            self.ready_after_process_start_s = seconds_since_process_start()
             self._ready.set()
-            log.info("decide: ready at inventory_seq %d", self.index.inventory_seq)
+            if self.ready_after_process_start_s is None:
+                log.info("decide: ready at inventory_seq %d", self.index.inventory_seq)
+            else:
+                log.info("decide: ready at inventory_seq %d, %.2f s after the process started",
+                         self.index.inventory_seq, self.ready_after_process_start_s)
+
+    def _start_backend(self) -> None:
+        """Choose the backend, compile it and answer once, so neither the first client nor /readyz waits on it.
+
+        On the loop thread, not in a worker thread: a CUDA context is current only in the
+        thread that made it, and this loop is the thread that answers later. Nothing is
+        subscribed or listening yet, so blocking the loop here delays no one.
+        """
+        started = time.perf_counter()
+        self.backend, self.backend_line = choose_backend(self.settings.decide.backend, self.index)
+        log.info("decide: %s", self.backend_line)
+        self.backend.warm_up(self.settings.reuse)
+        self.warm_up_seconds = time.perf_counter() - started
+        self.metrics.warm_up.set(self.warm_up_seconds)
+        log.info("decide: backend warmed up in %.1f ms", self.warm_up_seconds * 1000)
 
     # following KV_EVENTS
 
@@ -305,6 +232,7 @@ class DecideService(AsyncLifetime):
 
     def decide_many(self, requests: Sequence[ReuseRequest]) -> AnswerBatch:
         """Rank requests with the chosen backend and record the metrics."""
+        assert self.backend is not None, "answering starts after start() chose the backend"
         started = time.perf_counter()
         answers = self.backend.answer_batch(requests, self.settings.reuse, clock=self._clock)
         elapsed = time.perf_counter() - started
@@ -327,7 +255,7 @@ class DecideService(AsyncLifetime):
                 valid.append((position, request_from_json(body)))
             except RequestError as error:
                 self.metrics.malformed.labels(error.field).inc()
-                parts[position] = _json(error.as_json(body.get("request_id") if isinstance(body, dict) else None))
+                parts[position] = json_bytes(error.as_json(body.get("request_id") if isinstance(body, dict) else None))
                 refused.add(position)
         # Answers go from the ranked arrays straight to JSON, the same bytes that are recorded.
         encoded = self.decide_many([request for _, request in valid]).encoded() if valid else []
@@ -354,12 +282,12 @@ class DecideService(AsyncLifetime):
         await self._reply(msg, batch=True)
 
     async def _reply(self, msg: Msg, *, batch: bool) -> None:
-        body, error = _parse_json(msg.data)
+        body, error = parse_json(msg.data)
         if error is None and batch:
-            error = _batch_problem(body)
+            error = batch_problem(body)
         if error is not None:
             self.metrics.malformed.labels(error.field).inc()
-            await msg.respond(_json(error.as_json()))
+            await msg.respond(json_bytes(error.as_json()))
             return
         try:
             if batch:
@@ -368,14 +296,14 @@ class DecideService(AsyncLifetime):
                 reply, _ = await self._batcher.submit(body)
         except Exception as failure:  # e.g. KV_DECISIONS unreachable: say so rather than let the client time out
             log.exception("decide: request failed")
-            await msg.respond(_json({"request_id": None, "error": {
+            await msg.respond(json_bytes({"request_id": None, "error": {
                 "field": None, "message": f"internal error: {type(failure).__name__}: {failure}"}}))
             return
         await msg.respond(reply)
 
     # HTTP front
 
-    def _routes(self) -> dict[tuple[str, str], Any]:
+    def _routes(self) -> dict[tuple[str, str], Handler]:
         routes = health_routes(lambda: self.ready, lambda: generate_latest(self.metrics.registry))
         routes[("POST", "/v1/decide")] = functools.partial(self._http_decide, batch=False)
         routes[("POST", "/v1/decide/batch")] = functools.partial(self._http_decide, batch=True)
@@ -383,71 +311,23 @@ class DecideService(AsyncLifetime):
 
     async def _http_decide(self, request: Request, *, batch: bool) -> Response:
         media_type = request.media_type
-        if media_type not in _MEDIA_TYPES:
+        if media_type not in MEDIA_TYPES:
             return Response.json(self.settings.decide.reject_media_status_code, RequestError(
                 "content-type", f"expected application/json or application/msgpack, got {media_type or 'none'!r}",
             ).as_json())
         if media_type == "application/msgpack":
-            body, error = _parse_msgpack(request.body)
+            body, error = parse_msgpack(request.body)
         else:
-            body, error = _parse_json(request.body)
+            body, error = parse_json(request.body)
         if error is None and batch:
-            error = _batch_problem(body)
+            error = batch_problem(body)
         if error is not None:
             self.metrics.malformed.labels(error.field).inc()
-            return _encoded(400, error.as_json(), media_type)
+            return encoded_response(400, error.as_json(), media_type)
         if batch:
-            return _encoded(200, (await self.answer(body)).as_list(), media_type)
+            return encoded_response(200, (await self.answer(body)).as_list(), media_type)
         part, refused = await self._batcher.submit(body)
-        return _encoded(400 if refused else 200, part, media_type)
-
-
-def _parse_json(data: bytes) -> tuple[object, RequestError | None]:
-    try:
-        return json.loads(data), None
-    except (ValueError, UnicodeDecodeError) as error:
-        return None, RequestError("request", f"not valid JSON: {error}")
-
-
-def _parse_msgpack(data: bytes) -> tuple[object, RequestError | None]:
-    try:
-        return msgspec.msgpack.decode(data), None
-    except msgspec.DecodeError as error:
-        return None, RequestError("request", f"not valid msgpack: {error}")
-
-
-def _batch_problem(body: object) -> RequestError | None:
-    if not isinstance(body, list):
-        return RequestError("requests", f"expected a JSON list of requests, got {type(body).__name__}")
-    if len(body) > MAX_BATCH_REQUESTS:
-        return RequestError("requests", f"more than {MAX_BATCH_REQUESTS} requests in one batch")
-    return None
-
-
-def _encoded(status: int, value: object, media_type: str) -> Response:
-    """`value`, or the JSON text `value` already is (bytes), in the client's media type."""
-    if media_type == "application/msgpack":
-        if isinstance(value, bytes):
-            value = msgspec.json.decode(value)
-        return Response(status, msgspec.msgpack.encode(value), "application/msgpack")
-    if isinstance(value, bytes):
-        return Response(status, value, "application/json")
-    return Response.json(status, value)
-
-
-def _json(value: object) -> bytes:
-    return json.dumps(value).encode()
-
-
-@attrs.frozen
-class EncodedAnswers:
-    """The JSON of each answer or error object, in request order."""
-
-    parts: tuple[bytes, ...]
-    refused: frozenset[int]  # positions answered with an error object
-
-    def as_list(self) -> bytes:
-        return b"[" + b",".join(self.parts) + b"]"
+        return encoded_response(400 if refused else 200, part, media_type)
 
 
 # --- the command ---------------------------------------------------------------------------------

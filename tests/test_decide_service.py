@@ -23,7 +23,10 @@ from kvledger.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUB
 from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
 
 from decide.index import InventoryIndex
-from decide.service import DecideService, StartupError, choose_backend
+from decide.backend import RankingBackend, choose_backend
+from decide.cpu import CpuBackend
+from decide.service import DecideService
+from decide.startup import StartupError, seconds_since_process_start
 from kvledger.streams import StreamConflictError, ensure_stream
 from kvledger.streams import StreamSpec, decisions_stream, events_stream
 
@@ -334,3 +337,38 @@ def _batch_sizes(service: DecideService, since: tuple | None = None) -> tuple:
         buckets = [(le, value - before) for (le, value), (_, before) in zip(buckets, since[2])]
     largest = next(le for le, value in buckets if value >= count)
     return count, largest, buckets
+
+
+async def test_the_backend_is_warmed_up_before_the_service_reports_ready(nats_server, monkeypatch) -> None:
+    settings = decide_settings(nats_server.url)
+    settings = attrs.evolve(settings, decide=attrs.evolve(settings.decide, backend="cpu"))
+    service = DecideService(settings)
+    seen_at_warm_up: list[tuple[bool, float | None]] = []
+    warm_up = CpuBackend.warm_up
+
+    def watched_warm_up(backend: CpuBackend, reuse) -> None:
+        seen_at_warm_up.append((service.ready, service.warm_up_seconds))
+        warm_up(backend, reuse)
+
+    monkeypatch.setattr(CpuBackend, "warm_up", watched_warm_up)
+    async with service:
+        await service.wait_ready(DEADLINE_S)
+        assert seen_at_warm_up == [(False, None)]  # warmed up once, while not yet ready
+        assert service.warm_up_seconds is not None and service.warm_up_seconds > 0
+        metrics = (await asyncio.to_thread(http, service.http_port, "/metrics"))[1].decode()
+        gauge = next(line for line in metrics.splitlines() if line.startswith("kvledger_decide_warm_up_seconds "))
+        assert float(gauge.split()[1]) == service.warm_up_seconds
+        assert _batch_sizes(service)[0] == 0  # the warm-up answer is not counted as a decision
+        if seconds_since_process_start() is not None:
+            assert 0 < service.ready_after_process_start_s <= seconds_since_process_start()
+
+
+def test_both_backends_keep_the_ranking_backend_contract() -> None:
+    from decide.cuda import CudaBackend, device_unavailable_reason
+
+    index = InventoryIndex()
+    assert isinstance(CpuBackend(index), RankingBackend)
+    if device_unavailable_reason() is None:
+        with CudaBackend(index) as backend:
+            assert isinstance(backend, RankingBackend)
+
