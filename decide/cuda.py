@@ -5,7 +5,9 @@ CUBIN for the device's own `sm_<major><minor>`: PTX from a newer NVRTC may not l
 older driver, while a CUBIN for the exact architecture needs no JIT at all. Each
 architecture is compiled once per process. The table, rows and bitmasks live on the
 device; after the first upload only dirty table slots and rows travel, applied by the
-scatter kernels. Answers are assembled by `decide.ranked.AnswerBatch`, as for cpu.
+scatter kernels. The host side is shared with cpu: `decide.kernels.chain_hashes` chains the
+requests' hashes before the launch and `decide.ranked.AnswerBatch` writes the answers
+with the same compiled JSON writer.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from decide.ranked import (
     Clock,
     RankedBatch,
     flatten_requests,
+    overlaps_of,
     requested_targets,
     source_tier_codes,
 )
@@ -348,12 +351,16 @@ class CudaBackend:
         columns += [arrays.download(f"out_{name}", np.float64, total) for name in ("recompute", "transfer_ms", "saving")]
         # Requests append their ranked runs in whatever order their blocks finished.
         order = np.argsort(columns[0], kind="stable")
-        columns = [column[order].astype(np.int64) if column.dtype == np.int32 else column[order] for column in columns]
+        columns = [column[order] for column in columns]
+        target_out = arrays.download("target_out", np.int32, count)
+        overlap_bounds, overlap_slot, overlap_lengths = overlaps_of(
+            lengths.reshape(count, PREFIX_CLASSES, workers), target_out, index.slots_in_order, index.order_rank)
         return RankedBatch(
-            lengths.reshape(count, PREFIX_CLASSES, workers),
-            arrays.download("target_out", np.int32, count),
+            target_out,
             arrays.download("credited_out", np.float64, count),
             arrays.download("baseline_out", np.int32, count),
             arrays.download("reason_out", np.int8, count),
-            *columns,
+            overlap_bounds, overlap_slot, overlap_lengths,
+            np.searchsorted(columns[0], np.arange(count + 1)).astype(np.int64),
+            *columns[1:],
         )

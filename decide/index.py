@@ -63,6 +63,8 @@ class InventoryIndex:
         self.inventory_seq = self.fold.inventory_seq
         self.workers: list[WorkerId] = []  # by slot, in order of first appearance
         self._slot_of_worker: dict[WorkerId, int] = {}
+        # The same by (publisher, dp_rank): hashing a WorkerId (attrs) costs far more than its fields.
+        self.slot_by_key: dict[tuple[str, int], int] = {}
         self.slots_in_order = np.zeros(0, dtype=np.int32)  # worker slots sorted by worker order
         self.order_rank = np.zeros(0, dtype=np.int32)  # slot -> its position in worker order
         self.words = 1
@@ -183,6 +185,7 @@ class InventoryIndex:
         slot = len(self.workers)
         self.workers.append(worker)
         self._slot_of_worker[worker] = slot
+        self.slot_by_key[(worker.publisher, worker.dp_rank)] = slot
         self._held.append([set() for _ in CLASSES])
         if len(self.workers) > self.words * 64:
             grown = np.zeros((self.masks.shape[0], len(CLASSES), self.words * 2), dtype=np.uint64)

@@ -1,9 +1,9 @@
 """What a ranking backend computes for a batch, and how it becomes answers.
 
-Both backends fill the same `RankedBatch` of arrays (prefix lengths per worker and class,
-targets, credit, baseline, reasons, ranked candidates); `AnswerBatch` turns it into
-`Decision` values or straight into the answers' JSON, here once, so cpu and cuda can only
-differ in numbers, never in presentation.
+Both backends fill the same `RankedBatch` of arrays (targets, credit, baseline, reasons,
+the overlaps shown and the ranked candidates); `AnswerBatch` turns it into `Decision`
+values or straight into the answers' JSON, here once, so cpu and cuda can only differ in
+numbers, never in presentation.
 """
 
 from __future__ import annotations
@@ -11,20 +11,19 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import re
+import math
 import weakref
 from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
 
-from kvledger.decision_codec import decision_to_json
 from kvledger.events import Tier, WorkerId
-from kvledger.hashing import batch_sequence_hashes
 from kvledger.reuse import Candidate, Decision, Overlap, Reason, ReuseRequest, enabled_source_tiers
 from kvledger.settings import ReuseSettings, settings_digest
 
 from decide.index import InventoryIndex
+from decide.kernels import chain_hashes, needs_repr, write_answers
 
 # Prefix classes reported per worker: the three native tiers alone, any native tier, and
 # native ∪ retained device (the target's baseline).
@@ -39,21 +38,27 @@ REASONS = (
 DISABLED, CHOSEN, NO_WORKERS, NO_CANDIDATES, BELOW_THRESHOLD, BUDGET_EXHAUSTED = range(len(REASONS))
 
 NO_TARGET = -1  # no target given and no worker to pick, or a target the index has never seen
-COLUMNWISE_ANSWERS = 16  # batches this large are encoded column-wise (see AnswerBatch.encoded)
 
 Clock = Callable[[], float]
 
 
 @attrs.frozen
 class RankedBatch:
-    """Per-request results as arrays; candidates are flat, grouped by request, ranked within it."""
+    """Per-request results as arrays; overlaps and candidates are flat, grouped by request.
 
-    lengths: np.ndarray  # int32 (requests, PREFIX_CLASSES, worker slots)
+    Request r's overlaps are items `overlap_bounds[r]:overlap_bounds[r + 1]`, in worker
+    order (every worker holding a prefix in some class, and a known target); its
+    candidates are `candidate_bounds[r]:candidate_bounds[r + 1]`, ranked.
+    """
+
     target: np.ndarray  # int32 slot per request, NO_TARGET if none or unknown
     credited: np.ndarray  # float64
     baseline: np.ndarray  # int32
     reason: np.ndarray  # int8 index into REASONS
-    candidate_request: np.ndarray  # int64, non-decreasing
+    overlap_bounds: np.ndarray  # int64, requests + 1
+    overlap_slot: np.ndarray  # int32
+    overlap_lengths: np.ndarray  # int32 (overlaps, PREFIX_CLASSES)
+    candidate_bounds: np.ndarray  # int64, requests + 1
     candidate_slot: np.ndarray
     candidate_tier: np.ndarray  # index into SOURCE_TIERS
     candidate_prefix: np.ndarray
@@ -61,6 +66,23 @@ class RankedBatch:
     candidate_recompute_ms: np.ndarray
     candidate_transfer_ms: np.ndarray
     candidate_saving_ms: np.ndarray
+
+
+def overlaps_of(lengths: np.ndarray, target: np.ndarray, slots_in_order: np.ndarray,
+                order_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`RankedBatch`'s overlaps from dense prefix lengths (requests, PREFIX_CLASSES, slots)."""
+    count = lengths.shape[0]
+    # Lengths are never negative, so OR is non-zero exactly where either prefix is.
+    held = lengths[:, PREFIX_ANY, :] | lengths[:, PREFIX_RETAINED_DEVICE, :]
+    shown = held[:, slots_in_order] > 0
+    known = target >= 0
+    if known.any():
+        shown[np.flatnonzero(known), order_rank[target[known]]] = True
+    # np.nonzero is several times faster on a flat boolean array than on a 2-D one.
+    shown_request, shown_position = np.divmod(np.flatnonzero(shown), max(shown.shape[1], 1))
+    shown_slot = slots_in_order[shown_position]
+    bounds = np.searchsorted(shown_request, np.arange(count + 1)).astype(np.int64)
+    return bounds, shown_slot.astype(np.int32), np.ascontiguousarray(lengths[shown_request, :, shown_slot], dtype=np.int32)
 
 
 def source_tier_codes(settings: ReuseSettings) -> tuple[int, ...]:
@@ -75,16 +97,15 @@ def flatten_requests(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.n
     np.cumsum(lengths, out=offsets[1:])
     local = np.fromiter(itertools.chain.from_iterable(request.local_hashes for request in requests),
                         dtype=np.uint64, count=int(offsets[-1]))
-    return batch_sequence_hashes(local, offsets), offsets
+    return chain_hashes(local, offsets), offsets
 
 
 def requested_targets(index: InventoryIndex, requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
     """Slots of the requests' targets (NO_TARGET when none or unknown) and which requests named one."""
-    # Hashing a WorkerId (attrs) costs far more than hashing its two fields as a tuple.
-    slot_of = {(worker.publisher, worker.dp_rank): slot for slot, worker in enumerate(index.workers)}
+    slot_of = index.slot_by_key.get
     targets = [request.target for request in requests]
     named = np.array([target is not None for target in targets], dtype=bool).reshape(len(targets))
-    slots = np.array([NO_TARGET if target is None else slot_of.get((target.publisher, target.dp_rank), NO_TARGET)
+    slots = np.array([NO_TARGET if target is None else slot_of((target.publisher, target.dp_rank), NO_TARGET)
                       for target in targets], dtype=np.int32).reshape(len(targets))
     return slots, named
 
@@ -105,14 +126,24 @@ class DigestCache:
 _digests = DigestCache()
 
 
+def _texts(texts: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Byte texts as one uint8 buffer and the bounds of each (item i is `buffer[bounds[i]:bounds[i + 1]]`)."""
+    bounds = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)), out=bounds[1:])
+    return np.frombuffer(b"".join(texts), dtype=np.uint8), bounds
+
+
+_NO_TEXTS = _texts([])
+
+
 @attrs.frozen
 class WorkerTexts:
     """Each worker's pieces of answer JSON, by slot: made once per index and worker count,
     since workers only ever join an index."""
 
-    names: tuple[str, ...]  # the name as a JSON string
-    name_bytes: np.ndarray  # the same, as bytes
-    sources: np.ndarray  # bytes `{"source":…,"dp_rank":…`, the opening of a candidate
+    names: tuple[bytes, ...]  # the name as a JSON string
+    name_texts: tuple[np.ndarray, np.ndarray]
+    sources: tuple[np.ndarray, np.ndarray]  # `{"source":…,"dp_rank":…`, the opening of a candidate
 
     @classmethod
     def of(cls, index: InventoryIndex) -> WorkerTexts:
@@ -120,15 +151,48 @@ class WorkerTexts:
         if texts is None or len(texts.names) != index.worker_count:
             workers = index.workers
             names = tuple(_json_string(worker.name) for worker in workers)
-            texts = _worker_texts[index] = cls(
-                names, _texts(list(names)),
-                _texts([f'{{"source":{_json_string(worker.publisher)},"dp_rank":{worker.dp_rank}'
-                        for worker in workers] + [""]),
-            )
+            texts = _worker_texts[index] = cls(names, _texts(names), _texts([
+                b'{"source":' + _json_string(worker.publisher) + b',"dp_rank":' + str(worker.dp_rank).encode()
+                for worker in workers
+            ]))
         return texts
 
 
 _worker_texts: weakref.WeakKeyDictionary[InventoryIndex, WorkerTexts] = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=64)
+def _endings(uncertain_workers: tuple[str, ...], backend: str, digest: str) -> tuple[np.ndarray, np.ndarray]:
+    """An answer's last fields, one text per reason code."""
+    uncertain = b"[" + b",".join(map(_json_string, uncertain_workers)) + b"]"
+    return _texts([
+        b',"reason":"' + reason.encode() + b'","uncertain_workers":' + uncertain + b',"backend":'
+        + _json_string(backend) + b',"settings_digest":' + _json_string(digest) + b"}"
+        for reason in REASONS
+    ])
+
+
+def _repr_texts(*columns: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], list[np.ndarray]]:
+    """The few floats the JSON kernel leaves to Python (`needs_repr`) as `json.dumps` writes them,
+    and per column each value's item among those texts (-1: the kernel writes it)."""
+    values = np.concatenate(columns) if len(columns) > 1 else columns[0]
+    items = np.full(values.size, -1, dtype=np.int64)
+    flagged = np.flatnonzero(needs_repr(values))
+    texts: list[bytes] = []
+    if flagged.size:
+        text_of: dict[int, int] = {}
+        for position, bits, value in zip(flagged.tolist(), values[flagged].view(np.uint64).tolist(),
+                                         values[flagged].tolist()):
+            if bits not in text_of:
+                text_of[bits] = len(texts)
+                # json.dumps writes a finite float as repr does.
+                texts.append(repr(value).encode() if math.isfinite(value) else json.dumps(value).encode())
+            items[position] = text_of[bits]
+    split, start = [], 0
+    for column in columns:
+        split.append(items[start:start + column.size])
+        start += column.size
+    return _texts(texts), split
 
 
 @attrs.frozen
@@ -142,8 +206,6 @@ class AnswerBatch:
     requests: Sequence[ReuseRequest]
     ranked: RankedBatch
     workers: tuple[WorkerId, ...]  # by slot
-    slots_in_order: np.ndarray
-    order_rank: np.ndarray
     inventory_seq: int
     uncertain_workers: tuple[str, ...]
     backend: str
@@ -155,28 +217,14 @@ class AnswerBatch:
         cls, index: InventoryIndex, requests: Sequence[ReuseRequest], ranked: RankedBatch, settings: ReuseSettings,
         backend: str,
     ) -> AnswerBatch:
-        return cls(requests, ranked, tuple(index.workers), index.slots_in_order, index.order_rank,
-                   index.inventory_seq, index.uncertain_names(), backend, _digests(settings), WorkerTexts.of(index))
+        return cls(requests, ranked, tuple(index.workers), index.inventory_seq, index.uncertain_names(), backend,
+                   _digests(settings), WorkerTexts.of(index))
 
     def __len__(self) -> int:
         return len(self.requests)
 
     def reasons(self) -> list[str]:
         return [REASONS[code] for code in self.ranked.reason.tolist()]
-
-    def _shown(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The overlaps each answer lists, in worker order: (request, slot, the five lengths) per entry."""
-        ranked, in_order = self.ranked, self.slots_in_order
-        # Lengths are never negative, so OR is non-zero exactly where either prefix is.
-        held = ranked.lengths[:, PREFIX_ANY, :] | ranked.lengths[:, PREFIX_RETAINED_DEVICE, :]
-        shown = held[:, in_order] > 0
-        known = ranked.target >= 0
-        if known.any():
-            shown[np.flatnonzero(known), self.order_rank[ranked.target[known]]] = True
-        # np.nonzero is several times faster on a flat boolean array than on a 2-D one.
-        shown_request, shown_position = np.divmod(np.flatnonzero(shown), shown.shape[1])
-        shown_slot = in_order[shown_position]
-        return shown_request, shown_slot, ranked.lengths[shown_request, :, shown_slot]
 
     def _unknown_target(self, position: int) -> str | None:
         """A named target the inventory has never seen: its name (it is shown holding nothing)."""
@@ -185,12 +233,9 @@ class AnswerBatch:
 
     def decisions(self) -> list[Decision]:
         """The answers as `Decision` values, field for field as `kvledger.reuse.decide` would build them."""
-        count = len(self.requests)
         ranked, workers = self.ranked, self.workers
-        shown_request, shown_slot, shown_lengths = self._shown()
-        shown_lengths, shown_slots = shown_lengths.tolist(), shown_slot.tolist()
-        shown_bounds = np.searchsorted(shown_request, np.arange(count + 1)).tolist()
-        candidate_bounds = np.searchsorted(ranked.candidate_request, np.arange(count + 1)).tolist()
+        overlap_bounds, candidate_bounds = ranked.overlap_bounds.tolist(), ranked.candidate_bounds.tolist()
+        overlap_lengths, overlap_slots = ranked.overlap_lengths.tolist(), ranked.overlap_slot.tolist()
         candidates = [
             Candidate(workers[slot].publisher, workers[slot].dp_rank, SOURCE_TIERS[tier], prefix, transfer_blocks,
                       recompute, transfer, saving)
@@ -207,13 +252,8 @@ class AnswerBatch:
             self.requests, ranked.target.tolist(), ranked.credited.tolist(), ranked.baseline.tolist(),
             ranked.reason.tolist(),
         )):
-            overlaps = {
-                names[slot]: Overlap(*values)
-                for slot, values in zip(
-                    shown_slots[shown_bounds[position]:shown_bounds[position + 1]],
-                    shown_lengths[shown_bounds[position]:shown_bounds[position + 1]],
-                )
-            }
+            shown = range(overlap_bounds[position], overlap_bounds[position + 1])
+            overlaps = {names[overlap_slots[item]]: Overlap(*overlap_lengths[item]) for item in shown}
             target_name = names[target] if target >= 0 else self._unknown_target(position)
             if target < 0 and target_name is not None:
                 overlaps[target_name] = zero  # a target the inventory has never seen holds nothing
@@ -235,172 +275,42 @@ class AnswerBatch:
         return decisions
 
     def encoded(self) -> list[bytes]:
-        """Every answer as JSON bytes: `json.dumps(decision_to_json(d), separators=(",", ":"))`, byte for byte.
-
-        A few answers go through the codec one by one; from `COLUMNWISE_ANSWERS` on, building
-        them column-wise costs less than its fixed start-up.
-        """
-        if len(self.requests) < COLUMNWISE_ANSWERS:
-            return [json.dumps(decision_to_json(decision), separators=(",", ":")).encode()
-                    for decision in self.decisions()]
-        return self.encoded_columnwise()
-
-    def encoded_columnwise(self) -> list[bytes]:
-        """`encoded()`, built column-wise whatever the batch size.
-
-        Each field of every answer is formatted in one vectorised pass over fixed-width byte
-        strings (a number with its key through a table of texts), and only the final joining
-        of each answer's pieces runs per answer.
-        """
+        """Every answer as JSON bytes: `json.dumps(decision_to_json(d), separators=(",", ":"))`, byte for byte,
+        written by the compiled `decide.kernels.write_answers`."""
         count = len(self.requests)
         if not count:
             return []
         ranked = self.ranked
-        names = list(self.worker_texts.names)
-
-        # Overlaps: `"name":{...}`, a comma before all but each answer's first.
-        shown_request, shown_slot, shown_lengths = self._shown()
-        overlap = _join(self.worker_texts.name_bytes[shown_slot], *(
-            _labelled_integers(label, column) for label, column in zip(_OVERLAP_LABELS, shown_lengths.T)
-        ), b"}")
-        unknown = [(position, name) for position in np.flatnonzero(ranked.target < 0).tolist()
-                   if (name := self._unknown_target(position)) is not None]
-        if unknown:
-            unknown_at = np.array([position for position, _ in unknown], dtype=np.int64)
-            zero = _texts([_json_string(name) + _ZERO_OVERLAP for _, name in unknown])
-            # A never-seen target comes after the answer's other overlaps, as in the Decision's dict.
-            order = np.argsort(np.concatenate((shown_request, unknown_at)), kind="stable")
-            shown_request = np.concatenate((shown_request, unknown_at))[order]
-            overlap = np.concatenate((overlap, zero))[order]
-
-        # Candidates, ranked within each answer; the first is also the answer's `chosen`.
-        candidate_request = ranked.candidate_request
-        candidate = _join(
-            self.worker_texts.sources[ranked.candidate_slot], _TIER_LABELS[ranked.candidate_tier], _integers(ranked.candidate_prefix),
-            _labelled_integers(b',"transfer_blocks":', ranked.candidate_transfer_blocks),
-            _labelled_floats(b',"recompute_ms":', ranked.candidate_recompute_ms),
-            _labelled_floats(b',"transfer_ms":', ranked.candidate_transfer_ms),
-            _labelled_floats(b',"saving_ms":', ranked.candidate_saving_ms), b"}",
+        ids = [request.request_id for request in self.requests]
+        id_text = "".join(ids).encode()
+        id_bounds = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, ids), dtype=np.int64, count=count), out=id_bounds[1:])
+        if id_bounds[-1] != len(id_text):  # not all ASCII: bounds in UTF-8 bytes
+            np.cumsum(np.fromiter((len(text.encode()) for text in ids), dtype=np.int64, count=count), out=id_bounds[1:])
+        unknown_names = [b""] * count
+        for position in np.flatnonzero(ranked.target < 0).tolist():
+            name = self._unknown_target(position)
+            if name is not None:
+                unknown_names[position] = _json_string(name)
+        unknown = _texts(unknown_names) if any(unknown_names) else (_NO_TEXTS[0], np.zeros(count + 1, dtype=np.int64))
+        repr_texts, (credited, recompute, transfer, saving) = _repr_texts(
+            ranked.credited, ranked.candidate_recompute_ms, ranked.candidate_transfer_ms, ranked.candidate_saving_ms)
+        texts = self.worker_texts
+        buffer, bounds = write_answers(
+            np.frombuffer(id_text, dtype=np.uint8), id_bounds,
+            np.frombuffer(f',"inventory_seq":{self.inventory_seq},"target":'.encode(), dtype=np.uint8),
+            *texts.name_texts, *texts.sources, *unknown,
+            ranked.target, ranked.credited, credited, ranked.baseline, ranked.reason,
+            ranked.overlap_bounds, ranked.overlap_slot, ranked.overlap_lengths,
+            ranked.candidate_bounds, ranked.candidate_slot, ranked.candidate_tier, ranked.candidate_prefix,
+            ranked.candidate_transfer_blocks, ranked.candidate_recompute_ms, recompute,
+            ranked.candidate_transfer_ms, transfer, ranked.candidate_saving_ms, saving,
+            *repr_texts, *_endings(self.uncertain_workers, self.backend, self.settings_digest),
         )
-        first = np.ones(candidate_request.size, dtype=bool)
-        first[1:] = candidate_request[1:] != candidate_request[:-1]
-        chosen = np.full(count, b'],"chosen":null', dtype=object)
-        chosen[candidate_request[first]] = np.char.add(b'],"chosen":', candidate[first]).tolist()
-
-        # Object arrays from here on: a fixed-width array would silently cut a longer value.
-        targets = np.array([f',"inventory_seq":{self.inventory_seq},"target":{name}'.encode()
-                            for name in names + ["null"]], dtype=object)[
-            np.where(ranked.target >= 0, ranked.target, len(self.workers))]
-        for position, name in unknown:
-            targets[position] = f',"inventory_seq":{self.inventory_seq},"target":{_json_string(name)}'.encode()
-        uncertain = "[" + ",".join(map(_json_string, self.uncertain_workers)) + "]"
-        endings = np.array([
-            f',"reason":"{reason}","uncertain_workers":{uncertain},"backend":{_json_string(self.backend)},'
-            f'"settings_digest":{_json_string(self.settings_digest)}}}'.encode()
-            for reason in REASONS
-        ], dtype=object)
-        head = np.char.add(b'{"request_id":', _json_strings([request.request_id for request in self.requests]))
-        head = head.astype(object) + targets + _join(
-            _labelled_floats(b',"credited_blocks":', ranked.credited),
-            _labelled_integers(b',"baseline_blocks":', ranked.baseline), b',"overlaps":{',
-        ).astype(object)
-        return _answers_end_to_end(count, head, (_comma_separated(overlap, shown_request), shown_request),
-                                   b'},"candidates":[', (_comma_separated(candidate, candidate_request), candidate_request),
-                                   chosen + endings[ranked.reason])
+        data = buffer.tobytes()
+        edges = bounds.tolist()
+        return [data[begin:end] for begin, end in zip(edges[:-1], edges[1:])]
 
 
-_OVERLAP_LABELS = (b':{"device":', b',"host":', b',"disk":', b',"any":', b',"retained_device":')
-_ZERO_OVERLAP = ':{"device":0,"host":0,"disk":0,"any":0,"retained_device":0}'
-_TIER_LABELS = np.array([f',"tier":"{tier.value}","prefix_blocks":'.encode() for tier in SOURCE_TIERS])
-_TABLED_INTEGERS = 4096  # integers below this are written from tables, one per label
-_SMALL_INTEGERS = np.array([str(number).encode() for number in range(_TABLED_INTEGERS)])
-_PLAIN_JSON_TEXT = re.compile(r'[\x00-\x1f"\\]')
-
-
-@functools.cache
-def _integer_table(label: bytes) -> np.ndarray:
-    return np.char.add(label, _SMALL_INTEGERS)
-
-
-def _labelled_integers(label: bytes, values: np.ndarray) -> np.ndarray:
-    """`label` followed by each integer's decimal text, as `str` writes it."""
-    values = np.asarray(values, dtype=np.int64)
-    if not values.size or (values.min() >= 0 and values.max() < _TABLED_INTEGERS):
-        return _integer_table(label)[values]
-    return np.char.add(label, values.astype(bytes))
-
-
-def _integers(values: np.ndarray) -> np.ndarray:
-    return _labelled_integers(b"", values)
-
-
-def _labelled_floats(label: bytes, values: np.ndarray) -> np.ndarray:
-    """`label` followed by each float as `json.dumps` writes it, formatting each distinct value (by bits) once."""
-    distinct, where = np.unique(np.ascontiguousarray(values, dtype=np.float64).view(np.uint64), return_inverse=True)
-    distinct = distinct.view(np.float64)
-    if np.isfinite(distinct).all():
-        text = [label + repr(value).encode() for value in distinct.tolist()]  # json.dumps writes a finite float so
-    else:
-        text = [label + json.dumps(value).encode() for value in distinct.tolist()]
-    return np.array(text, dtype=bytes)[where.reshape(-1)]
-
-
-def _json_string(text: str) -> str:
-    return json.dumps(text)  # ASCII only: json escapes everything else
-
-
-def _texts(texts: list[str]) -> np.ndarray:
-    return np.array([text.encode() for text in texts], dtype=bytes)
-
-
-def _json_strings(texts: list[str]) -> np.ndarray:
-    """JSON string literals for many texts; plain ones (the usual case) only need their quotes."""
-    joined = "".join(texts)
-    if joined.isascii() and not _PLAIN_JSON_TEXT.search(joined):
-        return np.char.add(np.char.add(b'"', np.array(texts, dtype=bytes)), b'"')
-    return _texts([_json_string(text) for text in texts])
-
-
-def _join(*pieces: bytes | np.ndarray) -> np.ndarray:
-    """Elementwise concatenation of byte-string columns and constants."""
-    result = pieces[0]
-    for piece in pieces[1:]:
-        result = np.char.add(result, piece)
-    return np.asarray(result)
-
-
-def _comma_separated(items: np.ndarray, owner: np.ndarray) -> list[bytes]:
-    """Prefix a comma to every item but the first of its owner (items are grouped by owner)."""
-    later = np.zeros(owner.size, dtype=bool)
-    later[1:] = owner[1:] == owner[:-1]
-    return np.where(later, np.char.add(b",", items), items).tolist()
-
-
-def _answers_end_to_end(count: int, head: np.ndarray, overlaps: tuple[list[bytes], np.ndarray], middle: bytes,
-                        candidates: tuple[list[bytes], np.ndarray], tail: np.ndarray) -> list[bytes]:
-    """Join each answer's pieces: head, its overlaps, `middle`, its candidates, tail.
-
-    Items of a group are already in request order, so each piece's place in one flat list
-    follows from counts alone; each answer is then one join over its slice of that list.
-    """
-    overlap_items, overlap_owner = overlaps
-    candidate_items, candidate_owner = candidates
-    overlap_count = np.bincount(overlap_owner, minlength=count)
-    candidate_count = np.bincount(candidate_owner, minlength=count)
-    pieces_per_answer = 3 + overlap_count + candidate_count
-    bounds = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum(pieces_per_answer, out=bounds[1:])
-    first_piece = bounds[:-1]
-    pieces = np.empty(int(bounds[-1]), dtype=object)
-    pieces[first_piece] = head
-    overlap_start = np.cumsum(overlap_count) - overlap_count
-    pieces[first_piece[overlap_owner] + 1 + np.arange(overlap_owner.size) - overlap_start[overlap_owner]] = overlap_items
-    pieces[first_piece + 1 + overlap_count] = middle
-    candidate_start = np.cumsum(candidate_count) - candidate_count
-    pieces[first_piece[candidate_owner] + 2 + overlap_count[candidate_owner] + np.arange(candidate_owner.size)
-           - candidate_start[candidate_owner]] = candidate_items
-    pieces[bounds[1:] - 1] = tail
-    pieces = pieces.tolist()
-    join = b"".join
-    bounds = bounds.tolist()
-    return [join(pieces[start:stop]) for start, stop in zip(bounds[:-1], bounds[1:])]
+def _json_string(text: str) -> bytes:
+    return json.dumps(text).encode()  # ASCII only: json escapes everything else

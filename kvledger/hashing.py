@@ -14,7 +14,6 @@ import struct
 from collections.abc import Iterable, Sequence
 
 import attrs
-import numpy as np
 import xxhash
 
 HASH_SEED = 1337
@@ -178,91 +177,4 @@ def sequence_hashes(local_hashes: Iterable[int], parent_sequence_hash: int | Non
     for local in local_hashes:
         previous = local if previous is None else _xxh3(_pack_pair(previous, local), seed=HASH_SEED)
         result.append(previous)
-    return result
-
-
-# XXH3-64 of a 16-byte input (the parent ‖ local pair) is its "9 to 16 bytes" path: two
-# words xored with constants from the default secret and the seed, a 64×64→128 multiply
-# folded to 64 bits, then the avalanche. The constants are those of xxHash's XXH3_kSecret
-# bytes 24..56 with seed 1337; tests check every output against the xxhash library.
-_SECRET_24_56 = bytes.fromhex("7240a4a4b7b3671fcb79e64eccc0e578825ad07dccff7221b8084674f743248e")
-_words = struct.unpack("<4Q", _SECRET_24_56)
-_BITFLIP_PARENT = np.uint64(((_words[0] ^ _words[1]) + HASH_SEED) & _U64)
-_BITFLIP_LOCAL = np.uint64(((_words[2] ^ _words[3]) - HASH_SEED) & _U64)
-_LOW32 = np.uint64(0xFFFFFFFF)
-_SHIFT32, _SHIFT37 = np.uint64(32), np.uint64(37)
-_AVALANCHE = np.uint64(0x165667919E3779F9)
-_INPUT_LENGTH = np.uint64(16)
-# Below this many requests still chaining, one numpy step costs more than xxhash per block.
-_VECTOR_MIN_REQUESTS = 64
-
-
-def _chain_step(
-    parents: np.ndarray, flipped: np.ndarray, flipped_low: np.ndarray, flipped_high: np.ndarray, out: np.ndarray,
-) -> None:
-    """`chain_hash` elementwise into `out`, given each local hash xored with its bitflip and split in 32-bit limbs."""
-    low = parents ^ _BITFLIP_PARENT
-    a0, a1 = low & _LOW32, low >> _SHIFT32
-    # The 128-bit product from 32×32→64 limb products, which never overflow.
-    ll, lh, hl = a0 * flipped_low, a0 * flipped_high, a1 * flipped_low
-    carry = ll >> _SHIFT32
-    carry += lh & _LOW32
-    carry += hl & _LOW32
-    carry >>= _SHIFT32
-    product_high = a1 * flipped_high
-    product_high += lh >> _SHIFT32
-    product_high += hl >> _SHIFT32
-    product_high += carry
-    product_high ^= low * flipped  # the low half is the wrapping product
-    acc = low.byteswap()
-    acc += flipped
-    acc += _INPUT_LENGTH
-    acc += product_high
-    acc ^= acc >> _SHIFT37
-    acc *= _AVALANCHE
-    np.bitwise_xor(acc, acc >> _SHIFT32, out=out)
-
-
-def batch_sequence_hashes(local: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """`sequence_hashes` of many requests at once, bit for bit.
-
-    `local` (uint64) holds every request's local hashes end to end, request r's at
-    `local[offsets[r]:offsets[r + 1]]`. The chain is sequential along a request, so the
-    loop runs over block positions, each step hashing that position of every request long
-    enough to have it; the few longest requests finish with xxhash once too few remain.
-    """
-    local = np.asarray(local, dtype=np.uint64)
-    result = local.copy()  # seq[0] = local[0]
-    lengths = np.diff(offsets)
-    if not lengths.size or int(lengths.max(initial=0)) < 2:
-        return result
-    by_length = np.argsort(-lengths, kind="stable")
-    # remaining[k]: how many requests are longer than k blocks (requests sorted longest first).
-    remaining = np.searchsorted(-lengths[by_length], -np.arange(int(lengths.max())), side="left")
-    steps = int(np.count_nonzero(remaining >= _VECTOR_MIN_REQUESTS))  # positions 0 .. steps-1 in numpy
-    if steps > 1:
-        # Position-major, packed: row k holds block k of the `remaining[k]` requests longer
-        # than k, longest first, so each step reads a prefix of the row before it and
-        # writes its own row, both views: no gathers inside the loop, and no padding.
-        row_start = np.zeros(steps + 1, dtype=np.int64)
-        np.cumsum(remaining[:steps], out=row_start[1:])
-        position = np.repeat(np.arange(steps), remaining[:steps])
-        blocks = offsets[by_length[np.arange(row_start[-1]) - row_start[position]]] + position
-        chained = np.take(local, blocks)
-        flipped = chained ^ _BITFLIP_LOCAL
-        flipped_low, flipped_high = flipped & _LOW32, flipped >> _SHIFT32
-        with np.errstate(over="ignore"):
-            for step in range(1, steps):
-                parents = slice(row_start[step - 1], row_start[step - 1] + remaining[step])
-                row = slice(row_start[step], row_start[step + 1])
-                _chain_step(chained[parents], flipped[row], flipped_low[row], flipped_high[row], out=chained[row])
-        result[blocks] = chained
-    for request in by_length[: remaining[steps]].tolist() if steps < remaining.size else ():
-        start, stop = int(offsets[request]) + max(steps, 1), int(offsets[request + 1])
-        previous = int(result[start - 1])
-        chained_tail = []
-        for local_hash in local[start:stop].tolist():
-            previous = _xxh3(_pack_pair(previous, local_hash), HASH_SEED)  # seed passed by position: faster
-            chained_tail.append(previous)
-        result[start:stop] = chained_tail
     return result

@@ -1,0 +1,739 @@
+"""decide's compiled hot path: sequence hashing, table probe, ranking and the answers' JSON.
+
+Written for numba (`@njit(cache=True)`): compiled to machine code on first use and kept
+on disk, so a service pays the compilation once per machine, not once per start. The
+cpu backend runs all three kernels; the cuda backend runs `chain_hashes` before its
+launch and `write_answers` after it, so only the table and the ranking are on the device.
+
+Every kernel computes exactly what `kvledger.reuse.decide` computes, in the same order of
+float operations, so the answers are equal to the reference's bit for bit; the parity
+suite checks it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numba
+import numpy as np
+
+
+def kernel_cache_dir() -> str:
+    """Where compiled kernels are kept: NUMBA_CACHE_DIR when set, else a folder of the user's
+    cache, else one in the temporary directory (site-packages is often not writable)."""
+    chosen = os.environ.get("NUMBA_CACHE_DIR")
+    if chosen:
+        return chosen
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    for candidate in (Path(base) / "kvledger" / "kernels",
+                      Path(tempfile.gettempdir()) / f"kvledger-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"):
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+            if os.access(candidate, os.W_OK):
+                return str(candidate)
+        except OSError:
+            continue
+    return ""  # numba then tries beside the source and in its own user-wide folder
+
+
+# Read by numba when each kernel below is decorated.
+numba.config.CACHE_DIR = kernel_cache_dir()
+_compiled = numba.njit(cache=True, nogil=True)
+
+# --- XXH3-64 of the 16-byte (parent ‖ local) pair, seed 1337 ------------------------------
+
+# XXH3's "9 to 16 bytes" path: the two words xored with constants from the default secret
+# (bytes 24..56) and the seed, a 64×64→128 multiply folded to 64 bits, then the avalanche.
+_U32 = np.uint64(0xFFFFFFFF)
+_AVALANCHE = np.uint64(0x165667919E3779F9)
+_SIXTEEN = np.uint64(16)
+_S32, _S37, _S8, _S24, _S40, _S56 = (np.uint64(n) for n in (32, 37, 8, 24, 40, 56))
+_BYTE = np.uint64(0xFF)
+
+
+def _secret_constants() -> tuple[np.uint64, np.uint64]:
+    import struct
+
+    from kvledger.hashing import HASH_SEED
+
+    words = struct.unpack("<4Q", bytes.fromhex("7240a4a4b7b3671fcb79e64eccc0e578825ad07dccff7221b8084674f743248e"))
+    mask = (1 << 64) - 1
+    return np.uint64(((words[0] ^ words[1]) + HASH_SEED) & mask), np.uint64(((words[2] ^ words[3]) - HASH_SEED) & mask)
+
+
+_BITFLIP_PARENT, _BITFLIP_LOCAL = _secret_constants()
+
+
+@_compiled
+def _byteswap(value):
+    result = np.uint64(0)
+    for _ in range(8):
+        result = (result << _S8) | (value & _BYTE)
+        value >>= _S8
+    return result
+
+
+@_compiled
+def chain_hash(parent, local):
+    """`kvledger.hashing.chain_hash`: xxh3_64(parent ‖ local as little-endian u64s, seed 1337)."""
+    low = parent ^ _BITFLIP_PARENT
+    high = local ^ _BITFLIP_LOCAL
+    a0, a1 = low & _U32, low >> _S32
+    b0, b1 = high & _U32, high >> _S32
+    ll, lh, hl = a0 * b0, a0 * b1, a1 * b0
+    carry = ((ll >> _S32) + (lh & _U32) + (hl & _U32)) >> _S32
+    product_high = a1 * b1 + (lh >> _S32) + (hl >> _S32) + carry
+    folded = product_high ^ (low * high)
+    acc = _byteswap(low) + high + _SIXTEEN + folded
+    acc ^= acc >> _S37
+    acc *= _AVALANCHE
+    return acc ^ (acc >> _S32)
+
+
+@_compiled
+def chain_hashes(local, offsets):
+    """Every request's sequence hashes: `seq[0] = local[0]`, `seq[i] = chain_hash(seq[i-1], local[i])`."""
+    result = local.copy()
+    for request in range(offsets.size - 1):
+        for block in range(offsets[request] + 1, offsets[request + 1]):
+            result[block] = chain_hash(result[block - 1], local[block])
+    return result
+
+
+# --- the index's table ------------------------------------------------------------------
+
+_HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+_ONE = np.uint64(1)
+_ZERO = np.uint64(0)
+_EMPTY_ROW = -1
+_MISSING_ROW = 0
+
+
+@_compiled
+def probe(table_keys, table_rows, table_bits, key):
+    """The row of `key` (the all-zero row 0 when nobody holds it): `InventoryIndex.lookup` for one key."""
+    mask = table_keys.size - 1
+    position = np.int64((key * _HASH_MULTIPLIER) >> np.uint64(64 - table_bits))
+    while True:
+        row = table_rows[position]
+        if row == _EMPTY_ROW:
+            return _MISSING_ROW
+        if table_keys[position] == key:
+            return row
+        position = (position + 1) & mask
+
+
+# --- bits -------------------------------------------------------------------------------
+
+_DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
+_DE_BRUIJN_SHIFT = np.uint64(58)
+_DE_BRUIJN_POSITIONS = np.array([
+    0, 1, 48, 2, 57, 49, 28, 3, 61, 58, 50, 42, 38, 29, 17, 4, 62, 55, 59, 36, 53, 51, 43, 22, 45, 39, 33, 30, 24, 18,
+    12, 5, 63, 47, 56, 27, 60, 41, 37, 16, 54, 35, 52, 21, 44, 32, 23, 11, 46, 26, 40, 15, 34, 20, 31, 10, 25, 14, 19,
+    9, 13, 8, 7, 6,
+], dtype=np.int64)
+
+
+@_compiled
+def _lowest_bit(word):
+    """Position of the lowest set bit of a non-zero word."""
+    isolated = word & (~word + _ONE)
+    return _DE_BRUIJN_POSITIONS[np.int64((isolated * _DE_BRUIJN) >> _DE_BRUIJN_SHIFT)]
+
+
+# --- ranking ----------------------------------------------------------------------------
+
+# Stored classes of a row (decide.index.CLASSES) and prefix classes (decide.ranked).
+_NATIVE_DEVICE, _NATIVE_HOST, _NATIVE_DISK, _RETAINED_DEVICE = 0, 1, 2, 3
+_PREFIX_ANY, _PREFIX_RETAINED_DEVICE = 3, 4
+# Reason codes, as decide.ranked.REASONS orders them.
+_DISABLED, _CHOSEN, _NO_WORKERS, _NO_CANDIDATES, _BELOW_THRESHOLD, _BUDGET_EXHAUSTED = range(6)
+
+
+@_compiled
+def _grown(values, needed):
+    if needed <= values.shape[0]:
+        return values
+    grown = np.empty((max(needed, 2 * values.shape[0]),) + values.shape[1:], dtype=values.dtype)
+    grown[: values.shape[0]] = values
+    return grown
+
+
+@_compiled
+def _ranks_before(first, second, saving, prefix, tier, rank):
+    """`kvledger.reuse.ranking_key` order: saving (higher first), longer prefix, tier, worker order."""
+    if saving[first] != saving[second]:
+        return saving[first] > saving[second]
+    if prefix[first] != prefix[second]:
+        return prefix[first] > prefix[second]
+    if tier[first] != tier[second]:
+        return tier[first] < tier[second]
+    return rank[first] < rank[second]
+
+
+@_compiled
+def _sort_candidates(start, stop, slot, tier, prefix, transfer, recompute, transfer_ms, saving, rank):
+    """Order candidates[start:stop] by ranking key (insertion sort: a request has few)."""
+    for position in range(start + 1, stop):
+        moving = position
+        while moving > start and _ranks_before(moving, moving - 1, saving, prefix, tier, rank):
+            for column in (slot, tier, prefix, transfer, rank):
+                column[moving], column[moving - 1] = column[moving - 1], column[moving]
+            for column in (recompute, transfer_ms, saving):
+                column[moving], column[moving - 1] = column[moving - 1], column[moving]
+            moving -= 1
+
+
+@_compiled
+def rank_requests(
+    sequence, offsets, given_target, named, block_sizes,
+    table_keys, table_rows, table_bits, masks, slots_in_order, order_rank,
+    scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
+):
+    """Rank every request against the index; see `decide.ranked.RankedBatch` for what comes back.
+
+    Per request, the blocks are walked once from the first: each class's prefix-AND of
+    worker bits loses a worker where its prefix ends, and the walk stops once no worker
+    holds the prefix in any class. Credit adds each native block's best tier weight in block
+    order, as the reference does. `weight_of[tiers held]` is that best weight for a 3-bit
+    set of native tiers (device 1, host 2, disk 4).
+    """
+    count = offsets.size - 1
+    workers = slots_in_order.size
+    words = masks.shape[2]
+    target_out = np.full(count, -1, dtype=np.int32)
+    credited = np.zeros(count, dtype=np.float64)
+    baseline_out = np.zeros(count, dtype=np.int32)
+    reason = np.full(count, _NO_CANDIDATES, dtype=np.int8)
+    overlap_bounds = np.zeros(count + 1, dtype=np.int64)
+    overlap_slot = np.empty(max(count, 16), dtype=np.int32)
+    overlap_lengths = np.empty((max(count, 16), 5), dtype=np.int32)
+    candidate_bounds = np.zeros(count + 1, dtype=np.int64)
+    capacity = max(count, 16)
+    c_slot = np.empty(capacity, dtype=np.int32)
+    c_tier = np.empty(capacity, dtype=np.int32)
+    c_prefix = np.empty(capacity, dtype=np.int32)
+    c_transfer = np.empty(capacity, dtype=np.int32)
+    c_rank = np.empty(capacity, dtype=np.int32)
+    c_recompute = np.empty(capacity, dtype=np.float64)
+    c_transfer_ms = np.empty(capacity, dtype=np.float64)
+    c_saving = np.empty(capacity, dtype=np.float64)
+    any_tier = tier_enabled[0] or tier_enabled[1] or tier_enabled[2]
+
+    alive = np.zeros((5, words), dtype=np.uint64)
+    lengths = np.zeros((5, max(workers, 1)), dtype=np.int32)  # per request, reset where written
+    credit = np.zeros(max(workers, 1), dtype=np.float64)
+    shown_ranks = np.empty(max(workers, 1) + 1, dtype=np.int64)
+    shown_count = 0
+    overlaps, candidates = 0, 0
+
+    for request in range(count):
+        start, stop = offsets[request], offsets[request + 1]
+        blocks = stop - start
+        target = np.int64(given_target[request])
+        choose = named[request] == 0
+        shown_count = 0
+        walked = 0
+        if blocks > 0 and workers > 0:
+            row = probe(table_keys, table_rows, table_bits, sequence[start])
+            for word in range(words):
+                device = masks[row, _NATIVE_DEVICE, word]
+                host = masks[row, _NATIVE_HOST, word]
+                disk = masks[row, _NATIVE_DISK, word]
+                alive[0, word] = device
+                alive[1, word] = host
+                alive[2, word] = disk
+                alive[3, word] = device | host | disk
+                alive[4, word] = device | masks[row, _RETAINED_DEVICE, word]
+                # The workers holding any prefix at all are the ones an answer shows.
+                shown = alive[3, word] | alive[4, word]
+                while shown:
+                    bit = _lowest_bit(shown)
+                    shown ^= _ONE << np.uint64(bit)
+                    shown_ranks[shown_count] = order_rank[word * 64 + bit]
+                    shown_count += 1
+            walked = 1
+            while True:
+                # Credit of block `walked - 1` for every worker whose native prefix reaches it.
+                for word in range(words):
+                    holding = alive[3, word]
+                    if not choose:
+                        if target < 0 or target // 64 != word:
+                            continue
+                        holding &= _ONE << np.uint64(target % 64)
+                    while holding:
+                        bit = _lowest_bit(holding)
+                        flag = _ONE << np.uint64(bit)
+                        holding ^= flag
+                        tiers = 0
+                        if masks[row, _NATIVE_DEVICE, word] & flag:
+                            tiers |= 1
+                        if masks[row, _NATIVE_HOST, word] & flag:
+                            tiers |= 2
+                        if masks[row, _NATIVE_DISK, word] & flag:
+                            tiers |= 4
+                        credit[word * 64 + bit] += weight_of[tiers]
+                going_on = False
+                for prefix_class in range(5):
+                    for word in range(words):
+                        if alive[prefix_class, word]:
+                            going_on = True
+                if not going_on or walked == blocks:
+                    break
+                sequence_hash = sequence[start + walked]
+                row = probe(table_keys, table_rows, table_bits, sequence_hash)
+                for word in range(words):
+                    device = masks[row, _NATIVE_DEVICE, word]
+                    host = masks[row, _NATIVE_HOST, word]
+                    disk = masks[row, _NATIVE_DISK, word]
+                    planes = (device, host, disk, device | host | disk, device | masks[row, _RETAINED_DEVICE, word])
+                    for prefix_class in range(5):
+                        before = alive[prefix_class, word]
+                        after = before & planes[prefix_class]
+                        ended = before & ~after
+                        while ended:
+                            bit = _lowest_bit(ended)
+                            ended ^= _ONE << np.uint64(bit)
+                            lengths[prefix_class, word * 64 + bit] = walked
+                        alive[prefix_class, word] = after
+                walked += 1
+            for prefix_class in range(5):
+                for word in range(words):
+                    reaching = alive[prefix_class, word]
+                    while reaching:
+                        bit = _lowest_bit(reaching)
+                        reaching ^= _ONE << np.uint64(bit)
+                        lengths[prefix_class, word * 64 + bit] = walked
+                    alive[prefix_class, word] = _ZERO
+            shown_ranks[:shown_count].sort()
+
+        # The target: the one given, or the first worker (in worker order) of highest credit.
+        if choose and workers > 0:
+            best, best_rank = -np.inf, workers
+            native = 0
+            for position in range(shown_count):
+                slot = slots_in_order[shown_ranks[position]]
+                if lengths[_PREFIX_ANY, slot] > 0:
+                    native += 1
+                    if credit[slot] > best:
+                        best, best_rank = credit[slot], shown_ranks[position]
+            if native < workers and best <= 0.0:
+                # A worker holding nothing has credit 0.0: the first of them in worker order.
+                first_empty = 0
+                for position in range(shown_count):
+                    if shown_ranks[position] == first_empty and lengths[_PREFIX_ANY, slots_in_order[first_empty]] > 0:
+                        first_empty += 1
+                if best < 0.0 or first_empty < best_rank:
+                    best, best_rank = 0.0, first_empty
+            target = np.int64(slots_in_order[best_rank])
+        if target >= 0:
+            credited[request] = credit[target]
+            baseline = lengths[_PREFIX_RETAINED_DEVICE, target]
+        else:
+            baseline = 0
+        target_out[request] = target
+        baseline_out[request] = baseline
+
+        # Overlaps in worker order: every worker holding a prefix, and the target.
+        target_rank = order_rank[target] if target >= 0 else -1
+        if target >= 0:
+            listed = False
+            for position in range(shown_count):
+                if shown_ranks[position] == target_rank:
+                    listed = True
+            if not listed:
+                position = shown_count
+                while position > 0 and shown_ranks[position - 1] > target_rank:
+                    shown_ranks[position] = shown_ranks[position - 1]
+                    position -= 1
+                shown_ranks[position] = target_rank
+                shown_count += 1
+        overlap_slot = _grown(overlap_slot, overlaps + shown_count)
+        overlap_lengths = _grown(overlap_lengths, overlaps + shown_count)
+        for position in range(shown_count):
+            slot = slots_in_order[shown_ranks[position]]
+            overlap_slot[overlaps] = slot
+            for prefix_class in range(5):
+                overlap_lengths[overlaps, prefix_class] = lengths[prefix_class, slot]
+            overlaps += 1
+        overlap_bounds[request + 1] = overlaps
+
+        # Candidates: every other worker whose prefix on an enabled tier beats the baseline.
+        if not any_tier:
+            reason[request] = _DISABLED
+        elif not choose or target >= 0:
+            if not scan:
+                reason[request] = _BUDGET_EXHAUSTED
+            else:
+                first = candidates
+                longer = False
+                for position in range(shown_count):
+                    slot = slots_in_order[shown_ranks[position]]
+                    if slot == target:
+                        continue
+                    for tier in range(3):
+                        prefix = lengths[tier, slot]
+                        if not tier_enabled[tier] or prefix <= baseline:
+                            continue
+                        longer = True
+                        transfer_blocks = prefix - baseline
+                        recompute_ms = np.float64(np.int64(transfer_blocks) * block_sizes[request]) * prefill_token_us / 1000.0
+                        transfer_ms = np.float64(transfer_blocks) * (gpu_block_us if tier == 0 else block_us) / 1000.0
+                        saving_ms = recompute_ms - transfer_ms
+                        if transfer_blocks < minimum_blocks or not saving_ms >= minimum_saving_ms:
+                            continue
+                        if candidates == c_slot.size:
+                            c_slot, c_tier = _grown(c_slot, candidates + 1), _grown(c_tier, candidates + 1)
+                            c_prefix, c_transfer = _grown(c_prefix, candidates + 1), _grown(c_transfer, candidates + 1)
+                            c_rank = _grown(c_rank, candidates + 1)
+                            c_recompute = _grown(c_recompute, candidates + 1)
+                            c_transfer_ms = _grown(c_transfer_ms, candidates + 1)
+                            c_saving = _grown(c_saving, candidates + 1)
+                        c_slot[candidates], c_tier[candidates], c_prefix[candidates] = slot, tier, prefix
+                        c_transfer[candidates], c_rank[candidates] = transfer_blocks, shown_ranks[position]
+                        c_recompute[candidates], c_transfer_ms[candidates] = recompute_ms, transfer_ms
+                        c_saving[candidates] = saving_ms
+                        candidates += 1
+                _sort_candidates(first, candidates, c_slot, c_tier, c_prefix, c_transfer, c_recompute, c_transfer_ms,
+                                 c_saving, c_rank)
+                if candidates > first:
+                    reason[request] = _CHOSEN
+                elif longer:
+                    reason[request] = _BELOW_THRESHOLD
+        else:
+            reason[request] = _NO_WORKERS
+        candidate_bounds[request + 1] = candidates
+
+        # Scratch back to zero where this request wrote it.
+        for position in range(shown_count):
+            slot = slots_in_order[shown_ranks[position]]
+            credit[slot] = 0.0
+            for prefix_class in range(5):
+                lengths[prefix_class, slot] = 0
+    return (
+        target_out, credited, baseline_out, reason,
+        overlap_bounds, overlap_slot[:overlaps].copy(), overlap_lengths[:overlaps].copy(),
+        candidate_bounds, c_slot[:candidates].copy(), c_tier[:candidates].copy(), c_prefix[:candidates].copy(),
+        c_transfer[:candidates].copy(), c_recompute[:candidates].copy(), c_transfer_ms[:candidates].copy(),
+        c_saving[:candidates].copy(),
+    )
+
+
+# --- the answers' JSON ------------------------------------------------------------------
+
+
+def _text(value: str) -> np.ndarray:
+    return np.frombuffer(value.encode(), dtype=np.uint8).copy()
+
+
+_REQUEST_ID = _text('{"request_id":')
+_CREDITED = _text(',"credited_blocks":')
+_BASELINE = _text(',"baseline_blocks":')
+_OVERLAPS = _text(',"overlaps":{')
+_OVERLAP_LABELS = (_text(':{"device":'), _text(',"host":'), _text(',"disk":'), _text(',"any":'),
+                   _text(',"retained_device":'))
+_ZERO_OVERLAP = _text(':{"device":0,"host":0,"disk":0,"any":0,"retained_device":0}')
+_CANDIDATES = _text('},"candidates":[')
+_CHOSEN_LABEL = _text('],"chosen":')
+_NULL = _text("null")
+_TIER_LABELS = (_text(',"tier":"device","prefix_blocks":'), _text(',"tier":"host","prefix_blocks":'),
+                _text(',"tier":"disk","prefix_blocks":'))
+_TRANSFER_BLOCKS = _text(',"transfer_blocks":')
+_RECOMPUTE = _text(',"recompute_ms":')
+_TRANSFER_MS = _text(',"transfer_ms":')
+_SAVING = _text(',"saving_ms":')
+_HEX_DIGITS = _text("0123456789abcdef")
+_SHORT_ESCAPES = np.zeros(32, dtype=np.uint8)
+for _code, _letter in ((8, "b"), (9, "t"), (10, "n"), (12, "f"), (13, "r")):
+    _SHORT_ESCAPES[_code] = ord(_letter)
+_LONGEST_LABELS = 160  # the fixed text of one overlap or candidate, numbers aside
+
+
+@_compiled
+def _put(out, position, text):
+    out[position:position + text.size] = text
+    return position + text.size
+
+
+@_compiled
+def _put_slice(out, position, buffer, bounds, item):
+    start, stop = bounds[item], bounds[item + 1]
+    out[position:position + stop - start] = buffer[start:stop]
+    return position + stop - start
+
+
+@_compiled
+def _put_integer(out, position, value):
+    """`str(value)` of an integer."""
+    if value < 0:
+        out[position] = 45  # "-"
+        position += 1
+        value = -value
+    digits = 1
+    rest = value // 10
+    while rest:
+        digits += 1
+        rest //= 10
+    for place in range(digits - 1, -1, -1):
+        out[position + place] = 48 + value % 10
+        value //= 10
+    return position + digits
+
+
+@_compiled
+def _put_escape(out, position, code):
+    out[position] = 92  # backslash
+    out[position + 1] = 117  # "u"
+    for place in range(4):
+        out[position + 2 + place] = _HEX_DIGITS[(code >> (12 - 4 * place)) & 15]
+    return position + 6
+
+
+@_compiled
+def _put_json_string(out, position, text):
+    """`json.dumps` of a UTF-8 text: quotes, backslash escapes, everything outside ASCII as \\uXXXX."""
+    out[position] = 34
+    position += 1
+    at = 0
+    while at < text.size:
+        byte = np.int64(text[at])
+        if byte == 34 or byte == 92:
+            out[position] = 92
+            out[position + 1] = byte
+            position += 2
+            at += 1
+        elif byte < 32:
+            if _SHORT_ESCAPES[byte]:
+                out[position] = 92
+                out[position + 1] = _SHORT_ESCAPES[byte]
+                position += 2
+            else:
+                position = _put_escape(out, position, byte)
+            at += 1
+        elif byte < 127:
+            out[position] = byte
+            position += 1
+            at += 1
+        elif byte == 127:
+            position = _put_escape(out, position, byte)
+            at += 1
+        else:
+            if byte >= 0xF0:
+                code, extra = byte & 0x07, 3
+            elif byte >= 0xE0:
+                code, extra = byte & 0x0F, 2
+            else:
+                code, extra = byte & 0x1F, 1
+            for follower in range(1, extra + 1):
+                code = (code << 6) | (np.int64(text[at + follower]) & 0x3F)
+            at += extra + 1
+            if code >= 0x10000:
+                code -= 0x10000
+                position = _put_escape(out, position, 0xD800 | (code >> 10))
+                position = _put_escape(out, position, 0xDC00 | (code & 0x3FF))
+            else:
+                position = _put_escape(out, position, code)
+    out[position] = 34
+    return position + 1
+
+
+_POWERS_OF_TEN = np.array([10.0 ** power for power in range(16)])
+_EXACT_INTEGERS = 9007199254740992.0  # 2**53: every integer below is a double
+
+
+@_compiled
+def _shortest_fixed(value):
+    """(digits, decimals) with `digits / 10**decimals` the shortest text that reads back as `value` (> 0),
+    or (-1, -1) where `repr` is needed: exponent notation, 17 digits, or two texts equally short.
+
+    `float(digits) / 10**decimals` is the correctly rounded value of that decimal text (both
+    operands are exact doubles), so the test is exactly "reads back as `value`".
+    """
+    if value >= 1e16 or value < 1e-4:
+        return -1, -1
+    for decimals in range(16):
+        scale = _POWERS_OF_TEN[decimals]
+        product = value * scale
+        if product >= _EXACT_INTEGERS:
+            return -1, -1
+        nearest = np.int64(np.rint(product))
+        found, hits = -1, 0
+        for digits in (nearest - 1, nearest, nearest + 1):
+            if digits >= 0 and np.float64(digits) / scale == value:
+                found, hits = digits, hits + 1
+        if hits == 1:
+            return found, decimals
+        if hits > 1:
+            return -1, -1
+    return -1, -1
+
+
+@_compiled
+def needs_repr(values):
+    """Which floats `_put_float` cannot write as `repr` would (Python writes those)."""
+    result = np.zeros(values.size, dtype=np.bool_)
+    for item in range(values.size):
+        value = values[item]
+        if value != 0.0 and np.isfinite(value):
+            result[item] = _shortest_fixed(abs(value))[0] < 0
+        elif not np.isfinite(value):
+            result[item] = True
+    return result
+
+
+@_compiled
+def _put_float(out, position, value):
+    """`repr(value)` of a float `needs_repr` passed."""
+    if value < 0.0 or (value == 0.0 and np.signbit(value)):
+        out[position] = 45
+        position += 1
+        value = -value
+    if value == 0.0:
+        digits, decimals = 0, 0
+    else:
+        digits, decimals = _shortest_fixed(value)
+    text_start = position
+    position = _put_integer(out, position, digits)
+    if decimals == 0:
+        out[position] = 46  # "."
+        out[position + 1] = 48
+        return position + 2
+    written = position - text_start
+    if written <= decimals:  # 0.00ddd: leading zeros first
+        shift = decimals - written + 2
+        for place in range(written - 1, -1, -1):
+            out[text_start + shift + place] = out[text_start + place]
+        out[text_start] = 48
+        out[text_start + 1] = 46
+        for place in range(2, shift):
+            out[text_start + place] = 48
+        return text_start + decimals + 2
+    for place in range(position - 1, position - decimals - 1, -1):
+        out[place + 1] = out[place]
+    out[position - decimals] = 46
+    return position + 1
+
+
+@_compiled
+def _put_number(out, position, values, texts, item, repr_texts, repr_bounds):
+    """A float: as Python wrote it where it had to (`texts[item] >= 0`), else by `_put_float`."""
+    if texts[item] >= 0:
+        return _put_slice(out, position, repr_texts, repr_bounds, texts[item])
+    return _put_float(out, position, values[item])
+
+
+@_compiled
+def _longest(bounds):
+    longest = 0
+    for item in range(bounds.size - 1):
+        longest = max(longest, bounds[item + 1] - bounds[item])
+    return longest
+
+
+@_compiled
+def _put_candidate(out, position, item, sources, source_bounds, c_slot, c_tier, c_prefix, c_transfer,
+                   recompute, recompute_text, transfer, transfer_text, saving, saving_text, repr_texts, repr_bounds):
+    position = _put_slice(out, position, sources, source_bounds, c_slot[item])
+    position = _put(out, position, _TIER_LABELS[c_tier[item]])
+    position = _put_integer(out, position, c_prefix[item])
+    position = _put(out, position, _TRANSFER_BLOCKS)
+    position = _put_integer(out, position, c_transfer[item])
+    position = _put(out, position, _RECOMPUTE)
+    position = _put_number(out, position, recompute, recompute_text, item, repr_texts, repr_bounds)
+    position = _put(out, position, _TRANSFER_MS)
+    position = _put_number(out, position, transfer, transfer_text, item, repr_texts, repr_bounds)
+    position = _put(out, position, _SAVING)
+    position = _put_number(out, position, saving, saving_text, item, repr_texts, repr_bounds)
+    out[position] = 125  # "}"
+    return position + 1
+
+
+_LONGEST_FLOAT = 24  # "-0.000123456789012345" and the like: what _put_float writes at most
+
+
+@_compiled
+def write_answers(
+    ids, id_bounds, inventory_target, names, name_bounds, sources, source_bounds, unknown, unknown_bounds,
+    target, credited, credited_text, baseline, reason, overlap_bounds, overlap_slot, overlap_lengths,
+    candidate_bounds, c_slot, c_tier, c_prefix, c_transfer,
+    recompute, recompute_text, transfer, transfer_text, saving, saving_text, repr_texts, repr_bounds,
+    endings, ending_bounds,
+):
+    """Every answer's JSON, end to end in one buffer, and where each answer starts.
+
+    Byte for byte `json.dumps(decision_to_json(decision), separators=(",", ":"))`. Texts
+    come as one buffer with bounds per item: the request ids (UTF-8, escaped here), the
+    workers' names and candidate openings by slot (already JSON), a named target the index
+    has never seen (by request, empty when none), the floats Python had to write
+    (`needs_repr`; a float's `*_text` is its item there, or -1), and the answer's ending
+    per reason code. `inventory_target` is `,"inventory_seq":N,"target":`.
+    """
+    count = id_bounds.size - 1
+    answer_bounds = np.zeros(count + 1, dtype=np.int64)
+    longest_name = _longest(name_bounds)
+    longest_source = _longest(source_bounds)
+    longest_float = max(_longest(repr_bounds), _LONGEST_FLOAT)
+    longest_ending = _longest(ending_bounds)
+    out = np.empty(max(count * 512, 1024), dtype=np.uint8)
+    position = 0
+    for request in range(count):
+        shown = overlap_bounds[request + 1] - overlap_bounds[request]
+        ranked = candidate_bounds[request + 1] - candidate_bounds[request]
+        unknown_length = unknown_bounds[request + 1] - unknown_bounds[request]
+        bound = (position + 12 * (id_bounds[request + 1] - id_bounds[request]) + inventory_target.size + longest_float
+                 + longest_ending + 2 * unknown_length + 2 * longest_name + 256
+                 + (shown + 1) * (longest_name + _LONGEST_LABELS)
+                 + (ranked + 1) * (longest_source + 3 * longest_float + _LONGEST_LABELS))
+        if bound > out.size:
+            out = _grown(out, 2 * bound)
+        position = _put(out, position, _REQUEST_ID)
+        position = _put_json_string(out, position, ids[id_bounds[request]:id_bounds[request + 1]])
+        position = _put(out, position, inventory_target)
+        if target[request] >= 0:
+            position = _put_slice(out, position, names, name_bounds, target[request])
+        elif unknown_length:
+            position = _put_slice(out, position, unknown, unknown_bounds, request)
+        else:
+            position = _put(out, position, _NULL)
+        position = _put(out, position, _CREDITED)
+        position = _put_number(out, position, credited, credited_text, request, repr_texts, repr_bounds)
+        position = _put(out, position, _BASELINE)
+        position = _put_integer(out, position, baseline[request])
+        position = _put(out, position, _OVERLAPS)
+        for item in range(overlap_bounds[request], overlap_bounds[request + 1]):
+            if item > overlap_bounds[request]:
+                out[position] = 44  # ","
+                position += 1
+            position = _put_slice(out, position, names, name_bounds, overlap_slot[item])
+            for prefix_class in range(5):
+                position = _put(out, position, _OVERLAP_LABELS[prefix_class])
+                position = _put_integer(out, position, overlap_lengths[item, prefix_class])
+            out[position] = 125
+            position += 1
+        if unknown_length:
+            # A target the inventory has never seen holds nothing, listed after the others.
+            if shown:
+                out[position] = 44
+                position += 1
+            position = _put_slice(out, position, unknown, unknown_bounds, request)
+            position = _put(out, position, _ZERO_OVERLAP)
+        position = _put(out, position, _CANDIDATES)
+        for item in range(candidate_bounds[request], candidate_bounds[request + 1]):
+            if item > candidate_bounds[request]:
+                out[position] = 44
+                position += 1
+            position = _put_candidate(out, position, item, sources, source_bounds, c_slot, c_tier, c_prefix,
+                                      c_transfer, recompute, recompute_text, transfer, transfer_text, saving,
+                                      saving_text, repr_texts, repr_bounds)
+        position = _put(out, position, _CHOSEN_LABEL)
+        if ranked:
+            position = _put_candidate(out, position, candidate_bounds[request], sources, source_bounds, c_slot, c_tier,
+                                      c_prefix, c_transfer, recompute, recompute_text, transfer, transfer_text, saving,
+                                      saving_text, repr_texts, repr_bounds)
+        else:
+            position = _put(out, position, _NULL)
+        position = _put_slice(out, position, endings, ending_bounds, reason[request])
+        answer_bounds[request + 1] = position
+    return out[:position], answer_bounds
