@@ -1,13 +1,17 @@
 """The decision service under concurrent single requests, against a bare NATS responder.
 
-    python bench/decide_concurrency.py [--clients 1,8,64] [--seconds 5] [--window-us 0]
+    python bench/decide_concurrency.py [--clients 1,8,64] [--seconds 5] [--window-us 0] [--compare-raw]
 
 `kvledger decide` runs in its own process on an embedded nats-server (empty inventory, so
 the figures are the service's own cost: parsing, ranking, JSON, the KV_DECISIONS record
 and its ack). N clients in this process each send single requests of 8 blocks (token
-ids) to `kvledger.decide`, one at a time, for a fixed time. The yardstick, measured in
-the same run with the same clients: a bare nats-py responder in its own process replying
-a fixed body. Printed per concurrency: requests/s, p50 and p99, and the ratio.
+ids) to `kvledger.decide` through `kvledger.client.DecideClient`, one at a time, for a
+fixed time. The yardstick, measured in the same run with bare nats-py requests from the
+same number of connections: a bare nats-py responder in its own process replying a fixed
+body. Printed per concurrency: requests/s, p50 and p99, and the ratio. The ratio charges
+kvledger with its client's cost (a typed request encoded, the answer decoded into typed
+values); `--compare-raw` also asks decide with bare nats-py requests and prints what the
+client costs. Afterwards every answer the clients got is looked up in KV_DECISIONS.
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import nats
+from nats.js.api import ConsumerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvledger.client import DecideClient, DecideRequest, RetryPolicy  # noqa: E402
 from kvledger.embedded import EmbeddedNats  # noqa: E402
-from kvledger.streams import DECIDE_SUBJECT  # noqa: E402
+from kvledger.settings import StreamSettings  # noqa: E402
+from kvledger.streams import DECIDE_SUBJECT, DECISIONS_SUBJECT  # noqa: E402
 
 BLOCK_SIZE = 16
 BARE_SUBJECT = "bench.bare"
@@ -46,12 +54,17 @@ asyncio.run(main())
 """
 
 
-def body(client: int, number: int) -> bytes:
-    tokens = [(client * 7919 + number * 31 + i) % 32000 for i in range(8 * BLOCK_SIZE)]
-    return json.dumps({"request_id": f"c{client}-{number}", "token_ids": tokens, "block_size": BLOCK_SIZE}).encode()
+def tokens(client: int, number: int) -> list[int]:
+    return [(client * 7919 + number * 31 + i) % 32000 for i in range(8 * BLOCK_SIZE)]
 
 
-async def load(url: str, subject: str, clients: int, seconds: float) -> tuple[float, list[float]]:
+def body(client: int, number: int, prefix: str = "c") -> bytes:
+    return json.dumps({"request_id": f"{prefix}{client}-{number}", "token_ids": tokens(client, number),
+                       "block_size": BLOCK_SIZE}).encode()
+
+
+async def load(url: str, subject: str, clients: int, seconds: float, prefix: str = "c") -> tuple[float, list[float]]:
+    """Bare nats-py requests (the yardstick's clients): `clients` loops over up to 8 connections."""
     connections = [await nats.connect(url) for _ in range(min(clients, 8))]
     latencies: list[float] = []
     deadline = time.perf_counter() + seconds
@@ -61,7 +74,7 @@ async def load(url: str, subject: str, clients: int, seconds: float) -> tuple[fl
         sent = 0
         while time.perf_counter() < deadline:
             started = time.perf_counter()
-            await nc.request(subject, body(number, sent), timeout=30)
+            await nc.request(subject, body(number, sent, prefix), timeout=30)
             latencies.append(time.perf_counter() - started)
             sent += 1
 
@@ -73,22 +86,60 @@ async def load(url: str, subject: str, clients: int, seconds: float) -> tuple[fl
     return len(latencies) / elapsed, latencies
 
 
+async def load_with_client(url: str, clients: int, seconds: float, answered: set[str]) -> tuple[float, list[float]]:
+    """As `load`, through DecideClient (one per connection), adding each answer's request id to `answered`."""
+    decide_clients = [await DecideClient.connect_nats(url, timeout=timedelta(seconds=30)) for _ in range(min(clients, 8))]
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def client(number: int) -> None:
+        decide_client = decide_clients[number % len(decide_clients)]
+        sent = 0
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            answer = await decide_client.decide(DecideRequest(token_ids=tokens(number, sent), block_size=BLOCK_SIZE))
+            latencies.append(time.perf_counter() - started)
+            answered.add(answer.request_id)
+            sent += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(number) for number in range(clients)))
+    elapsed = time.perf_counter() - started
+    for decide_client in decide_clients:
+        await decide_client.close()
+    return len(latencies) / elapsed, latencies
+
+
+async def recorded_ids(url: str, stream: str) -> set[str]:
+    """The Nats-Msg-Id of every answer in KV_DECISIONS (headers only, one ordered pass)."""
+    async with await nats.connect(url) as nc:
+        js = nc.jetstream()
+        last_seq = (await js.stream_info(stream)).state.last_seq
+        ids: set[str] = set()
+        read_all = asyncio.Event()
+
+        async def collect(msg) -> None:
+            ids.add(msg.headers["Nats-Msg-Id"])
+            if msg.metadata.sequence.stream >= last_seq:
+                read_all.set()
+
+        subscription = await js.subscribe(DECISIONS_SUBJECT, stream=stream, cb=collect, ordered_consumer=True,
+                                          config=ConsumerConfig(headers_only=True))
+        await asyncio.wait_for(read_all.wait(), 120)
+        await subscription.unsubscribe()
+        return ids
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] * 1000 if len(values) > 1 else float("nan")
 
 
 async def wait_for_decide(url: str) -> None:
-    nc = await nats.connect(url)
-    try:
-        for _ in range(600):
-            try:
-                await nc.request(DECIDE_SUBJECT, body(0, 0), timeout=1)
-                return
-            except Exception:  # not subscribed yet
-                await asyncio.sleep(0.1)
-        raise RuntimeError("kvledger decide did not answer")
-    finally:
-        await nc.close()
+    """Until decide answers: no responders, 0.1 s apart, while it starts (a minute at most)."""
+    patience = RetryPolicy(attempts=600, first_backoff=timedelta(seconds=0.1), max_backoff=timedelta(seconds=0.1),
+                           jitter=0.0)
+    async with await DecideClient.connect_nats(url, timeout=timedelta(seconds=1), retry=patience) as client:
+        await client.decide(DecideRequest(request_id="probe", token_ids=tokens(0, 0), block_size=BLOCK_SIZE))
 
 
 async def main() -> None:
@@ -96,6 +147,8 @@ async def main() -> None:
     parser.add_argument("--clients", default="1,8,64")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--window-us", type=float, default=0.0, help="decide.batch_window_us for the service")
+    parser.add_argument("--compare-raw", action="store_true",
+                        help="also ask decide with bare nats-py requests, to show what DecideClient costs")
     args = parser.parse_args()
     levels = [int(level) for level in args.clients.split(",")]
 
@@ -113,13 +166,31 @@ async def main() -> None:
                   f"decide.batch_window_us = {args.window_us:g}")
             print("| clients | kvledger decide | bare nats-py responder | ratio |")
             print("|---|---|---|---|")
+            answered: set[str] = set()
+            client_rates = {}
             for clients in levels:
-                rate, latencies = await load(server.url, DECIDE_SUBJECT, clients, args.seconds)
+                rate, latencies = await load_with_client(server.url, clients, args.seconds, answered)
                 bare_rate, bare_latencies = await load(server.url, BARE_SUBJECT, clients, args.seconds)
+                client_rates[clients] = rate, latencies
                 print(f"| {clients} | {rate:,.0f} req/s, p50 {percentile(latencies, 0.5):.2f} ms, "
                       f"p99 {percentile(latencies, 0.99):.2f} ms | {bare_rate:,.0f} req/s, "
                       f"p50 {percentile(bare_latencies, 0.5):.2f} ms, p99 {percentile(bare_latencies, 0.99):.2f} ms "
                       f"| {rate / bare_rate:.2f} |")
+            if args.compare_raw:
+                print("\nwhat DecideClient costs: the same load as bare nats-py requests to kvledger.decide")
+                print("| clients | decide, bare nats-py requests | DecideClient / bare requests |")
+                print("|---|---|---|")
+                for clients in levels:
+                    raw_rate, raw_latencies = await load(server.url, DECIDE_SUBJECT, clients, args.seconds,
+                                                         prefix=f"raw{clients}-")
+                    rate, latencies = client_rates[clients]
+                    print(f"| {clients} | {raw_rate:,.0f} req/s, p50 {percentile(raw_latencies, 0.5):.2f} ms, "
+                          f"p99 {percentile(raw_latencies, 0.99):.2f} ms | {rate / raw_rate:.2f} |")
+            missing = answered - await recorded_ids(server.url, StreamSettings().decisions_stream)
+            if missing:
+                raise SystemExit(f"{len(missing)} of {len(answered)} answers are not in KV_DECISIONS, e.g. "
+                                 f"{sorted(missing)[:3]}")
+            print(f"\nevery one of the {len(answered):,} answers DecideClient got is on record in KV_DECISIONS")
         finally:
             for process in (decide, bare):
                 process.terminate()

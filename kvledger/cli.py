@@ -8,6 +8,7 @@ dependencies (and DESIGN's import rule stays true).
 import argparse
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
 import os
@@ -241,12 +242,12 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
 
     from ingest.endpoints import StreamSource
     from ingest.fleet import SimulatedFleet
-    from kvledger.demo import DemoScore, run_closed_loop
+    from kvledger.client import DecideClient
+    from kvledger.demo import DemoScore, decide_asker, run_closed_loop
     from kvledger.events import Provenance
     from kvledger.nats_options import connect_options
-    from kvledger.streams import DECIDE_SUBJECT
     from kvledger.system import run_services
-    from kvledger.workload import DEMO_BLOCK_SIZE, mooncake_requests, request_tokens, synthetic_requests
+    from kvledger.workload import DEMO_BLOCK_SIZE, mooncake_requests, synthetic_requests
     from store.commands import ledger_counts
 
     console = Console()
@@ -273,13 +274,7 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
             nc = await nats.connect(**connect_options(settings.nats, name="kvledger-demo"))
             try:
                 await _wait_decide_ready(nc)
-
-                async def ask(request, target):
-                    body = {"request_id": request.request_id, "token_ids": request_tokens(request),
-                            "block_size": DEMO_BLOCK_SIZE, "target": target}
-                    reply = await nc.request(DECIDE_SUBJECT, json.dumps(body).encode(), timeout=10)
-                    return json.loads(reply.data)
-
+                ask = decide_asker(await DecideClient.connect_nats(nc, timeout=datetime.timedelta(seconds=10)))
                 with Live(progress_line(score), console=console, refresh_per_second=4) as live:
                     score = await run_closed_loop(
                         fleet.workers, requests, ask, duration_s=args.duration, reuse=args.enable_reuse,

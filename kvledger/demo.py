@@ -2,20 +2,30 @@
 
 A shadow fleet of the same caches, routed round-robin without kvledger, serves the same
 requests as the baseline. The fleet, the decision call and the display are handed in by
-kvledger/cli.py; this module only keeps the loop and the score.
+kvledger/cli.py; this module only keeps the loop and the score, and `decide_asker` makes
+the decision call from a `DecideClient`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 
+from kvledger.client import Answer, DecideClient, DecideError, DecideRequest
 from kvledger.events import WorkerId
 from kvledger.settings import ReuseSettings
-from kvledger.workload import CacheChange, EngineCache, Request
+from kvledger.workload import DEMO_BLOCK_SIZE, CacheChange, EngineCache, Request, request_tokens
+
+log = logging.getLogger("kvledger.demo")
+
+# What the loop hears back: decide's answer, or None when there is none (the request is
+# then placed as it would be without kvledger). Raw JSON answers are read as an Answer
+# too, since kvledger/cli.py still hands in an `ask` of its own that returns them.
+Ask = Callable[[Request, str | None], Awaitable[Answer | None]]
 
 
 class Worker(Protocol):
@@ -52,10 +62,26 @@ class DemoScore:
         return extra_blocks * block_size * reuse.transfer_source_prefill_token_us / 1000.0
 
 
+def decide_asker(client: DecideClient, block_size: int = DEMO_BLOCK_SIZE) -> Ask:
+    """The loop's decision call: a request's tokens to decide through `client`, under the request's own id."""
+
+    async def ask(request: Request, target: str | None) -> Answer | None:
+        try:
+            return await client.decide(DecideRequest(
+                request_id=request.request_id, token_ids=request_tokens(request, block_size), block_size=block_size,
+                target=target,
+            ))
+        except DecideError as error:  # the demo goes on; this request is placed without advice
+            log.warning("demo: no decision for %s: %s", request.request_id, error)
+            return None
+
+    return ask
+
+
 async def run_closed_loop(
     workers: list[Worker],
     requests: Iterable[Request],
-    ask: Callable[[Request, str | None], Awaitable[dict[str, Any]]],
+    ask: Ask,
     *,
     duration_s: float,
     reuse: bool = False,
@@ -77,18 +103,19 @@ async def run_closed_loop(
         placed = workers[number % len(workers)]
         answer = await ask(request, placed.worker.name if reuse else None)
         score.decisions += 1
-        target = placed if reuse else by_name.get(answer.get("target") or "")
+        target = placed
         # With no credit anywhere, every worker is equally good: spread the load.
-        if target is None or (not reuse and not answer.get("credited_blocks")):
-            target = placed
-        elif not reuse:
-            score.routed_by_credit += 1
+        if not reuse and answer is not None and answer.credited_blocks:
+            credited = by_name.get(answer.target or "")
+            if credited is not None:
+                target = credited
+                score.routed_by_credit += 1
         transferred = 0
-        if answer.get("chosen"):
+        if answer is not None and answer.chosen is not None:
             score.reuse_chosen += 1
-            score.reuse_saving_ms += answer["chosen"]["saving_ms"]
-            transferred = answer["chosen"]["prefix_blocks"]
-        if answer.get("uncertain_workers"):
+            score.reuse_saving_ms += answer.chosen.saving_ms
+            transferred = answer.chosen.prefix_blocks
+        if answer is not None and answer.uncertain_workers:
             score.uncertain_answers += 1
         change = await target.serve(request)
         score.requests += 1

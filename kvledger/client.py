@@ -1,0 +1,489 @@
+"""The client a router uses to ask kvledger's decision service for reuse decisions.
+
+    async with await DecideClient.connect_nats("nats://127.0.0.1:4222") as client:
+        answer = await client.decide(DecideRequest(token_ids=tokens, block_size=16, target="prefill-0"))
+
+Over NATS (`kvledger.decide`, `kvledger.decide.batch`) or HTTP (`POST /v1/decide[/batch]`),
+the same typed values both ways. A call that times out, finds no responder, loses its
+connection or meets a service-side failure (HTTP 5xx, an `internal error` answer) is sent
+again, with backoff, under the same request id: decide records each answer in
+KV_DECISIONS with Nats-Msg-Id = request id, so however many attempts it takes, the
+request is on record once. A request the service refuses raises `RequestRefused` and is
+never sent again. This module talks to the service only through its wire format; it
+imports nothing from `decide/`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from datetime import timedelta
+from typing import Any, Self, TypeVar
+
+import aiohttp
+import attrs
+import msgspec
+import nats
+import nats.errors
+
+from kvledger.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT
+
+log = logging.getLogger("kvledger.client")
+
+T = TypeVar("T")
+
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+DEFAULT_TIMEOUT = timedelta(seconds=2)
+
+
+# --- the values on the wire -------------------------------------------------------------------
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class DecideRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One request about to be prefilled, as decide's request object (docs/decide.md, Request fields).
+
+    Give exactly one of `token_ids` (hashed by decide as the engine hashed its blocks) or
+    `local_hashes`. `target` is a worker's name as answers write it: `publisher` for
+    dp_rank 0, else `publisher/dp_rank`. The service validates; what it refuses comes back
+    as `RequestRefused` naming the field.
+    """
+
+    request_id: str = msgspec.field(default_factory=new_request_id)
+    block_size: int
+    token_ids: Sequence[int] | None = None
+    local_hashes: Sequence[int] | None = None
+    target: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    extra_keys: Sequence[Any] | None = None  # vLLM's per-block list, as its BlockStored.extra_keys
+    lookahead: int = 0
+
+
+class Overlap(msgspec.Struct, frozen=True):
+    """Contiguous prefix lengths, in blocks, one worker holds of the request."""
+
+    device: int
+    host: int
+    disk: int
+    any: int
+    retained_device: int
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    """A worker whose prefix could be transferred to the target instead of recomputed."""
+
+    source: str
+    dp_rank: int
+    tier: str  # "device", "host" or "disk"
+    prefix_blocks: int
+    transfer_blocks: int
+    recompute_ms: float
+    transfer_ms: float
+    saving_ms: float
+
+
+class Answer(msgspec.Struct, frozen=True):
+    """decide's answer (DESIGN §6 plus `settings_digest`), field for field as `decision_to_json` writes it."""
+
+    request_id: str
+    inventory_seq: int
+    target: str | None
+    credited_blocks: float
+    baseline_blocks: int
+    overlaps: dict[str, Overlap]
+    candidates: tuple[Candidate, ...]
+    chosen: Candidate | None
+    reason: str
+    uncertain_workers: tuple[str, ...]
+    backend: str
+    settings_digest: str
+
+
+class _ErrorBody(msgspec.Struct, frozen=True):
+    field: str | None
+    message: str
+
+
+class _ErrorReply(msgspec.Struct, frozen=True):
+    error: _ErrorBody
+    request_id: str | None = None
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+class DecideError(Exception):
+    """Anything that keeps a call from getting its answer."""
+
+
+class RequestRefused(DecideError):
+    """decide refused the request as malformed; `field` names what is wrong. Never retried: it would be refused again."""
+
+    def __init__(self, request_id: str | None, field: str, message: str) -> None:
+        super().__init__(f"request {request_id!r} refused: {field}: {message}")
+        self.request_id = request_id
+        self.field = field
+        self.message = message
+
+
+class DecideUnavailable(DecideError):
+    """Every attempt timed out, found no responder, lost its connection or met a service-side failure."""
+
+
+class _Transient(Exception):
+    """One attempt failed in a way another attempt may not."""
+
+
+# --- settings --------------------------------------------------------------------------------
+
+
+def _positive(_instance: object, attribute: attrs.Attribute, value: timedelta) -> None:
+    if value <= timedelta(0):
+        raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+@attrs.frozen
+class RetryPolicy:
+    """How often a call is sent, and how long it waits between attempts.
+
+    The wait doubles from `first_backoff` up to `max_backoff`; each is shortened by up to
+    `jitter` of itself at random, so routers that lost the service together do not come
+    back in step.
+    """
+
+    attempts: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    first_backoff: timedelta = attrs.field(default=timedelta(milliseconds=50), validator=_positive)
+    max_backoff: timedelta = attrs.field(default=timedelta(seconds=1), validator=_positive)
+    jitter: float = attrs.field(default=0.5, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
+
+    def backoff_s(self, failed_attempts: int) -> float:
+        """Seconds to wait after the `failed_attempts`-th failure (1 for the first)."""
+        base = min(self.first_backoff.total_seconds() * 2 ** (failed_attempts - 1), self.max_backoff.total_seconds())
+        return base * (1.0 - self.jitter * random.random())
+
+
+NO_RETRIES = RetryPolicy(attempts=1)
+
+
+# --- transports ------------------------------------------------------------------------------
+
+
+class _NatsTransport:
+    """Request-reply on decide's subjects; replies are JSON."""
+
+    media_type = JSON
+    _TRANSIENT = (
+        nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError,
+        nats.errors.StaleConnectionError, nats.errors.OutboundBufferLimitError,
+    )
+
+    def __init__(self, connection: nats.NATS, *, owned: bool) -> None:
+        self.connection = connection
+        self._owned = owned
+
+    async def exchange(self, payload: bytes, *, batch: bool, timeout_s: float) -> tuple[bytes, str]:
+        subject = DECIDE_BATCH_SUBJECT if batch else DECIDE_SUBJECT
+        try:
+            reply = await self.connection.request(subject, payload, timeout=timeout_s)
+        except self._TRANSIENT as error:
+            raise _Transient(f"{type(error).__name__} on {subject}") from error
+        return reply.data, JSON
+
+    async def close(self) -> None:
+        if self._owned and not self.connection.is_closed:
+            await self.connection.close()
+
+
+class _HttpTransport:
+    """`POST /v1/decide[/batch]`; a 5xx or a lost connection is transient, a 4xx is not."""
+
+    def __init__(self, base_url: str, *, media_type: str, session: aiohttp.ClientSession | None) -> None:
+        if media_type not in (JSON, MSGPACK):
+            raise ValueError(f"media_type must be {JSON!r} or {MSGPACK!r}, got {media_type!r}")
+        self.media_type = media_type
+        self._single_url = base_url.rstrip("/") + "/v1/decide"
+        self._batch_url = self._single_url + "/batch"
+        self._session = session
+        self._owned = session is None
+
+    def _session_now(self) -> aiohttp.ClientSession:
+        # Made on first use, inside the event loop that will use it, as aiohttp requires.
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def exchange(self, payload: bytes, *, batch: bool, timeout_s: float) -> tuple[bytes, str]:
+        url = self._batch_url if batch else self._single_url
+        try:
+            async with self._session_now().post(
+                url, data=payload, headers={"Content-Type": self.media_type},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:
+                body = await response.read()
+                status, media_type = response.status, response.content_type
+        except TimeoutError as error:
+            raise _Transient(f"no answer from {url} within {timeout_s:g} s") from error
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
+            raise _Transient(f"{type(error).__name__} on {url}: {error}") from error
+        if status >= 500:
+            raise _Transient(f"HTTP {status} from {url}: {_error_text(body)}")
+        # decide answers, and refuses (400, 415), in JSON or msgpack; a text/plain 404 means a wrong base URL.
+        if media_type not in _CODECS:
+            raise DecideError(f"HTTP {status} from {url}: {_error_text(body)}")
+        return body, media_type
+
+    async def close(self) -> None:
+        if self._owned and self._session is not None:
+            await self._session.close()
+
+
+def _error_text(body: bytes) -> str:
+    """The message of decide's error object, or the start of whatever else the body is."""
+    try:
+        return msgspec.json.decode(body, type=_ErrorReply).error.message
+    except msgspec.DecodeError:
+        return body[:300].decode(errors="replace")
+
+
+# --- reading replies ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Codec:
+    """Encoder and decoders for one media type (decide answers in the media type it was asked in)."""
+
+    encode: Callable[[object], bytes]
+    answer: Any  # a msgspec Decoder of Answer
+    error: Any  # a msgspec Decoder of _ErrorReply
+    batch: Any  # a msgspec Decoder of a list of raw elements, or a batch-wide _ErrorReply
+
+    @classmethod
+    def for_json(cls) -> _Codec:
+        return cls(msgspec.json.Encoder().encode, msgspec.json.Decoder(Answer), msgspec.json.Decoder(_ErrorReply),
+                   msgspec.json.Decoder(list[msgspec.Raw] | _ErrorReply))
+
+    @classmethod
+    def for_msgpack(cls) -> _Codec:
+        return cls(msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(Answer),
+                   msgspec.msgpack.Decoder(_ErrorReply), msgspec.msgpack.Decoder(list[msgspec.Raw] | _ErrorReply))
+
+
+_CODECS = {JSON: _Codec.for_json(), MSGPACK: _Codec.for_msgpack()}
+
+
+def _refusal_or_failure(reply: _ErrorReply, request_id: str | None) -> RequestRefused:
+    # decide names a field for every refusal; a failure on its side (KV_DECISIONS
+    # unreachable, say) has none, and another attempt may well succeed.
+    if reply.error.field is None:
+        raise _Transient(reply.error.message)
+    return RequestRefused(request_id, reply.error.field, reply.error.message)
+
+
+def _answer_or_refusal(codec: _Codec, data: bytes, request_id: str) -> Answer | RequestRefused:
+    try:
+        answer = codec.answer.decode(data)
+    except msgspec.DecodeError:
+        try:
+            reply = codec.error.decode(data)
+        except msgspec.DecodeError as error:
+            raise DecideError(f"unreadable answer to {request_id!r}: {error}: {bytes(data)[:200]!r}") from None
+        return _refusal_or_failure(reply, request_id)
+    if answer.request_id != request_id:
+        raise DecideError(f"asked about {request_id!r}, answered about {answer.request_id!r}")
+    return answer
+
+
+def _read_batch(codec: _Codec, data: bytes, request_ids: list[str]) -> list[Answer | RequestRefused]:
+    try:
+        elements = codec.batch.decode(data)
+    except msgspec.DecodeError as error:
+        raise DecideError(f"unreadable batch answer: {error}: {data[:200]!r}") from None
+    if isinstance(elements, _ErrorReply):
+        raise _refusal_or_failure(elements, None)
+    if len(elements) != len(request_ids):
+        raise DecideError(f"asked {len(request_ids)} requests, got {len(elements)} answers")
+    return [_answer_or_refusal(codec, element, request_id) for element, request_id in zip(elements, request_ids)]
+
+
+# --- the client --------------------------------------------------------------------------------
+
+
+class DecideClient:
+    """Asks decide for reuse decisions; `async with`, or `close()` when done. Safe to share between tasks.
+
+    `timeout` bounds each attempt; a call makes at most `retry.attempts` of them, so it
+    gives up after about attempts × timeout plus the backoffs.
+    """
+
+    def __init__(self, transport: _NatsTransport | _HttpTransport, *, timeout: timedelta = DEFAULT_TIMEOUT,
+                 retry: RetryPolicy = RetryPolicy()) -> None:
+        if timeout <= timedelta(0):
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self._transport = transport
+        self._codec = _CODECS[transport.media_type]
+        self.timeout = timeout
+        self.retry = retry
+        self._closed = False
+
+    @classmethod
+    async def connect_nats(
+        cls, servers: str | Sequence[str] | nats.NATS = "nats://127.0.0.1:4222", *,
+        timeout: timedelta = DEFAULT_TIMEOUT, retry: RetryPolicy = RetryPolicy(), **connect_options: Any,
+    ) -> DecideClient:
+        """A client over NATS: on a connection of its own (closed with the client) or on one given (left open)."""
+        if isinstance(servers, nats.NATS):
+            if connect_options:
+                raise TypeError(f"connect options {sorted(connect_options)} given with an open connection")
+            transport = _NatsTransport(servers, owned=False)
+        else:
+            connect_options.setdefault("name", "kvledger-client")
+            servers = [servers] if isinstance(servers, str) else list(servers)
+            transport = _NatsTransport(await nats.connect(servers, **connect_options), owned=True)
+        return cls(transport, timeout=timeout, retry=retry)
+
+    @classmethod
+    def http(
+        cls, base_url: str, *, timeout: timedelta = DEFAULT_TIMEOUT, retry: RetryPolicy = RetryPolicy(),
+        media_type: str = JSON, session: aiohttp.ClientSession | None = None,
+    ) -> DecideClient:
+        """A client over decide's HTTP front (`http://host:decide.http_port`); a session given is left open."""
+        return cls(_HttpTransport(base_url, media_type=media_type, session=session), timeout=timeout, retry=retry)
+
+    async def decide(self, request: DecideRequest) -> Answer:
+        """The answer to one request; raises RequestRefused, or DecideUnavailable once every attempt failed."""
+        payload = self._codec.encode(request)
+        answer = await self._with_retries(
+            f"request {request.request_id!r}", lambda data, media: _answer_or_refusal(_CODECS[media], data, request.request_id),
+            payload, batch=False,
+        )
+        if isinstance(answer, RequestRefused):
+            raise answer
+        return answer
+
+    async def decide_batch(self, requests: Sequence[DecideRequest]) -> list[Answer | RequestRefused]:
+        """Answers in request order, a RequestRefused in place of each request decide refused.
+
+        Ranked in one call of the service; a retry sends the whole batch again under the
+        same ids. Raises RequestRefused if decide refuses the batch as a whole.
+        """
+        if not requests:
+            return []
+        request_ids = [request.request_id for request in requests]
+        payload = self._codec.encode(list(requests))
+        return await self._with_retries(
+            f"batch of {len(requests)} from {request_ids[0]!r}",
+            lambda data, media: _read_batch(_CODECS[media], data, request_ids), payload, batch=True,
+        )
+
+    async def _with_retries(self, what: str, read: Callable[[bytes, str], T], payload: bytes, *, batch: bool) -> T:
+        if self._closed:
+            raise DecideError("the client is closed")
+        timeout_s = self.timeout.total_seconds()
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                data, media_type = await self._transport.exchange(payload, batch=batch, timeout_s=timeout_s)
+                return read(data, media_type)
+            except _Transient as failure:
+                if attempt == self.retry.attempts:
+                    raise DecideUnavailable(
+                        f"{what}: no answer after {attempt} attempt(s); the last: {failure}"
+                    ) from (failure.__cause__ or failure)
+                delay = self.retry.backoff_s(attempt)
+                log.info("%s: attempt %d failed (%s); again in %.0f ms, same request id", what, attempt, failure,
+                         delay * 1000)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable: RetryPolicy.attempts is at least 1")
+
+    async def close(self) -> None:
+        self._closed = True
+        await self._transport.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+# --- from synchronous code ----------------------------------------------------------------------
+
+
+class DecideClientSync:
+    """DecideClient for synchronous code: the client lives on an event loop in a thread of its own.
+
+    `with DecideClientSync.connect_nats(url) as client: client.decide(request)`. Call it
+    from any thread but not from inside a running event loop, which it would block (use
+    DecideClient there).
+    """
+
+    def __init__(self, connect: Callable[[], Awaitable[DecideClient]]) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvledger-decide-client", daemon=True)
+        self._thread.start()
+        try:
+            self._client = self._run(connect())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @classmethod
+    def connect_nats(cls, servers: str | Sequence[str] = "nats://127.0.0.1:4222", **options: Any) -> DecideClientSync:
+        """As DecideClient.connect_nats, on a connection of its own."""
+        return cls(lambda: DecideClient.connect_nats(servers, **options))
+
+    @classmethod
+    def http(cls, base_url: str, **options: Any) -> DecideClientSync:
+        """As DecideClient.http."""
+
+        async def make() -> DecideClient:
+            return DecideClient.http(base_url, **options)
+
+        return cls(make)
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            coroutine.close()
+            raise RuntimeError("DecideClientSync called from its own event loop; use DecideClient there")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def decide(self, request: DecideRequest) -> Answer:
+        """As DecideClient.decide."""
+        return self._run(self._client.decide(request))
+
+    def decide_batch(self, requests: Sequence[DecideRequest]) -> list[Answer | RequestRefused]:
+        """As DecideClient.decide_batch."""
+        return self._run(self._client.decide_batch(requests))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._client.close())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+__all__ = [
+    "Answer", "Candidate", "DecideClient", "DecideClientSync", "DecideError", "DecideRequest", "DecideUnavailable",
+    "NO_RETRIES", "Overlap", "RequestRefused", "RetryPolicy", "new_request_id",
+]
