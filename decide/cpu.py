@@ -17,7 +17,7 @@ from kvledger.settings import ReuseSettings
 
 from decide.index import InventoryIndex
 from decide.kernels import rank_requests
-from decide.ranked import AnswerBatch, Clock, RankedBatch, flatten_requests, requested_targets, source_tier_codes
+from decide.ranked import AnswerBatch, Clock, RankedBatch, local_hashes_of, requested_targets, source_tier_codes
 
 INT64_MAX = 2**63 - 1
 
@@ -85,12 +85,14 @@ class _KernelSettingsCache:
 
     def __init__(self) -> None:
         self._settings: ReuseSettings | None = None
-        self._converted: KernelSettings | None = None
+        self._arguments: tuple = ()
 
-    def __call__(self, settings: ReuseSettings) -> KernelSettings:
-        if settings is not self._settings or self._converted is None:
-            self._settings, self._converted = settings, KernelSettings.of(settings)
-        return self._converted
+    def __call__(self, settings: ReuseSettings) -> tuple:
+        """The settings as the kernel's last arguments."""
+        if settings is not self._settings or not self._arguments:
+            self._settings = settings
+            self._arguments = attrs.astuple(KernelSettings.of(settings), recurse=False)
+        return self._arguments
 
 
 _kernel_settings = _KernelSettingsCache()
@@ -109,14 +111,15 @@ def rank_batch(
     if started is None:
         started = clock()
     count = len(requests)
-    flat, offsets = flatten_requests(requests)
+    flat, offsets = local_hashes_of(requests)
     target, named = requested_targets(index, requests)
-    block_sizes = np.fromiter((request.block_size for request in requests), dtype=np.int64, count=count)
+    block_sizes = (np.array([requests[0].block_size], dtype=np.int64) if count == 1 else
+                   np.fromiter((request.block_size for request in requests), dtype=np.int64, count=count))
     budget_ms = settings.transfer_source_lookup_budget_ms * max(count, 1)
     # With no worker there is nothing to scan, and the reference never reads its clock.
     scan = index.worker_count == 0 or (clock() - started) * 1000.0 <= budget_ms
     return RankedBatch(*rank_requests(
         flat, offsets, target, named.view(np.uint8), block_sizes,
         index.table_keys, index.table_rows, index.table_bits, index.masks, index.slots_in_order, index.order_rank,
-        scan, *attrs.astuple(_kernel_settings(settings), recurse=False),
+        scan, *_kernel_settings(settings),
     ))

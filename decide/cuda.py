@@ -30,7 +30,7 @@ from decide.ranked import (
     AnswerBatch,
     Clock,
     RankedBatch,
-    flatten_requests,
+    sequence_hashes_of,
     overlaps_of,
     requested_targets,
     source_tier_codes,
@@ -304,7 +304,7 @@ class CudaBackend:
         self.sync_table()
         index, arrays = self.index, self._arrays
         count, workers = len(requests), index.worker_count
-        flat, offsets = flatten_requests(requests)
+        flat, offsets = sequence_hashes_of(requests)
         target, named = requested_targets(index, requests)
         block_sizes = np.fromiter((r.block_size for r in requests), dtype=np.int32, count=count)
         tiers = source_tier_codes(settings)

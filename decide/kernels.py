@@ -41,6 +41,9 @@ def kernel_cache_dir() -> str:
 # Read by numba when each kernel below is decorated.
 numba.config.CACHE_DIR = kernel_cache_dir()
 _compiled = numba.njit(cache=True, nogil=True)
+# Small helpers are inlined where they are used: a call that passes arrays pays their
+# reference counts (atomic), which cost more than what the helpers do.
+_inlined = numba.njit(cache=True, nogil=True, inline="always")
 
 # --- XXH3-64 of the 16-byte (parent ‖ local) pair, seed 1337 ------------------------------
 
@@ -66,7 +69,7 @@ def _secret_constants() -> tuple[np.uint64, np.uint64]:
 _BITFLIP_PARENT, _BITFLIP_LOCAL = _secret_constants()
 
 
-@_compiled
+@_inlined
 def _byteswap(value):
     result = np.uint64(0)
     for _ in range(8):
@@ -75,7 +78,7 @@ def _byteswap(value):
     return result
 
 
-@_compiled
+@_inlined
 def chain_hash(parent, local):
     """`kvledger.hashing.chain_hash`: xxh3_64(parent ‖ local as little-endian u64s, seed 1337)."""
     low = parent ^ _BITFLIP_PARENT
@@ -111,7 +114,7 @@ _EMPTY_ROW = -1
 _MISSING_ROW = 0
 
 
-@_compiled
+@_inlined
 def probe(table_keys, table_rows, table_bits, key):
     """The row of `key` (the all-zero row 0 when nobody holds it): `InventoryIndex.lookup` for one key."""
     mask = table_keys.size - 1
@@ -136,7 +139,7 @@ _DE_BRUIJN_POSITIONS = np.array([
 ], dtype=np.int64)
 
 
-@_compiled
+@_inlined
 def _lowest_bit(word):
     """Position of the lowest set bit of a non-zero word."""
     isolated = word & (~word + _ONE)
@@ -144,6 +147,8 @@ def _lowest_bit(word):
 
 
 # --- ranking ----------------------------------------------------------------------------
+
+_ROWS_AHEAD = 8  # blocks probed together while walking a request
 
 # Stored classes of a row (decide.index.CLASSES) and prefix classes (decide.ranked).
 _NATIVE_DEVICE, _NATIVE_HOST, _NATIVE_DISK, _RETAINED_DEVICE = 0, 1, 2, 3
@@ -161,7 +166,7 @@ def _grown(values, needed):
     return grown
 
 
-@_compiled
+@_inlined
 def _ranks_before(first, second, saving, prefix, tier, rank):
     """`kvledger.reuse.ranking_key` order: saving (higher first), longer prefix, tier, worker order."""
     if saving[first] != saving[second]:
@@ -188,13 +193,14 @@ def _sort_candidates(start, stop, slot, tier, prefix, transfer, recompute, trans
 
 @_compiled
 def rank_requests(
-    sequence, offsets, given_target, named, block_sizes,
+    local, offsets, given_target, named, block_sizes,
     table_keys, table_rows, table_bits, masks, slots_in_order, order_rank,
     scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
 ):
     """Rank every request against the index; see `decide.ranked.RankedBatch` for what comes back.
 
-    Per request, the blocks are walked once from the first: each class's prefix-AND of
+    `local` holds every request's local hashes end to end, chained into sequence hashes as
+    the walk goes. Per request, the blocks are walked once from the first: each class's prefix-AND of
     worker bits loses a worker where its prefix ends, and the walk stops once no worker
     holds the prefix in any class. Credit adds each native block's best tier weight in block
     order, as the reference does. `weight_of[tiers held]` is that best weight for a 3-bit
@@ -223,6 +229,7 @@ def rank_requests(
     any_tier = tier_enabled[0] or tier_enabled[1] or tier_enabled[2]
 
     alive = np.zeros((5, words), dtype=np.uint64)
+    rows_ahead = np.empty(_ROWS_AHEAD, dtype=np.int64)
     lengths = np.zeros((5, max(workers, 1)), dtype=np.int32)  # per request, reset where written
     credit = np.zeros(max(workers, 1), dtype=np.float64)
     shown_ranks = np.empty(max(workers, 1) + 1, dtype=np.int64)
@@ -237,7 +244,9 @@ def rank_requests(
         shown_count = 0
         walked = 0
         if blocks > 0 and workers > 0:
-            row = probe(table_keys, table_rows, table_bits, sequence[start])
+            sequence_hash = local[start]
+            rows_from, rows_until = 0, 0
+            row = probe(table_keys, table_rows, table_bits, sequence_hash)
             for word in range(words):
                 device = masks[row, _NATIVE_DEVICE, word]
                 host = masks[row, _NATIVE_HOST, word]
@@ -282,8 +291,14 @@ def rank_requests(
                             going_on = True
                 if not going_on or walked == blocks:
                     break
-                sequence_hash = sequence[start + walked]
-                row = probe(table_keys, table_rows, table_bits, sequence_hash)
+                if walked >= rows_until:
+                    # The next blocks' rows at once: their probes do not wait on each other, so
+                    # their cache misses overlap instead of coming one after another.
+                    rows_from, rows_until = walked, min(walked + _ROWS_AHEAD, blocks)
+                    for ahead in range(rows_from, rows_until):
+                        sequence_hash = chain_hash(sequence_hash, local[start + ahead])
+                        rows_ahead[ahead - rows_from] = probe(table_keys, table_rows, table_bits, sequence_hash)
+                row = rows_ahead[walked - rows_from]
                 for word in range(words):
                     device = masks[row, _NATIVE_DEVICE, word]
                     host = masks[row, _NATIVE_HOST, word]
@@ -412,13 +427,31 @@ def rank_requests(
             credit[slot] = 0.0
             for prefix_class in range(5):
                 lengths[prefix_class, slot] = 0
+    c_recompute, c_transfer_ms, c_saving = c_recompute[:candidates], c_transfer_ms[:candidates], c_saving[:candidates]
     return (
         target_out, credited, baseline_out, reason,
         overlap_bounds, overlap_slot[:overlaps].copy(), overlap_lengths[:overlaps].copy(),
         candidate_bounds, c_slot[:candidates].copy(), c_tier[:candidates].copy(), c_prefix[:candidates].copy(),
-        c_transfer[:candidates].copy(), c_recompute[:candidates].copy(), c_transfer_ms[:candidates].copy(),
-        c_saving[:candidates].copy(),
+        c_transfer[:candidates].copy(), c_recompute.copy(), c_transfer_ms.copy(), c_saving.copy(),
+        _repr_positions(credited, c_recompute, c_transfer_ms, c_saving),
     )
+
+
+@_compiled
+def _repr_positions(credited, recompute, transfer, saving):
+    """Positions, in the four columns end to end, of the floats `_put_float` cannot write."""
+    flagged = 0
+    positions = np.empty(16, dtype=np.int64)
+    offset = 0
+    for column in (credited, recompute, transfer, saving):
+        flags = needs_repr(column)
+        for item in range(column.size):
+            if flags[item]:
+                positions = _grown(positions, flagged + 1)
+                positions[flagged] = offset + item
+                flagged += 1
+        offset += column.size
+    return positions[:flagged].copy()
 
 
 # --- the answers' JSON ------------------------------------------------------------------
@@ -432,14 +465,17 @@ _REQUEST_ID = _text('{"request_id":')
 _CREDITED = _text(',"credited_blocks":')
 _BASELINE = _text(',"baseline_blocks":')
 _OVERLAPS = _text(',"overlaps":{')
-_OVERLAP_LABELS = (_text(':{"device":'), _text(',"host":'), _text(',"disk":'), _text(',"any":'),
-                   _text(',"retained_device":'))
+# Separate arrays, not tuples of them: numba keeps a global array as a constant, but a
+# tuple of arrays would be unpickled on every use.
+_DEVICE_LABEL, _HOST_LABEL, _DISK_LABEL = _text(':{"device":'), _text(',"host":'), _text(',"disk":')
+_ANY_LABEL, _RETAINED_DEVICE_LABEL = _text(',"any":'), _text(',"retained_device":')
 _ZERO_OVERLAP = _text(':{"device":0,"host":0,"disk":0,"any":0,"retained_device":0}')
 _CANDIDATES = _text('},"candidates":[')
 _CHOSEN_LABEL = _text('],"chosen":')
 _NULL = _text("null")
-_TIER_LABELS = (_text(',"tier":"device","prefix_blocks":'), _text(',"tier":"host","prefix_blocks":'),
-                _text(',"tier":"disk","prefix_blocks":'))
+_DEVICE_TIER = _text(',"tier":"device","prefix_blocks":')
+_HOST_TIER = _text(',"tier":"host","prefix_blocks":')
+_DISK_TIER = _text(',"tier":"disk","prefix_blocks":')
 _TRANSFER_BLOCKS = _text(',"transfer_blocks":')
 _RECOMPUTE = _text(',"recompute_ms":')
 _TRANSFER_MS = _text(',"transfer_ms":')
@@ -451,38 +487,54 @@ for _code, _letter in ((8, "b"), (9, "t"), (10, "n"), (12, "f"), (13, "r")):
 _LONGEST_LABELS = 160  # the fixed text of one overlap or candidate, numbers aside
 
 
-@_compiled
+@_inlined
+def _copy(out, position, source, start, length):
+    # Unsigned indices: no negative-index wrap-around per byte, so the loop vectorises.
+    to, at = np.uint64(position), np.uint64(start)
+    for offset in range(np.uint64(length)):
+        out[to + offset] = source[at + offset]
+    return position + length
+
+
+@_inlined
 def _put(out, position, text):
-    out[position:position + text.size] = text
-    return position + text.size
+    return _copy(out, position, text, 0, text.size)
 
 
-@_compiled
+@_inlined
 def _put_slice(out, position, buffer, bounds, item):
-    start, stop = bounds[item], bounds[item + 1]
-    out[position:position + stop - start] = buffer[start:stop]
-    return position + stop - start
+    return _copy(out, position, buffer, bounds[item], bounds[item + 1] - bounds[item])
 
 
-@_compiled
+_TEN = np.uint64(10)
+
+
+@_inlined
 def _put_integer(out, position, value):
     """`str(value)` of an integer."""
     if value < 0:
         out[position] = 45  # "-"
         position += 1
         value = -value
+    if value < 10:  # most lengths and counts
+        out[position] = 48 + value
+        return position + 1
+    # Unsigned, so division by ten compiles to a multiply.
+    rest = np.uint64(value)
     digits = 1
-    rest = value // 10
-    while rest:
+    bound = _TEN
+    while rest >= bound and digits < 20:
         digits += 1
-        rest //= 10
+        if bound > np.uint64(0xFFFFFFFFFFFFFFFF) // _TEN:
+            break
+        bound *= _TEN
     for place in range(digits - 1, -1, -1):
-        out[position + place] = 48 + value % 10
-        value //= 10
+        out[position + place] = 48 + rest % _TEN
+        rest //= _TEN
     return position + digits
 
 
-@_compiled
+@_inlined
 def _put_escape(out, position, code):
     out[position] = 92  # backslash
     out[position + 1] = 117  # "u"
@@ -491,7 +543,7 @@ def _put_escape(out, position, code):
     return position + 6
 
 
-@_compiled
+@_inlined
 def _put_json_string(out, position, text):
     """`json.dumps` of a UTF-8 text: quotes, backslash escapes, everything outside ASCII as \\uXXXX."""
     out[position] = 34
@@ -543,7 +595,7 @@ _POWERS_OF_TEN = np.array([10.0 ** power for power in range(16)])
 _EXACT_INTEGERS = 9007199254740992.0  # 2**53: every integer below is a double
 
 
-@_compiled
+@_inlined
 def _shortest_fixed(value):
     """(digits, decimals) with `digits / 10**decimals` the shortest text that reads back as `value` (> 0),
     or (-1, -1) where `repr` is needed: exponent notation, 17 digits, or two texts equally short.
@@ -583,7 +635,7 @@ def needs_repr(values):
     return result
 
 
-@_compiled
+@_inlined
 def _put_float(out, position, value):
     """`repr(value)` of a float `needs_repr` passed."""
     if value < 0.0 or (value == 0.0 and np.signbit(value)):
@@ -616,7 +668,7 @@ def _put_float(out, position, value):
     return position + 1
 
 
-@_compiled
+@_inlined
 def _put_number(out, position, values, texts, item, repr_texts, repr_bounds):
     """A float: as Python wrote it where it had to (`texts[item] >= 0`), else by `_put_float`."""
     if texts[item] >= 0:
@@ -632,11 +684,12 @@ def _longest(bounds):
     return longest
 
 
-@_compiled
+@_inlined
 def _put_candidate(out, position, item, sources, source_bounds, c_slot, c_tier, c_prefix, c_transfer,
                    recompute, recompute_text, transfer, transfer_text, saving, saving_text, repr_texts, repr_bounds):
     position = _put_slice(out, position, sources, source_bounds, c_slot[item])
-    position = _put(out, position, _TIER_LABELS[c_tier[item]])
+    tier = c_tier[item]
+    position = _put(out, position, _DEVICE_TIER if tier == 0 else _HOST_TIER if tier == 1 else _DISK_TIER)
     position = _put_integer(out, position, c_prefix[item])
     position = _put(out, position, _TRANSFER_BLOCKS)
     position = _put_integer(out, position, c_transfer[item])
@@ -707,9 +760,16 @@ def write_answers(
                 out[position] = 44  # ","
                 position += 1
             position = _put_slice(out, position, names, name_bounds, overlap_slot[item])
-            for prefix_class in range(5):
-                position = _put(out, position, _OVERLAP_LABELS[prefix_class])
-                position = _put_integer(out, position, overlap_lengths[item, prefix_class])
+            position = _put(out, position, _DEVICE_LABEL)
+            position = _put_integer(out, position, overlap_lengths[item, 0])
+            position = _put(out, position, _HOST_LABEL)
+            position = _put_integer(out, position, overlap_lengths[item, 1])
+            position = _put(out, position, _DISK_LABEL)
+            position = _put_integer(out, position, overlap_lengths[item, 2])
+            position = _put(out, position, _ANY_LABEL)
+            position = _put_integer(out, position, overlap_lengths[item, 3])
+            position = _put(out, position, _RETAINED_DEVICE_LABEL)
+            position = _put_integer(out, position, overlap_lengths[item, 4])
             out[position] = 125
             position += 1
         if unknown_length:

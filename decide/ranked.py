@@ -66,6 +66,9 @@ class RankedBatch:
     candidate_recompute_ms: np.ndarray
     candidate_transfer_ms: np.ndarray
     candidate_saving_ms: np.ndarray
+    # Positions, in (credited, recompute, transfer, saving) order, of the floats the JSON
+    # kernel cannot write as repr does; None: not known yet (`decide.kernels.needs_repr`).
+    needs_repr: np.ndarray | None = None
 
 
 def overlaps_of(lengths: np.ndarray, target: np.ndarray, slots_in_order: np.ndarray,
@@ -89,14 +92,23 @@ def source_tier_codes(settings: ReuseSettings) -> tuple[int, ...]:
     return tuple(SOURCE_TIERS.index(tier) for tier in enabled_source_tiers(settings))
 
 
-def flatten_requests(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
-    """All requests' sequence hashes end to end, and the offsets where each request starts."""
+def local_hashes_of(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
+    """All requests' local hashes end to end, and the offsets where each request starts."""
+    if len(requests) == 1:  # the service's single requests: fewer numpy calls
+        local = np.array(requests[0].local_hashes, dtype=np.uint64)
+        return local, np.array([0, local.size], dtype=np.int64)
     lengths = np.fromiter(map(len, (request.local_hashes for request in requests)), dtype=np.int64,
                           count=len(requests))
     offsets = np.zeros(len(requests) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     local = np.fromiter(itertools.chain.from_iterable(request.local_hashes for request in requests),
                         dtype=np.uint64, count=int(offsets[-1]))
+    return local, offsets
+
+
+def sequence_hashes_of(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
+    """All requests' sequence hashes end to end, and the offsets where each request starts."""
+    local, offsets = local_hashes_of(requests)
     return chain_hashes(local, offsets), offsets
 
 
@@ -172,12 +184,16 @@ def _endings(uncertain_workers: tuple[str, ...], backend: str, digest: str) -> t
     ])
 
 
-def _repr_texts(*columns: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], list[np.ndarray]]:
-    """The few floats the JSON kernel leaves to Python (`needs_repr`) as `json.dumps` writes them,
-    and per column each value's item among those texts (-1: the kernel writes it)."""
-    values = np.concatenate(columns) if len(columns) > 1 else columns[0]
+def _repr_texts(columns: Sequence[np.ndarray], flagged: np.ndarray | None,
+                ) -> tuple[tuple[np.ndarray, np.ndarray], list[np.ndarray]]:
+    """The few floats the JSON kernel leaves to Python (`needs_repr`, or `flagged` positions) as
+    `json.dumps` writes them, and per column each value's item among those texts (-1: the kernel writes it)."""
+    if flagged is not None and not flagged.size:
+        return _NO_TEXTS, [_no_items(column.size) for column in columns]
+    values = np.concatenate(columns)
+    if flagged is None:
+        flagged = np.flatnonzero(needs_repr(values))
     items = np.full(values.size, -1, dtype=np.int64)
-    flagged = np.flatnonzero(needs_repr(values))
     texts: list[bytes] = []
     if flagged.size:
         text_of: dict[int, int] = {}
@@ -193,6 +209,22 @@ def _repr_texts(*columns: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], li
         split.append(items[start:start + column.size])
         start += column.size
     return _texts(texts), split
+
+
+# Shared constant arrays, left writable: numba compiles a read-only array as another
+# type, and the kernels never write them.
+@functools.lru_cache(maxsize=16)
+def _minus_ones(size: int) -> np.ndarray:
+    return np.full(size, -1, dtype=np.int64)
+
+
+def _no_items(size: int) -> np.ndarray:
+    return _minus_ones(size) if size <= 4096 else np.full(size, -1, dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros(size: int) -> np.ndarray:
+    return np.zeros(size, dtype=np.int64)
 
 
 @attrs.frozen
@@ -281,20 +313,27 @@ class AnswerBatch:
         if not count:
             return []
         ranked = self.ranked
-        ids = [request.request_id for request in self.requests]
-        id_text = "".join(ids).encode()
-        id_bounds = np.zeros(count + 1, dtype=np.int64)
-        np.cumsum(np.fromiter(map(len, ids), dtype=np.int64, count=count), out=id_bounds[1:])
-        if id_bounds[-1] != len(id_text):  # not all ASCII: bounds in UTF-8 bytes
-            np.cumsum(np.fromiter((len(text.encode()) for text in ids), dtype=np.int64, count=count), out=id_bounds[1:])
+        if count == 1:
+            id_text = self.requests[0].request_id.encode()
+            id_bounds = np.array([0, len(id_text)], dtype=np.int64)
+        else:
+            ids = [request.request_id for request in self.requests]
+            id_text = "".join(ids).encode()
+            id_bounds = np.zeros(count + 1, dtype=np.int64)
+            np.cumsum(np.fromiter(map(len, ids), dtype=np.int64, count=count), out=id_bounds[1:])
+            if id_bounds[-1] != len(id_text):  # not all ASCII: bounds in UTF-8 bytes
+                np.cumsum(np.fromiter((len(text.encode()) for text in ids), dtype=np.int64, count=count),
+                          out=id_bounds[1:])
         unknown_names = [b""] * count
-        for position in np.flatnonzero(ranked.target < 0).tolist():
-            name = self._unknown_target(position)
-            if name is not None:
-                unknown_names[position] = _json_string(name)
-        unknown = _texts(unknown_names) if any(unknown_names) else (_NO_TEXTS[0], np.zeros(count + 1, dtype=np.int64))
+        if (ranked.target < 0).any():
+            for position in np.flatnonzero(ranked.target < 0).tolist():
+                name = self._unknown_target(position)
+                if name is not None:
+                    unknown_names[position] = _json_string(name)
+        unknown = _texts(unknown_names) if any(unknown_names) else (_NO_TEXTS[0], _zeros(count + 1))
         repr_texts, (credited, recompute, transfer, saving) = _repr_texts(
-            ranked.credited, ranked.candidate_recompute_ms, ranked.candidate_transfer_ms, ranked.candidate_saving_ms)
+            (ranked.credited, ranked.candidate_recompute_ms, ranked.candidate_transfer_ms, ranked.candidate_saving_ms),
+            ranked.needs_repr)
         texts = self.worker_texts
         buffer, bounds = write_answers(
             np.frombuffer(id_text, dtype=np.uint8), id_bounds,
@@ -308,6 +347,8 @@ class AnswerBatch:
             *repr_texts, *_endings(self.uncertain_workers, self.backend, self.settings_digest),
         )
         data = buffer.tobytes()
+        if count == 1:
+            return [data]
         edges = bounds.tolist()
         return [data[begin:end] for begin, end in zip(edges[:-1], edges[1:])]
 
