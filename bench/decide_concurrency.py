@@ -1,6 +1,6 @@
 """The decision service under concurrent single requests, against a bare NATS responder.
 
-    python bench/decide_concurrency.py [--clients 1,8,64] [--seconds 5] [--window-us 0] [--compare-raw]
+    python bench/decide_concurrency.py [--clients 1,8,64] [--seconds 5] [--window-us 0] [--compare-raw] [--cold-start]
 
 `kvledger decide` runs in its own process on an embedded nats-server (empty inventory, so
 the figures are the service's own cost: parsing, ranking, JSON, the KV_DECISIONS record
@@ -12,6 +12,8 @@ body. Printed per concurrency: requests/s, p50 and p99, and the ratio. The ratio
 kvledger with its client's cost (a typed request encoded, the answer decoded into typed
 values); `--compare-raw` also asks decide with bare nats-py requests and prints what the
 client costs. Afterwards every answer the clients got is looked up in KV_DECISIONS.
+`--cold-start` first measures the time from starting `kvledger decide` to its first
+answer, once with an empty kernel cache and once with the cache that left.
 """
 
 from __future__ import annotations
@@ -134,12 +136,34 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] * 1000 if len(values) > 1 else float("nan")
 
 
-async def wait_for_decide(url: str) -> None:
-    """Until decide answers: no responders, 0.1 s apart, while it starts (a minute at most)."""
-    patience = RetryPolicy(attempts=600, first_backoff=timedelta(seconds=0.1), max_backoff=timedelta(seconds=0.1),
+async def wait_for_decide(url: str, request_id: str = "probe") -> None:
+    """Until decide answers: no responders, 0.05 s apart, while it starts (five minutes at most)."""
+    patience = RetryPolicy(attempts=6000, first_backoff=timedelta(seconds=0.05), max_backoff=timedelta(seconds=0.05),
                            jitter=0.0)
     async with await DecideClient.connect_nats(url, timeout=timedelta(seconds=1), retry=patience) as client:
-        await client.decide(DecideRequest(request_id="probe", token_ids=tokens(0, 0), block_size=BLOCK_SIZE))
+        await client.decide(DecideRequest(request_id=request_id, token_ids=tokens(0, 0), block_size=BLOCK_SIZE))
+
+
+def start_decide(url: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvledger.cli", "decide", "--nats", url], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def cold_starts(url: str, env: dict[str, str]) -> list[tuple[str, float]]:
+    """Seconds from starting `kvledger decide` to its first answer: with an empty kernel
+    cache (the kernels compile), then with the cache that start left (they load)."""
+    figures = []
+    with tempfile.TemporaryDirectory() as cache:
+        for number, label in enumerate(("kernels compiled (empty cache)", "kernels loaded from the cache")):
+            started = time.perf_counter()
+            decide = start_decide(url, {**env, "NUMBA_CACHE_DIR": cache})
+            try:
+                await wait_for_decide(url, request_id=f"cold-start-{number}")
+                figures.append((label, time.perf_counter() - started))
+            finally:
+                decide.terminate()
+                decide.wait(10)
+    return figures
 
 
 async def main() -> None:
@@ -149,6 +173,9 @@ async def main() -> None:
     parser.add_argument("--window-us", type=float, default=0.0, help="decide.batch_window_us for the service")
     parser.add_argument("--compare-raw", action="store_true",
                         help="also ask decide with bare nats-py requests, to show what DecideClient costs")
+    parser.add_argument("--cold-start", action="store_true",
+                        help="first measure decide's cold start: process start to first answer, kernels compiled "
+                             "and kernels cached")
     args = parser.parse_args()
     levels = [int(level) for level in args.clients.split(",")]
 
@@ -156,8 +183,11 @@ async def main() -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVLEDGER_")}
         env.update(KVLEDGER_DECIDE_HTTP_PORT="0", KVLEDGER_DECIDE_BACKEND="cpu",
                    KVLEDGER_DECIDE_BATCH_WINDOW_US=str(args.window_us))
-        decide = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "decide", "--nats", server.url], env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if args.cold_start:
+            for label, seconds in await cold_starts(server.url, env):
+                print(f"first answer {seconds:.2f} s after `kvledger decide` started: {label}")
+            print()
+        decide = start_decide(server.url, env)
         bare = subprocess.Popen([sys.executable, "-c", _BARE_RESPONDER, server.url], stdout=subprocess.PIPE)
         try:
             bare.stdout.readline()

@@ -6,8 +6,8 @@ workers fits. The index owns its own `InventoryFold`; after each batch it re-rea
 fold's `holds` for the (worker, sequence hash) pairs the batch touched, so every fold rule
 (retained conflicts, reference counting, restarts) is inherited rather than re-implemented.
 
-The lookup table is open addressing with linear probing over numpy arrays, laid out so
-the cuda backend can mirror it on the device and apply the same probe sequence; changes
+The lookup table is open addressing with linear probing over numpy arrays, probed by
+`decide.kernels.probe` and mirrored on the device with the same probe sequence; changes
 since the device last synced are kept as dirty table slots and dirty rows.
 """
 
@@ -47,7 +47,6 @@ _U64 = (1 << 64) - 1
 EMPTY_ROW = -1
 MISSING_ROW = 0  # row 0 is all zeros: a hash nobody holds reads as "no worker"
 _MAX_LOAD = 0.5
-_DICTIONARY_KEYS = 64  # a lookup's keys still probing when the row dictionary takes over
 _MIN_TABLE_BITS = 10
 
 
@@ -282,37 +281,6 @@ class InventoryIndex:
             self.table_rows[position] = row
         self.generation += 1
         self.dirty_table_slots.clear()
-
-    def lookup(self, keys: np.ndarray) -> np.ndarray:
-        """Rows of many sequence hashes at once (MISSING_ROW where nobody holds one)."""
-        keys = np.asarray(keys, dtype=np.uint64)
-        if not keys.size:
-            return np.full(keys.shape, MISSING_ROW, dtype=np.int32)
-        mask = len(self.table_keys) - 1
-        with np.errstate(over="ignore"):
-            positions = ((keys * np.uint64(HASH_MULTIPLIER)) >> np.uint64(64 - self.table_bits)).astype(np.int64)
-        table_keys, table_rows = self.table_keys, self.table_rows
-        # Vectorised linear probing: every key advances one slot per round until it finds
-        # itself or an empty slot. Most keys settle in the first round, done without masks.
-        rows = np.take(table_rows, positions)
-        occupied = rows != EMPTY_ROW
-        found = occupied & (np.take(table_keys, positions) == keys)
-        result = np.where(found, rows, MISSING_ROW).astype(np.int32, copy=False)
-        pending = np.flatnonzero(occupied & ~found)
-        positions = (positions[pending] + 1) & mask
-        # Probe chains have a long tail (a round per slot of the longest), so the last few
-        # keys are cheaper to ask the row dictionary, which holds exactly the live keys.
-        while pending.size > _DICTIONARY_KEYS:
-            rows = np.take(table_rows, positions)
-            occupied = rows != EMPTY_ROW
-            found = occupied & (np.take(table_keys, positions) == np.take(keys, pending))
-            result[pending[found]] = rows[found]
-            going_on = occupied & ~found
-            pending, positions = pending[going_on], (positions[going_on] + 1) & mask
-        if pending.size:
-            row_of = self._row_of.get
-            result[pending] = [row_of(key, MISSING_ROW) for key in np.take(keys, pending).tolist()]
-        return result
 
     def take_dirty(self) -> tuple[np.ndarray, np.ndarray]:
         """Hand the device mirror the table slots and rows changed since the last call."""

@@ -21,19 +21,18 @@ import numpy as np
 
 
 def kernel_cache_dir() -> str:
-    """Where compiled kernels are kept: NUMBA_CACHE_DIR when set, else a folder of the user's
-    cache, else one in the temporary directory (site-packages is often not writable)."""
-    chosen = os.environ.get("NUMBA_CACHE_DIR")
-    if chosen:
-        return chosen
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    for candidate in (Path(base) / "kvledger" / "kernels",
-                      Path(tempfile.gettempdir()) / f"kvledger-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"):
+    """Where compiled kernels are kept: numba's NUMBA_CACHE_DIR when set, else a folder of
+    the user's cache, else one in the temporary directory (site-packages is often not writable)."""
+    if numba.config.CACHE_DIR:
+        return numba.config.CACHE_DIR
+    user = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
+    for candidate in (Path.home() / ".cache" / "kvledger" / "kernels",
+                      Path(tempfile.gettempdir()) / f"kvledger-kernels{user}"):
         try:
             candidate.mkdir(parents=True, exist_ok=True)
             if os.access(candidate, os.W_OK):
                 return str(candidate)
-        except OSError:
+        except (OSError, RuntimeError):  # RuntimeError: no home directory to be found
             continue
     return ""  # numba then tries beside the source and in its own user-wide folder
 

@@ -1,18 +1,17 @@
-"""decide's hash table: a batch lookup agrees with the index's own row dictionary, probe tails included."""
+"""decide's hash table: the compiled probe agrees with the index's own row dictionary, dead slots included."""
 
 from __future__ import annotations
 
 import random
 
 import numpy as np
-import pytest
 
 from kvledger.events import Removed, Stored, Tier, WorkerId
 from kvledger.hashing import sequence_hashes
 from builders import BLOCK_SIZE, Stream
 
-import decide.index
 from decide.index import MISSING_ROW, InventoryIndex
+from decide.kernels import probe
 
 
 def crowded_index() -> tuple[InventoryIndex, list[int]]:
@@ -30,10 +29,7 @@ def crowded_index() -> tuple[InventoryIndex, list[int]]:
     return index, dead
 
 
-@pytest.mark.parametrize("dictionary_keys", [0, 64, 1 << 30])
-def test_batch_lookup_equals_the_row_dictionary(monkeypatch: pytest.MonkeyPatch, dictionary_keys: int) -> None:
-    # 0: every probe round in numpy; 1 << 30: all but the first round from the dictionary.
-    monkeypatch.setattr(decide.index, "_DICTIONARY_KEYS", dictionary_keys)
+def test_the_probe_finds_what_the_row_dictionary_holds() -> None:
     index, dead = crowded_index()
     live = list(index._row_of)
     assert len(live) == 40 * 375
@@ -41,7 +37,8 @@ def test_batch_lookup_equals_the_row_dictionary(monkeypatch: pytest.MonkeyPatch,
     strangers = [rng.getrandbits(64) for _ in range(5000)] + [0, 2**64 - 1]
     keys = live + dead + strangers + live[:100]
     rng.shuffle(keys)
-    rows = index.lookup(np.array(keys, dtype=np.uint64))
-    assert rows.tolist() == [index._row_of.get(key, MISSING_ROW) for key in keys]
-    assert set(index.lookup(np.array(dead, dtype=np.uint64)).tolist()) == {MISSING_ROW}
-    assert index.lookup(np.zeros(0, dtype=np.uint64)).tolist() == []
+    def row_of(key: int) -> int:
+        return int(probe(index.table_keys, index.table_rows, index.table_bits, np.uint64(key)))
+
+    assert [row_of(key) for key in keys] == [index._row_of.get(key, MISSING_ROW) for key in keys]
+    assert {row_of(key) for key in dead} == {MISSING_ROW}
