@@ -16,10 +16,11 @@ from kvledger.reuse import Decision, ReuseRequest
 from kvledger.settings import ReuseSettings
 
 from decide.index import InventoryIndex
-from decide.kernels import rank_requests
+from decide.kernels import chain_hashes, rank_requests
 from decide.ranked import AnswerBatch, Clock, RankedBatch, local_hashes_of, requested_targets, source_tier_codes
 
 INT64_MAX = 2**63 - 1
+WARM_UP_REQUEST = ReuseRequest("warm-up", (1, 2, 3), 16)
 
 
 class CpuBackend:
@@ -32,7 +33,7 @@ class CpuBackend:
 
     def warm_up(self, settings: ReuseSettings) -> None:
         """Compile (or load from the kernel cache) and run every kernel once before the service reports ready."""
-        self.answer_batch([ReuseRequest("warm-up", (1, 2, 3), 16)], settings).encoded()
+        self.answer_batch([WARM_UP_REQUEST], settings).encoded()
 
     def close(self) -> None:
         pass
@@ -96,6 +97,12 @@ class _KernelSettingsCache:
 
 
 _kernel_settings = _KernelSettingsCache()
+
+
+def compile_kernels(settings: ReuseSettings) -> None:
+    """Compile (or load from the kernel cache) every kernel, as both backends call them."""
+    CpuBackend(InventoryIndex()).answer_batch([WARM_UP_REQUEST], settings).encoded()
+    chain_hashes(np.zeros(1, dtype=np.uint64), np.array([0, 1], dtype=np.int64))
 
 
 def rank_batch(

@@ -24,6 +24,7 @@ from kvledger.resources import data_dir
 from kvledger.reuse import Decision, ReuseRequest
 from kvledger.settings import ReuseSettings
 
+from decide.cpu import WARM_UP_REQUEST
 from decide.index import CLASSES, InventoryIndex
 from decide.ranked import (
     PREFIX_CLASSES,
@@ -276,7 +277,7 @@ class CudaBackend:
 
     def warm_up(self, settings: ReuseSettings) -> None:
         """Run every code path once before the service reports ready."""
-        self.answer_batch([ReuseRequest("warm-up", (1, 2, 3), 16)], settings).encoded()
+        self.answer_batch([WARM_UP_REQUEST], settings).encoded()
 
     def answer_batch(
         self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,

@@ -44,6 +44,7 @@ from kvledger.system import install_stop_signals
 
 from decide.backend import RankingBackend, choose_backend
 from decide.batching import MicroBatcher
+from decide.cpu import compile_kernels
 from decide.index import InventoryIndex
 from decide.media import (
     MEDIA_TYPES,
@@ -123,7 +124,7 @@ class DecideService(AsyncLifetime):
             log.info("decide: warm start from snapshot %s (inventory_seq %d)", name, self.index.inventory_seq)
         else:
             log.info("decide: no snapshot in %s; replaying %s from the start", SNAPSHOTS_BUCKET, events_spec.name)
-        self._start_backend()
+        await self._start_backend()
 
         info = await js.stream_info(events_spec.name)
         self._warm_target = info.state.last_seq
@@ -188,14 +189,16 @@ class DecideService(AsyncLifetime):
                 log.info("decide: ready at inventory_seq %d, %.2f s after the process started",
                          self.index.inventory_seq, self.ready_after_process_start_s)
 
-    def _start_backend(self) -> None:
+    async def _start_backend(self) -> None:
         """Choose the backend, compile it and answer once, so neither the first client nor /readyz waits on it.
 
-        On the loop thread, not in a worker thread: a CUDA context is current only in the
-        thread that made it, and this loop is the thread that answers later. Nothing is
-        subscribed or listening yet, so blocking the loop here delays no one.
+        The compiled CPU kernels (shared by both backends) are compiled or loaded in a worker
+        thread: on a machine's first start that takes a while, and `kvledger up` runs ingest
+        and store on this same loop. The backend itself starts on the loop thread: a CUDA
+        context is current only in the thread that made it, and this loop answers later.
         """
         started = time.perf_counter()
+        await asyncio.to_thread(compile_kernels, self.settings.reuse)
         self.backend, self.backend_line = choose_backend(self.settings.decide.backend, self.index)
         log.info("decide: %s", self.backend_line)
         self.backend.warm_up(self.settings.reuse)
