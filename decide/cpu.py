@@ -6,6 +6,7 @@ target, baseline, candidates and their order), a second writes every answer's JS
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Sequence
 
@@ -20,6 +21,7 @@ from decide.kernels import chain_hashes, rank_requests
 from decide.ranked import AnswerBatch, Clock, RankedBatch, local_hashes_of, requested_targets, source_tier_codes
 
 INT64_MAX = 2**63 - 1
+_block_size = operator.attrgetter("block_size")
 WARM_UP_REQUEST = ReuseRequest("warm-up", (1, 2, 3), 16)
 
 
@@ -120,8 +122,7 @@ def rank_batch(
     count = len(requests)
     flat, offsets = local_hashes_of(requests)
     target, named = requested_targets(index, requests)
-    block_sizes = (np.array([requests[0].block_size], dtype=np.int64) if count == 1 else
-                   np.fromiter((request.block_size for request in requests), dtype=np.int64, count=count))
+    block_sizes = np.fromiter(map(_block_size, requests), dtype=np.int64, count=count)
     budget_ms = settings.transfer_source_lookup_budget_ms * max(count, 1)
     # With no worker there is nothing to scan, and the reference never reads its clock.
     scan = index.worker_count == 0 or (clock() - started) * 1000.0 <= budget_ms

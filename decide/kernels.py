@@ -13,11 +13,14 @@ suite checks it.
 from __future__ import annotations
 
 import os
+import struct
 import tempfile
 from pathlib import Path
 
 import numba
 import numpy as np
+
+from kvledger.hashing import HASH_SEED
 
 
 def kernel_cache_dir() -> str:
@@ -51,15 +54,11 @@ _inlined = numba.njit(cache=True, nogil=True, inline="always")
 _U32 = np.uint64(0xFFFFFFFF)
 _AVALANCHE = np.uint64(0x165667919E3779F9)
 _SIXTEEN = np.uint64(16)
-_S32, _S37, _S8, _S24, _S40, _S56 = (np.uint64(n) for n in (32, 37, 8, 24, 40, 56))
+_S32, _S37, _S8 = np.uint64(32), np.uint64(37), np.uint64(8)
 _BYTE = np.uint64(0xFF)
 
 
 def _secret_constants() -> tuple[np.uint64, np.uint64]:
-    import struct
-
-    from kvledger.hashing import HASH_SEED
-
     words = struct.unpack("<4Q", bytes.fromhex("7240a4a4b7b3671fcb79e64eccc0e578825ad07dccff7221b8084674f743248e"))
     mask = (1 << 64) - 1
     return np.uint64(((words[0] ^ words[1]) + HASH_SEED) & mask), np.uint64(((words[2] ^ words[3]) - HASH_SEED) & mask)

@@ -112,13 +112,17 @@ def sequence_hashes_of(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np
     return chain_hashes(local, offsets), offsets
 
 
+_UNNAMED = -2  # a request without a target, while the slots are gathered
+
+
 def requested_targets(index: InventoryIndex, requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
     """Slots of the requests' targets (NO_TARGET when none or unknown) and which requests named one."""
     slot_of = index.slot_by_key.get
-    targets = [request.target for request in requests]
-    named = np.array([target is not None for target in targets], dtype=bool).reshape(len(targets))
-    slots = np.array([NO_TARGET if target is None else slot_of((target.publisher, target.dp_rank), NO_TARGET)
-                      for target in targets], dtype=np.int32).reshape(len(targets))
+    slots = np.array([_UNNAMED if (target := request.target) is None
+                      else slot_of((target.publisher, target.dp_rank), NO_TARGET)
+                      for request in requests], dtype=np.int32).reshape(len(requests))
+    named = slots != _UNNAMED
+    slots[~named] = NO_TARGET
     return slots, named
 
 
