@@ -45,6 +45,8 @@ for name, source in kernel_sources().items():
 PY
 echo "== build: NVRTC compiles every kernel for sm_80 and sm_90 (as CI does)"
 timeout 60 python -m pytest -q tests/test_decide_nvrtc.py
+echo "== compiled CPU kernels (numba; both backends share them): compiled once, then cached"
+timeout 180 python -c "from decide.cpu import compile_kernels; from kvledger.settings import ReuseSettings; compile_kernels(ReuseSettings())"
 echo "== parity suite and the cuda startup tests (cuda must run, not skip)"
 set -o pipefail
 timeout 150 python -m pytest -q -rs tests/test_decide_parity.py \
