@@ -92,6 +92,21 @@ class StalledConsumerError(nats.errors.Error):
     """The durable consumer vanished or stopped delivering; the projector rebinds it."""
 
 
+class SkippedMessagesError(nats.errors.Error):
+    """The consumer delivered past messages the stream still holds; the projector rebinds it at its checkpoint."""
+
+
+def first_gap(seqs: list[int], checkpoint: int) -> tuple[int, int] | None:
+    """The first run of stream seqs after `checkpoint` that `seqs` (delivered, ascending) jumps over, as
+    (first missing, first delivered after it), or None when they follow on from the checkpoint."""
+    expected = checkpoint + 1
+    for seq in seqs:
+        if seq > expected:
+            return expected, seq
+        expected = max(expected, seq + 1)
+    return None
+
+
 class ConsumerWatch:
     """Notices a pull consumer that stopped delivering — lost in a server crash, or a stale
     subscription after a reconnect — so the projector rebinds it instead of idling forever."""
@@ -116,3 +131,27 @@ class ConsumerWatch:
 
     def delivered(self) -> None:
         self._idle_with_pending = 0
+
+    async def check_no_skip(self, seqs: list[int], checkpoint: int) -> None:
+        """Raise SkippedMessagesError when the delivered `seqs` jump past a message the stream holds.
+
+        A consumer's delivery state can run ahead of what was committed: after a leader
+        change in a cluster the new consumer leader may resume past messages the old one
+        delivered but nobody acknowledged, and with AckPolicy.ALL the next ack would
+        acknowledge them unread. A seq missing because the stream no longer has it (limits,
+        age, a deleted message) is a real gap, left to the fold to report.
+        """
+        gap = first_gap(seqs, checkpoint)
+        if gap is None:
+            return
+        missing, delivered = gap
+        state = (await self._js.stream_info(self._stream)).state
+        for seq in range(max(missing, state.first_seq), delivered):
+            try:
+                await self._js.get_msg(self._stream, seq)
+            except NotFoundError:
+                continue
+            raise SkippedMessagesError(
+                f"consumer {self._durable} on {self._stream} delivered seq {delivered} after checkpoint "
+                f"{checkpoint}, but the stream still holds seq {seq}: rewinding to the checkpoint"
+            )

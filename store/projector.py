@@ -38,7 +38,7 @@ from store.changes import ChangeBuilder, ChangeSet, ResidencyIndex
 from store.database import create_engine, require_current
 from store.gc_policy import young_collections_deferred
 from kvledger.system import install_stop_signals
-from store.jetstream import ConsumerWatch, bind_consumer, connect
+from store.jetstream import ConsumerWatch, SkippedMessagesError, bind_consumer, connect
 from store.recorder import SQL_CHECKPOINT, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError, encode_changes
 from store.snapshots import SnapshotWriter
@@ -71,6 +71,10 @@ class StoreMetrics:
         self.transactions = Counter("kvledger_store_transactions", "Committed transactions", ["stream"], registry=r)
         self.database_errors = Counter("kvledger_store_database_errors", "Failed database transactions", registry=r)
         self.nats_errors = Counter("kvledger_store_nats_errors", "NATS errors that restarted a consumer", registry=r)
+        self.rewinds = Counter(
+            "kvledger_store_consumer_rewinds", "Consumers rebound at the checkpoint after delivering past held messages",
+            ["stream"], registry=r,
+        )
         self.snapshots = Counter("kvledger_store_snapshots", "Inventory snapshots written", registry=r)
         self.checkpoint = Gauge("kvledger_store_checkpoint_seq", "Last committed stream seq", ["stream"], registry=r)
         self.transaction_seconds = Histogram(
@@ -97,6 +101,15 @@ class _Backoff:
 
     def reset(self) -> None:
         self.delay = 0.05
+
+
+async def _refuse_skips(watch: ConsumerWatch, messages: list, checkpoint: int, metrics: StoreMetrics, stream: str) -> None:
+    """Raise (and count) SkippedMessagesError when a fetched batch jumps past messages the stream holds."""
+    try:
+        await watch.check_no_skip([message.metadata.sequence.stream for message in messages], checkpoint)
+    except SkippedMessagesError:
+        metrics.rewinds.labels(stream).inc()
+        raise
 
 
 async def _wait_out_failure(error: Exception, stream: str, metrics: StoreMetrics, backoff: _Backoff, stop: asyncio.Event) -> None:
@@ -178,6 +191,7 @@ class EventsProjector:
                 watch.delivered()
                 if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                     continue
+                await _refuse_skips(watch, messages, fold.inventory_seq, self.metrics, self.stream)
                 changes = builder.begin(fold.inventory_seq + 1)
                 fresh = 0
                 for message in messages:
@@ -344,6 +358,7 @@ class RowProjector:
             watch.delivered()
             if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                 continue
+            await _refuse_skips(watch, messages, checkpoint, self.metrics, self.stream)
             rows = []
             for message in messages:
                 seq = message.metadata.sequence.stream
