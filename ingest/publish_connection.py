@@ -6,6 +6,11 @@ this connection frames `HPUB` lines itself and parses `MSG`/`HMSG` replies strai
 `(token, status, data)`, about 2.5 µs. It speaks the client protocol's publishing subset:
 INFO, CONNECT (user/password, token, creds file), TLS upgrade, PING/PONG, SUB, HPUB, -ERR.
 Streams are provisioned, and positions read, through nats-py as before.
+
+It follows a cluster as nats-py does: `ServerPool` holds the URLs given and those the
+cluster announces in INFO `connect_urls`; each new connection tries the servers in the
+pool's order, the one just left last; a server entering lame-duck mode (INFO `ldm`) is
+left for another before it goes.
 """
 
 from __future__ import annotations
@@ -97,13 +102,54 @@ class _Protocol(asyncio.Protocol):
             del buffer[:position]
 
 
+class ServerPool:
+    """The servers a publishing connection may use: the URLs given, then those the cluster announces.
+
+    `candidates()` lists them in the order to try: the server connected last goes to the
+    end, so a reconnect goes to another node first. Announced URLs keep the scheme and the
+    credentials of the first URL given (the cluster announces bare host:port).
+    """
+
+    def __init__(self, urls: str) -> None:
+        self._urls = [url.strip() for url in urls.split(",") if url.strip()]
+        first = urlsplit(self._urls[0] if "://" in self._urls[0] else f"nats://{self._urls[0]}") if self._urls else None
+        self._scheme = first.scheme if first is not None else "nats"
+        self._credentials = f"{first.netloc.rpartition('@')[0]}@" if first is not None and "@" in first.netloc else ""
+        self._last: str | None = None
+
+    def candidates(self) -> list[str]:
+        if self._last in self._urls:
+            return [url for url in self._urls if url != self._last] + [self._last]
+        return list(self._urls)
+
+    def connected(self, url: str, announced: list[str]) -> None:
+        """`url` is now in use; `announced` are the INFO `connect_urls` (host:port) of its cluster."""
+        self._last = url
+        known = {_address(url) for url in self._urls}
+        for address in announced:
+            if address not in known:
+                self._urls.append(f"{self._scheme}://{self._credentials}{address}")
+                known.add(address)
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._urls)
+
+
+def _address(url: str) -> str:
+    parts = urlsplit(url if "://" in url else f"nats://{url}")
+    return f"{parts.hostname or '127.0.0.1'}:{parts.port or DEFAULT_PORT}"
+
+
 class PublishConnection:
     """`async with PublishConnection(settings, on_reply=...)`: `publish_many` frames, replies come back by token."""
 
     def __init__(
         self, settings: NatsSettings, *, name: str, on_reply: Callable[[AckReply], None], on_lost: Callable[[], None],
+        servers: ServerPool | None = None,
     ) -> None:
         self._settings = settings
+        self._servers = servers if servers is not None else ServerPool(settings.url)
         self._name = name
         self._on_reply = on_reply
         self._on_lost = on_lost
@@ -116,6 +162,7 @@ class PublishConnection:
         self._plain_ack = re.compile(b"MSG " + re.escape(self._inbox_bytes) + rb"(\d+) 1 (\d+)\r\n").match
         self.closed = asyncio.Event()
         self.error: str | None = None  # the server's -ERR, or why the connection ended
+        self.url: str | None = None  # the server in use
 
     @property
     def max_payload(self) -> int:
@@ -123,9 +170,11 @@ class PublishConnection:
 
     async def __aenter__(self) -> PublishConnection:
         errors = []
-        for url in [url.strip() for url in self._settings.url.split(",") if url.strip()]:
+        for url in self._servers.candidates():
             try:
                 await asyncio.wait_for(self._open(url), self._settings.connect_timeout_s)
+                self.url = url
+                self._servers.connected(url, self._info.get("connect_urls") or [])
                 return self
             except PublishConnectionError as error:
                 await self.close()
@@ -228,7 +277,15 @@ class PublishConnection:
 
     def _control(self, line: bytes) -> None:
         if line.startswith(b"INFO "):
-            self._info.update(json.loads(line[5:]))
+            info = json.loads(line[5:])
+            self._info.update(info)
+            if self.url is not None:  # a topology update after the handshake
+                self._servers.connected(self.url, info.get("connect_urls") or [])
+                if info.get("ldm"):
+                    # Lame-duck mode: the server will close us soon; move to another now, and
+                    # resend what it has not acknowledged there.
+                    self.error = f"{self.url} entered lame-duck mode"
+                    self._protocol.transport.close()
             self._settle(b"INFO")
         elif line == b"PING":
             self._protocol.transport.write(b"PONG\r\n")

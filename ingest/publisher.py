@@ -29,7 +29,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
-from ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError, msg_id_header
+from ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError, ServerPool, msg_id_header
 
 from kvledger.jetstream_ack import AckError, read_ack
 from kvledger.lifetime import cancel_and_wait
@@ -105,6 +105,7 @@ class JetStreamPublisher:
         self._connected = asyncio.Event()
         self._broken = asyncio.Event()
         self._connection: PublishConnection | None = None
+        self._servers = ServerPool(nats_settings.url)  # kept across connections: what the cluster announced
         self._acks: dict[int, AckReply] = {}  # token -> reply, until the pump takes it in order
         self._next_token = 0
         self._task: asyncio.Task | None = None
@@ -223,6 +224,8 @@ class JetStreamPublisher:
 
     async def _connect(self) -> None:
         options = connect_options(self._nats_settings, name="kvledger-ingest")
+        # The servers the cluster announced too, the one just left last: it may be the one that died.
+        options["servers"] = self._servers.candidates()
         self._broken.clear()
 
         async def failed(error: Exception) -> None:
@@ -242,6 +245,7 @@ class JetStreamPublisher:
         self._acks = {}
         connection = PublishConnection(
             self._nats_settings, name="kvledger-ingest", on_reply=self._on_reply, on_lost=self._on_lost,
+            servers=self._servers,
         )
         await connection.__aenter__()
         self._connection = connection
