@@ -372,3 +372,26 @@ def test_both_backends_keep_the_ranking_backend_contract() -> None:
         with CudaBackend(index) as backend:
             assert isinstance(backend, RankingBackend)
 
+
+
+async def test_two_replicas_give_byte_identical_answers_at_the_same_inventory_seq(nats_server) -> None:
+    """Replicas fold the same stream the same way: at one inventory_seq their answers are the same bytes."""
+    settings = decide_settings(nats_server.url)
+    settings = attrs.evolve(settings, decide=attrs.evolve(settings.decide, backend="cpu"))
+    early, late = scenario()
+    async with await nats.connect(nats_server.url) as nc:
+        js = nc.jetstream()
+        await ensure_stream(js, events_stream(settings.stream))
+        await publish(js, early)
+        async with DecideService(settings) as first, DecideService(settings) as second:
+            await first.wait_ready(DEADLINE_S)
+            await second.wait_ready(DEADLINE_S)
+            await publish(js, late)
+            deadline = time.monotonic() + DEADLINE_S
+            while not (first.index.inventory_seq == second.index.inventory_seq == 5):
+                assert time.monotonic() < deadline, "the replicas did not both reach inventory_seq 5"
+                await asyncio.sleep(0.01)
+            bodies = [request_body("same-1"), request_body("same-2", target=None), request_body("same-3", blocks=4)]
+            answers = [(await first.answer(bodies)).parts, (await second.answer(bodies)).parts]
+    assert answers[0] == answers[1]
+    assert [json.loads(part)["inventory_seq"] for part in answers[0]] == [5, 5, 5]
