@@ -251,6 +251,17 @@ class StoreSettings:
     snapshot_keep: int = _setting(
         3, "Newest inventory snapshots kept in KV_SNAPSHOTS; older ones are deleted.", rule=_at_least(1)
     )
+    history_retention_s: float = _setting(
+        0.0, "Keep closed residencies, event-log rows and decisions this many seconds (of ingest time) "
+        "before removing them; the live inventory is never removed. 0 keeps all history.", rule=_at_least(0.0),
+    )
+    prune_every_s: float = _setting(
+        60.0, "How often store removes history older than store.history_retention_s, in seconds.", rule=_positive()
+    )
+    prune_batch_seqs: int = _setting(
+        5000, "Stream seqs of history removed per pruning transaction (bounds how long one holds the database).",
+        rule=_at_least(1),
+    )
     http_port: int = _setting(
         9102, "Port of store's metrics and health endpoint (0 = any free port).", rule=_PORT
     )

@@ -15,6 +15,7 @@ import attrs
 import sqlalchemy as sa
 
 from kvledger.events import Tier, WorkerId
+from store.pruning import DECISIONS_PRUNED, HistoryPruned, pruned_through, refuse_pruned
 from store.tables import to_signed, to_unsigned
 
 
@@ -184,6 +185,8 @@ class Audit:
         return run(self.connection, SEQ_AT_TIME, ts=ts)[0]["stream_seq"] or 0
 
     def inventory(self, worker: WorkerId, tiers: Sequence[Tier], seq: int) -> list[dict]:
+        """Raises HistoryPruned for a seq at or before the retention window's horizon."""
+        refuse_pruned(self.connection, seq)
         rows = []
         for tier in tiers:
             rows += run(
@@ -193,7 +196,15 @@ class Audit:
         return rows
 
     def inventory_summary(self, worker: WorkerId, seq: int) -> list[dict]:
+        refuse_pruned(self.connection, seq)
         return run(self.connection, INVENTORY_SUMMARY_AT_SEQ, publisher=worker.publisher, dp_rank=worker.dp_rank, seq=seq)
+
+    def history_pruned_through(self) -> int:
+        """KV_EVENTS seq at or before which history was removed by the retention window (0: none)."""
+        return pruned_through(self.connection)
+
+    def decisions_pruned_through(self) -> int:
+        return pruned_through(self.connection, DECISIONS_PRUNED)
 
     def block_history(self, block_hash: int) -> list[dict]:
         """`block_hash` is u64 (parse user input with store.tables.parse_hash)."""
@@ -206,9 +217,12 @@ class Audit:
             row = dict(row)
             for column in ("uncertain_workers", "candidates", "worker_overlaps"):
                 row[column] = json.loads(row[column])
-            row["target_inventory"] = (
-                self.inventory_summary(WorkerId.parse(row["target"]), row["inventory_seq"]) if row["target"] else []
-            )
+            try:
+                row["target_inventory"] = (
+                    self.inventory_summary(WorkerId.parse(row["target"]), row["inventory_seq"]) if row["target"] else []
+                )
+            except HistoryPruned as pruned:
+                row["target_inventory"], row["history_pruned"] = [], str(pruned)
             found.append(row)
         return found
 

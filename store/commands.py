@@ -19,6 +19,7 @@ from kvledger.events import Tier, WorkerId
 from kvledger.settings import Settings
 from store import database
 from store.audit import Audit
+from store.pruning import HistoryPruned
 from store.tables import parse_hash
 
 
@@ -147,7 +148,11 @@ def audit_inventory(settings: Settings, worker: str, tier: str | None, at_seq: i
         else:
             seq = audit.checkpoint()
         tiers = [Tier(tier)] if tier else list(Tier)
-        rows = audit.inventory(WorkerId.parse(worker), tiers, seq)
+        try:
+            rows = audit.inventory(WorkerId.parse(worker), tiers, seq)
+        except HistoryPruned as pruned:
+            print(f"kvledger audit inventory: {pruned}", file=sys.stderr)
+            return 1
         if as_json:
             _emit({"worker": worker, "stream_seq": seq, "blocks": rows}, True)
         else:
@@ -172,10 +177,13 @@ def audit_block(settings: Settings, block_hash: str, as_json: bool) -> int:
     engine, audit, connection = _audit(settings)
     try:
         rows = audit.block_history(value)
+        horizon = audit.history_pruned_through()
         if as_json:
-            _emit({"hash": value, "history": rows}, True)
+            _emit({"hash": value, "history": rows, "history_pruned_through_seq": horizon}, True)
         else:
             print(f"block {value} (0x{value:016x}): {len(rows)} stay(s)")
+            if horizon:
+                print(f"(history at or before KV_EVENTS seq {horizon} was pruned: stays that ended then are not shown)")
             print_table(rows, [
                 "publisher", "dp_rank", "tier", "group_idx", "kv_cache_spec_kind", "ownership", "provenance",
                 "engine_hash", "sequence_hash", "parent_hash", "stored_seq", "removed_seq", "state",
@@ -194,7 +202,9 @@ def audit_decision(settings: Settings, request_id: str, as_json: bool) -> int:
         if as_json:
             _emit(found, True)
         elif not found:
-            print(f"no decision {request_id!r}")
+            horizon = audit.decisions_pruned_through()
+            print(f"no decision {request_id!r}" + (
+                f" (decisions at or before KV_DECISIONS seq {horizon} were pruned)" if horizon else ""))
         for row in [] if as_json else found:
             print(f"decision {row['request_id']} (KV_DECISIONS seq {row['stream_seq']})")
             for key in ("inventory_seq", "target", "credited_blocks", "baseline_blocks", "reason", "backend",
@@ -205,7 +215,10 @@ def audit_decision(settings: Settings, request_id: str, as_json: bool) -> int:
             print("candidates:")
             print_table(row["candidates"])
             print(f"target inventory as of seq {row['inventory_seq']}:")
-            print_table(row["target_inventory"])
+            if "history_pruned" in row:
+                print(f"  {row['history_pruned']}")
+            else:
+                print_table(row["target_inventory"])
     finally:
         connection.close()
         engine.dispose()

@@ -41,6 +41,7 @@ from kvledger.system import install_stop_signals
 from store.jetstream import ConsumerWatch, SkippedMessagesError, bind_consumer, connect
 from store.recorder import SQL_CHECKPOINT, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError, encode_changes
+from store.pruning import HistoryPruner
 from store.snapshots import SnapshotWriter
 
 log = logging.getLogger("kvledger.store")
@@ -76,6 +77,12 @@ class StoreMetrics:
             ["stream"], registry=r,
         )
         self.snapshots = Counter("kvledger_store_snapshots", "Inventory snapshots written", registry=r)
+        self.pruned = Counter(
+            "kvledger_store_pruned_rows", "History rows removed by the retention window", ["table"], registry=r
+        )
+        self.history_horizon = Gauge(
+            "kvledger_store_history_horizon_seq", "KV_EVENTS seq at or before which history was removed", registry=r
+        )
         self.checkpoint = Gauge("kvledger_store_checkpoint_seq", "Last committed stream seq", ["stream"], registry=r)
         self.transaction_seconds = Histogram(
             "kvledger_store_transaction_seconds", "Time to write one transaction", ["stream"], registry=r
@@ -415,6 +422,10 @@ class StoreService:
             "dead_letters", dead_letters_stream(settings.stream).name, DEAD_LETTERS_DURABLE, tables.dead_letters,
             ingest_dead_letter_row, self.engine, self.metrics, batch,
         )  # fmt: skip
+        self.pruner = HistoryPruner(
+            self.engine, settings.store, events_stream=settings.stream.events_stream,
+            decisions_stream=settings.stream.decisions_stream, metrics=self.metrics,
+        )
         self.http_port: int | None = None
 
     def is_ready(self) -> bool:
@@ -443,6 +454,7 @@ class StoreService:
                 async with asyncio.TaskGroup() as group:
                     for projector in (self.events, self.decisions, self.dead_letters):
                         group.create_task(projector.run(js, stop))
+                    group.create_task(self.pruner.run(stop))
             finally:
                 # Not drain(): every ack has been awaited already, and drain would wait out
                 # the pull requests still parked on the server.

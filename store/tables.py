@@ -111,6 +111,7 @@ block_residency = sa.Table(
     sa.Column("unresolved", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Index("ix_residency_worker_removed", "publisher", "dp_rank", "tier", "removed_seq"),
     sa.Index("ix_residency_engine_hash", "engine_hash"),
+    sa.Index("ix_residency_removed_seq", "removed_seq"),  # history pruning walks closed stays by seq
     # Clustered on (stored_seq, slot) in SQLite: one B-tree fewer to insert into per block.
     sqlite_with_rowid=False,
 )
@@ -173,6 +174,7 @@ decisions = sa.Table(
     sa.Column("worker_overlaps", sa.Text, nullable=False),  # JSON object
     sa.Column("decided_ts", _TS, nullable=False),
     sa.Index("ix_decisions_request_id", "request_id"),
+    sa.Index("ix_decisions_decided_ts", "decided_ts"),  # history pruning finds old decisions by time
 )
 
 # One row per consumer: the last stream seq whose effects are committed.
