@@ -1,4 +1,4 @@
-"""Projection throughput (blocks/s) into SQLite and PostgreSQL, and as-of query latency.
+"""Projection throughput (blocks/s) into SQLite and PostgreSQL, as-of query latency, and size.
 
     python bench/store.py --blocks 1000000 --db sqlite --db postgres
 
@@ -8,6 +8,11 @@ full, evicts the oldest, like an LRU engine. Then the real store service (in thi
 process) projects the stream and the clock runs until its SQL checkpoint reaches the end.
 `--db postgres` starts a throwaway PostgreSQL cluster (tests/services.py); `--db URL`
 uses a database you give (it must be empty).
+
+Size: the database's bytes after the projection, per million block events; then history
+retention keeps the newer half of the stream (by ingest time) and the bytes the data
+still takes are measured (SQLite: pages in use; PostgreSQL: after VACUUM FULL), which is
+the size a store settles at under a window holding that much history.
 """
 
 from __future__ import annotations
@@ -163,6 +168,37 @@ def query_latency(db_url: str, last: int, workers: int, samples: int = 50) -> di
     return result
 
 
+def database_bytes(engine) -> int:
+    """Bytes the data takes: SQLite's pages in use, PostgreSQL's database size."""
+    with engine.connect() as connection:
+        if engine.dialect.name == "sqlite":
+            pages = connection.exec_driver_sql("PRAGMA page_count").scalar()
+            free = connection.exec_driver_sql("PRAGMA freelist_count").scalar()
+            return (pages - free) * connection.exec_driver_sql("PRAGMA page_size").scalar()
+        return connection.exec_driver_sql("SELECT pg_database_size(current_database())").scalar()
+
+
+def size_under_window(db_url: str, blocks: int) -> dict[str, float]:
+    """Bytes per million block events, then after keeping only the newer half of the history."""
+    from kvledger.settings import StoreSettings
+    from store.pruning import prune_once
+
+    with database.opened(db_url) as engine:
+        full = database_bytes(engine)
+        with engine.connect() as connection:
+            first, last = connection.exec_driver_sql("SELECT MIN(ingest_ts), MAX(ingest_ts) FROM event_log").one()
+        window = StoreSettings(history_retention_s=(last - first) / 2)
+        started = time.perf_counter()
+        result = prune_once(engine, window, events_stream="KV_EVENTS", decisions_stream="KV_DECISIONS", now=last)
+        prune_s = time.perf_counter() - started
+        if engine.dialect.name == "postgresql":
+            with engine.connect() as connection:
+                connection.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("VACUUM FULL")
+        kept = database_bytes(engine)
+    return {"bytes_per_million_block_events": full / blocks * 1e6, "bytes_full": full,
+            "bytes_after_keeping_half": kept, "pruned_rows": sum(result.rows.values()), "prune_s": prune_s}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=1_000_000, help="block events (stores + removals) to pre-fill")
@@ -196,6 +232,8 @@ def main() -> int:
                       f"= {blocks / elapsed:,.0f} blocks/s ({last / elapsed:,.0f} messages/s)")
                 for key, value in query_latency(url, last, args.workers).items():
                     print(f"{name}:   {key} = {value:.2f}")
+                for key, value in size_under_window(url, blocks).items():
+                    print(f"{name}:   {key} = {value:,.0f}" if key != "prune_s" else f"{name}:   {key} = {value:.2f}")
             finally:
                 if cluster is not None:
                     cluster.close()
