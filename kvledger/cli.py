@@ -109,6 +109,11 @@ def _decide(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     return run(loaded.settings)
 
 
+def _store_arguments(parser: argparse.ArgumentParser) -> None:
+    add_setting_flag(parser, "--shard", key="store.shard", metavar="K/N",
+                     help="project shard K of N of KV_EVENTS (split by publisher; default 0/1, the whole stream)")
+
+
 def _store(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     """Project KV_EVENTS, KV_DECISIONS and KV_DEAD_LETTERS into SQL until stopped."""
     from store.commands import run_store
@@ -474,7 +479,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(("up",), _up, "run ingest, store and decide with an embedded NATS and SQLite", _up_arguments),
     Command(("demo",), _demo, "up plus simulated engines replaying a workload, then a summary", _demo_arguments),
     Command(("ingest",), _ingest, "bridge engine KV events from ZMQ into JetStream", _ingest_arguments),
-    Command(("store",), _store, "project the event, decision and dead-letter streams into SQL"),
+    Command(("store",), _store, "project the event, decision and dead-letter streams into SQL", _store_arguments),
     Command(("decide",), _decide, "answer reuse decisions over NATS and HTTP", _decide_arguments),
     Command(("db", "upgrade"), _db_upgrade, "apply database migrations", _revision_argument("head")),
     Command(("db", "downgrade"), _db_downgrade, "undo database migrations", _revision_argument("-1")),

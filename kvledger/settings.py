@@ -270,6 +270,26 @@ class StoreSettings:
         rule=_non_empty(),
     )
 
+    @staticmethod
+    def shard_problem(text: str) -> str | None:
+        """What is wrong with a "K/N" shard value (None: nothing); store.sharding parses it with this rule."""
+        match = re.fullmatch(r"\s*([0-9]+)\s*/\s*([0-9]+)\s*", text)
+        if match is None:
+            return f'must be "K/N" (shard K of N, e.g. "0/2"), got {text!r}'
+        index, count = int(match[1]), int(match[2])
+        if not 1 <= count <= 64:
+            return f"shard count N must be between 1 and 64, got {text!r}"
+        if not index < count:
+            return f"shard index K must be between 0 and N-1, got {text!r}"
+        return None
+
+    shard: str = _setting(
+        "0/1", 'This store\'s shard "K/N" (0 <= K < N <= 64): N stores split KV_EVENTS by publisher, '
+        "each with its own consumer and checkpoint, into one database (PostgreSQL; SQLite takes one writer at a "
+        "time). Shard 0 also projects decisions and dead letters; snapshots are written only when N = 1.",
+        rule=_Rule(shard_problem),
+    )
+
 
 @attrs.frozen
 class DecideSettings:

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 
 from kvledger.events import Tier, WorkerId
 from store.pruning import DECISIONS_PRUNED, HistoryPruned, pruned_through, refuse_pruned
+from store.sharding import sharded_events_checkpoint
 from store.tables import to_signed, to_unsigned
 
 
@@ -176,10 +177,13 @@ class Audit:
         self.connection = connection
 
     def checkpoint(self, name: str = "events") -> int:
-        for row in run(self.connection, CHECKPOINTS):
-            if row["name"] == name:
-                return row["stream_seq"]
-        return 0
+        """How far a projector committed; for "events" written by store shards, the least shard's."""
+        seqs = {row["name"]: row["stream_seq"] for row in run(self.connection, CHECKPOINTS)}
+        if name == "events":
+            sharded = sharded_events_checkpoint(seqs)
+            if sharded is not None:
+                return sharded
+        return seqs.get(name, 0)
 
     def seq_at_time(self, ts: float) -> int:
         return run(self.connection, SEQ_AT_TIME, ts=ts)[0]["stream_seq"] or 0

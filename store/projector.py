@@ -42,6 +42,7 @@ from store.jetstream import ConsumerWatch, SkippedMessagesError, bind_consumer, 
 from store.recorder import SQL_CHECKPOINT, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError, encode_changes
 from store.pruning import HistoryPruner
+from store.sharding import parse_shard
 from store.snapshots import SnapshotWriter
 
 log = logging.getLogger("kvledger.store")
@@ -66,6 +67,10 @@ class StoreMetrics:
         self.messages = Counter("kvledger_store_messages", "Stream messages projected", ["stream"], registry=r)
         self.skipped = Counter(
             "kvledger_store_skipped_messages", "Redelivered messages at or below the checkpoint", ["stream"], registry=r
+        )
+        self.other_shards = Counter(
+            "kvledger_store_other_shards_messages", "Messages passed over as another store shard's (store.shard)",
+            ["stream"], registry=r,
         )
         self.blocks = Counter("kvledger_store_block_changes", "Block stores and removals written", registry=r)
         self.dead_letters = Counter("kvledger_store_dead_letters", "Records that could not be decoded", ["stream"], registry=r)
@@ -131,13 +136,20 @@ async def _wait_out_failure(error: Exception, stream: str, metrics: StoreMetrics
 
 
 class EventsProjector:
-    """KV_EVENTS → fold → event_log, block_residency, workers, uncertain_periods, checkpoint."""
+    """KV_EVENTS → fold → event_log, block_residency, workers, uncertain_periods, checkpoint.
+
+    With `store.shard` K/N (N > 1) it folds only the publishers its shard owns, through its
+    own durable consumer and checkpoint row, and writes no snapshots: a snapshot of one
+    shard's fold would hold only its workers, and decide would take it for the whole.
+    """
 
     def __init__(self, settings: Settings, engine: sa.Engine, metrics: StoreMetrics) -> None:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
         self.stream = settings.stream.events_stream
+        self.shard = parse_shard(settings.store.shard)
+        self.durable = self.shard.durable(EVENTS_DURABLE)
         self.fold: InventoryFold | None = None  # None: must be rebuilt from SQL before use
         self.index: ResidencyIndex = {}
         self.ready = False
@@ -145,21 +157,24 @@ class EventsProjector:
 
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
         backoff = _Backoff()
-        self.snapshots = SnapshotWriter(js, self.engine, self.settings.store)
+        if self.shard.single:
+            self.snapshots = SnapshotWriter(js, self.engine, self.settings.store)
+        else:
+            log.info("store shard %s of KV_EVENTS: no inventory snapshots are written (decide replays KV_EVENTS)", self.shard)
         while not stop.is_set():
             recorder = None
             try:
-                recorder = RecorderProcess(self.settings.db.url, self.stream)
+                recorder = RecorderProcess(self.settings.db.url, self.stream, self.shard.checkpoint_name)
                 await asyncio.to_thread(recorder.wait_ready)
                 if self.fold is None:
-                    self.fold, self.index = await asyncio.to_thread(load_fold, self.engine)
+                    self.fold, self.index = await asyncio.to_thread(load_fold, self.engine, self.shard)
                     log.info("fold rebuilt from SQL at stream seq %d", self.fold.inventory_seq)
                 subscription = await bind_consumer(
-                    js, self.stream, EVENTS_DURABLE, self.fold.inventory_seq, batch_size=self.settings.store.batch_size
+                    js, self.stream, self.durable, self.fold.inventory_seq, batch_size=self.settings.store.batch_size
                 )
                 self.ready = True
                 backoff.reset()
-                await self._consume(subscription, ConsumerWatch(js, self.stream, EVENTS_DURABLE), recorder, stop)
+                await self._consume(subscription, ConsumerWatch(js, self.stream, self.durable), recorder, stop)
             except DATABASE_ERRORS + NATS_ERRORS as error:
                 self.ready = False
                 if isinstance(error, DATABASE_ERRORS):
@@ -176,6 +191,7 @@ class EventsProjector:
         # fetched and folded. The fold then runs ahead of SQL, so any write failure throws
         # the fold away; it is rebuilt from SQL, which holds exactly what was committed.
         fold, builder = self.fold, ChangeBuilder(self.index)
+        owns = None if self.shard.single else self.shard.owns
         batch_size = self.settings.store.batch_size
         writing: asyncio.Task | None = None
         # The next fetch is requested before this batch is folded, so the server's reply
@@ -200,11 +216,17 @@ class EventsProjector:
                     continue
                 await _refuse_skips(watch, messages, fold.inventory_seq, self.metrics, self.stream)
                 changes = builder.begin(fold.inventory_seq + 1)
-                fresh = 0
+                fresh = others = 0
                 for message in messages:
                     seq = message.metadata.sequence.stream
                     if seq <= fold.inventory_seq:
                         self.metrics.skipped.labels(self.stream).inc()
+                        continue
+                    if owns is not None and not owns(message.subject):
+                        # Another shard's: not decoded, but passed, so the checkpoint moves over it
+                        # and a restart does not fetch it again.
+                        fold.inventory_seq = changes.last_seq = seq
+                        others += 1
                         continue
                     fresh += 1
                     try:
@@ -217,9 +239,12 @@ class EventsProjector:
                         continue
                     builder.add_batch(changes, batch, seq, fold.apply(batch, seq), fold)
                 encoded = None
-                if fresh:
+                if others:
+                    self.metrics.other_shards.labels(self.stream).inc(others)
+                if fresh or others:
                     builder.finish(changes, fold)
-                    self.snapshots.count(fresh)
+                    if self.snapshots is not None:
+                        self.snapshots.count(fresh)
                     # Encoded here, while the writer is still busy with the previous transaction:
                     # in the writer's thread it would queue for the GIL behind the next fold.
                     encoded = encode_changes(changes)
@@ -230,7 +255,7 @@ class EventsProjector:
                 await asyncio.sleep(0)
                 if not recorder.overlaps_folding:
                     writing = await self._drain(writing)
-                if self.snapshots.due(fold.inventory_seq):
+                if self.snapshots is not None and self.snapshots.due(fold.inventory_seq):
                     writing = await self._drain(writing)
                     await self._maybe_snapshot()
         finally:
@@ -264,7 +289,7 @@ class EventsProjector:
         await last_message.ack()
 
     async def _maybe_snapshot(self) -> None:
-        if self.fold is not None and self.snapshots.due(self.fold.inventory_seq):
+        if self.fold is not None and self.snapshots is not None and self.snapshots.due(self.fold.inventory_seq):
             try:
                 await self.snapshots.write(self.fold)
                 self.metrics.snapshots.inc()
@@ -406,7 +431,11 @@ def _save_checkpoint(connection: sa.Connection, name: str, stream: str, seq: int
 
 
 class StoreService:
-    """Everything `kvledger store` runs: three projectors, snapshots, and the health/metrics front."""
+    """Everything `kvledger store` runs: three projectors, snapshots, and the health/metrics front.
+
+    A shard other than 0 (`store.shard`) runs the events projector only: decisions, ingest's
+    dead letters and history pruning are database-wide, so one store (shard 0) does them.
+    """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -422,6 +451,8 @@ class StoreService:
             "dead_letters", dead_letters_stream(settings.stream).name, DEAD_LETTERS_DURABLE, tables.dead_letters,
             ingest_dead_letter_row, self.engine, self.metrics, batch,
         )  # fmt: skip
+        self.leads = self.events.shard.index == 0
+        self.projectors = (self.events, self.decisions, self.dead_letters) if self.leads else (self.events,)
         self.pruner = HistoryPruner(
             self.engine, settings.store, events_stream=settings.stream.events_stream,
             decisions_stream=settings.stream.decisions_stream, metrics=self.metrics,
@@ -429,7 +460,7 @@ class StoreService:
         self.http_port: int | None = None
 
     def is_ready(self) -> bool:
-        return self.events.ready and self.decisions.ready and self.dead_letters.ready
+        return all(projector.ready for projector in self.projectors)
 
     async def run(self, stop: asyncio.Event) -> None:
         with young_collections_deferred():
@@ -452,9 +483,10 @@ class StoreService:
                 js = connection.jetstream()
                 await self._ensure_streams(js, stop)
                 async with asyncio.TaskGroup() as group:
-                    for projector in (self.events, self.decisions, self.dead_letters):
+                    for projector in self.projectors:
                         group.create_task(projector.run(js, stop))
-                    group.create_task(self.pruner.run(stop))
+                    if self.leads:
+                        group.create_task(self.pruner.run(stop))
             finally:
                 # Not drain(): every ack has been awaited already, and drain would wait out
                 # the pull requests still parked on the server.

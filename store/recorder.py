@@ -27,6 +27,7 @@ from store.changes import (
     ChangeSet,
     ResidencyIndex,
 )
+from store.sharding import SINGLE, Shard
 from store.tables import to_unsigned
 
 EVENTS_CHECKPOINT = "events"
@@ -70,8 +71,9 @@ class Recorder(abc.ABC):
 
     overlaps_folding: bool  # whether a write may run in a thread while the next batch folds
 
-    def __init__(self, engine: sa.Engine, stream: str) -> None:
+    def __init__(self, engine: sa.Engine, stream: str, checkpoint_name: str = EVENTS_CHECKPOINT) -> None:
         self.stream = stream
+        self.checkpoint_name = checkpoint_name  # the shard's (store.sharding.Shard.checkpoint_name)
         proxy = engine.raw_connection()
         self.connection = proxy.driver_connection
         # Detached: this connection lives and dies with the recorder, never back in the pool.
@@ -91,7 +93,7 @@ class Recorder(abc.ABC):
         self.close()
 
     def write(self, changes: ChangeSet) -> None:
-        checkpoint = (EVENTS_CHECKPOINT, self.stream, changes.last_seq, time.time(), changes.checkpoint_counters)
+        checkpoint = (self.checkpoint_name, self.stream, changes.last_seq, time.time(), changes.checkpoint_counters)
         try:
             self._write(changes, checkpoint)
         except BaseException:
@@ -122,8 +124,8 @@ class SqliteRecorder(Recorder):
     # makes both threads wait on the GIL, so SQLite writes run between folds instead.
     overlaps_folding = False
 
-    def __init__(self, engine: sa.Engine, stream: str) -> None:
-        super().__init__(engine, stream)
+    def __init__(self, engine: sa.Engine, stream: str, checkpoint_name: str = EVENTS_CHECKPOINT) -> None:
+        super().__init__(engine, stream, checkpoint_name)
         self.connection.isolation_level = None  # explicit BEGIN/COMMIT below
 
     def _write(self, changes: ChangeSet, checkpoint: tuple) -> None:
@@ -188,11 +190,11 @@ class PostgresRecorder(Recorder):
         connection.commit()
 
 
-def open_recorder(engine: sa.Engine, stream: str) -> Recorder:
+def open_recorder(engine: sa.Engine, stream: str, checkpoint_name: str = EVENTS_CHECKPOINT) -> Recorder:
     if engine.dialect.name == "sqlite":
-        return SqliteRecorder(engine, stream)
+        return SqliteRecorder(engine, stream, checkpoint_name)
     if engine.dialect.name == "postgresql":
-        return PostgresRecorder(engine, stream)
+        return PostgresRecorder(engine, stream, checkpoint_name)
     raise ValueError(f"unsupported database {engine.dialect.name!r}: use SQLite or PostgreSQL")
 
 
@@ -206,18 +208,19 @@ def read_checkpoint(connection: sa.Connection, name: str) -> int:
     return seq or 0
 
 
-def load_fold(engine: sa.Engine) -> tuple[InventoryFold, ResidencyIndex]:
-    """Rebuild the fold as it was at the events checkpoint, from open residency rows and workers.
+def load_fold(engine: sa.Engine, shard: Shard = SINGLE) -> tuple[InventoryFold, ResidencyIndex]:
+    """Rebuild the fold as it was at the shard's events checkpoint, from its open residency rows and workers.
 
     Records go back in (stored_seq, slot) order, the order the fold stored them, so
-    topology ends as folding left it (the same rule as snapshot restore).
+    topology ends as folding left it (the same rule as snapshot restore). Rows of other
+    shards' publishers, in the same database, are left out.
     """
     fold = InventoryFold()
     index: ResidencyIndex = {}
     t = tables
     with engine.connect() as connection:
         row = connection.execute(
-            sa.select(t.checkpoints.c.stream_seq, t.checkpoints.c.counters).where(t.checkpoints.c.name == EVENTS_CHECKPOINT)
+            sa.select(t.checkpoints.c.stream_seq, t.checkpoints.c.counters).where(t.checkpoints.c.name == shard.checkpoint_name)
         ).one_or_none()
         if row is None:
             return fold, index
@@ -225,6 +228,8 @@ def load_fold(engine: sa.Engine) -> tuple[InventoryFold, ResidencyIndex]:
         fold.counters.update(json.loads(row.counters))
         states: dict[WorkerId, WorkerState] = {}
         for w in connection.execute(sa.select(t.workers)):
+            if not shard.owns_publisher(w.publisher):
+                continue
             worker = WorkerId(w.publisher, w.dp_rank)
             state = states[worker] = WorkerState(worker)
             state.counters.update(json.loads(w.counters))
@@ -245,14 +250,18 @@ def load_fold(engine: sa.Engine) -> tuple[InventoryFold, ResidencyIndex]:
         )
         tiers = {tier.value: tier for tier in Tier}
         provenances = {provenance.value: provenance for provenance in Provenance}
-        workers: dict[tuple[str, int], WorkerId] = {}
+        workers: dict[tuple[str, int], WorkerId | None] = {}
         for (
             stored_seq, slot, publisher, dp_rank, tier_name, provenance_name, engine, sequence, parent, local, conflict,
             group, ownership, spec_kind, window, refs, unresolved,
         ) in rows:
-            worker = workers.get((publisher, dp_rank))
+            key = (publisher, dp_rank)
+            if key in workers:
+                worker = workers[key]
+            else:  # None: another shard's publisher, whose rows share the database
+                worker = workers[key] = WorkerId(publisher, dp_rank) if shard.owns_publisher(publisher) else None
             if worker is None:
-                worker = workers[(publisher, dp_rank)] = WorkerId(publisher, dp_rank)
+                continue
             tier, provenance = tiers[tier_name], provenances[provenance_name]
             engine_hash = to_unsigned(engine)
             record = BlockRecord(

@@ -70,7 +70,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def serve(url: str, stream_name: str, requests: BinaryIO, replies: BinaryIO) -> int:
+def serve(url: str, stream_name: str, requests: BinaryIO, replies: BinaryIO, checkpoint_name: str = "events") -> int:
     """The child's loop: one ChangeSet in, one transaction, one reply out; ends at EOF or on an error."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -82,7 +82,7 @@ def serve(url: str, stream_name: str, requests: BinaryIO, replies: BinaryIO) -> 
 
     engine = create_engine(url)
     try:
-        recorder = open_recorder(engine, stream_name)
+        recorder = open_recorder(engine, stream_name, checkpoint_name)
     except Exception as error:
         _send(replies, ("error", f"{type(error).__name__}: {error}"))
         return 1
@@ -114,10 +114,10 @@ class RecorderProcess:
     # The child writes while the parent folds the next batch: two cores, no GIL between them.
     overlaps_folding = True
 
-    def __init__(self, url: str, stream: str) -> None:
+    def __init__(self, url: str, stream: str, checkpoint_name: str = "events") -> None:
         # Started from the event loop's thread: the death signal is tied to the starting thread.
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "store.writer", stream, _without_password(url), str(os.getpid())],
+            [sys.executable, "-m", "store.writer", stream, _without_password(url), str(os.getpid()), checkpoint_name],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )  # fmt: skip
         # The URL may hold a database password: it goes down the pipe, never onto the
@@ -159,6 +159,9 @@ class RecorderProcess:
 
 
 if __name__ == "__main__":
-    # argv: the stream, the URL without its password (only so `ps` shows which database), the parent pid
+    # argv: the stream, the URL without its password (only so `ps` shows which database), the parent
+    # pid, and the checkpoint row the transactions advance (the shard's)
     _die_with_parent(int(sys.argv[3]))
-    raise SystemExit(serve(sys.stdin.buffer.readline().decode().rstrip("\n"), sys.argv[1], sys.stdin.buffer, sys.stdout.buffer))
+    raise SystemExit(serve(
+        sys.stdin.buffer.readline().decode().rstrip("\n"), sys.argv[1], sys.stdin.buffer, sys.stdout.buffer, sys.argv[4]
+    ))
