@@ -202,6 +202,18 @@ def test_cluster_services_use_every_node_and_three_replicas() -> None:
             assert settings.stream.replicas == 3, service_name
 
 
+def test_cluster_splits_the_store_in_two_shards_on_one_postgres() -> None:
+    services = load_compose("compose.cluster.yml")["services"]
+    shards = {}
+    for name in ("store", "store-2"):
+        argv = services[name]["command"]
+        shards[name] = argv[argv.index("--shard") + 1]
+        assert argv[argv.index("--db") + 1].startswith("postgresql+psycopg://")
+        assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert sorted(shards.values()) == ["0/2", "1/2"]
+    assert services["store"]["ports"] != services["store-2"]["ports"]
+
+
 def test_cluster_has_two_decide_replicas_on_different_host_ports() -> None:
     services = kvledger_services("compose.cluster.yml")
     replicas = sorted(name for name, service in services.items() if command_of(service)[0] == "decide")
