@@ -18,7 +18,9 @@ from kvledger.settings import ReuseSettings
 
 from decide.index import InventoryIndex
 from decide.kernels import chain_hashes, rank_requests
-from decide.ranked import AnswerBatch, Clock, RankedBatch, local_hashes_of, requested_targets, source_tier_codes
+from decide.ranked import (
+    AnswerBatch, Clock, PerSettings, RankedBatch, local_hashes_of, requested_targets, source_tier_codes,
+)
 
 INT64_MAX = 2**63 - 1
 _block_size = operator.attrgetter("block_size")
@@ -83,22 +85,8 @@ class KernelSettings:
         )
 
 
-class _KernelSettingsCache:
-    """One `KernelSettings` per settings value: a service asks with the same value every time."""
-
-    def __init__(self) -> None:
-        self._settings: ReuseSettings | None = None
-        self._arguments: tuple = ()
-
-    def __call__(self, settings: ReuseSettings) -> tuple:
-        """The settings as the kernel's last arguments."""
-        if settings is not self._settings or not self._arguments:
-            self._settings = settings
-            self._arguments = attrs.astuple(KernelSettings.of(settings), recurse=False)
-        return self._arguments
-
-
-_kernel_settings = _KernelSettingsCache()
+# The settings as the kernel's last arguments, made once per settings value.
+_kernel_settings = PerSettings(lambda settings: attrs.astuple(KernelSettings.of(settings), recurse=False))
 
 
 def compile_kernels(settings: ReuseSettings) -> None:

@@ -126,20 +126,23 @@ def requested_targets(index: InventoryIndex, requests: Sequence[ReuseRequest]) -
     return slots, named
 
 
-class DigestCache:
-    """`settings_digest` is a SHA-256 over JSON; one per settings value is enough."""
+class PerSettings:
+    """`function(settings)`, computed again only when the settings value changes: a service
+    asks with the same value every time, and the values are costly (a SHA-256 over JSON,
+    the kernels' arguments)."""
 
-    def __init__(self) -> None:
+    def __init__(self, function: Callable[[ReuseSettings], object]) -> None:
+        self._function = function
         self._settings: ReuseSettings | None = None
-        self._digest = ""
+        self._value: object = None
 
-    def __call__(self, settings: ReuseSettings) -> str:
+    def __call__(self, settings: ReuseSettings):
         if settings is not self._settings:
-            self._settings, self._digest = settings, settings_digest(settings)
-        return self._digest
+            self._settings, self._value = settings, self._function(settings)
+        return self._value
 
 
-_digests = DigestCache()
+_digests = PerSettings(settings_digest)
 
 
 def _texts(texts: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
