@@ -1,7 +1,7 @@
 """JetStream publishing that never drops and never reorders a publisher's batches.
 
-Batches wait in one bounded, ordered buffer until JetStream acknowledges them. Up to
-`window` are in flight at once: each is an `HPUB` whose reply subject is `<inbox><token>`
+Batches wait in one bounded, ordered buffer until JetStream acknowledges them. They go out
+in writes of up to `window` batches, one write at a time: each batch is an `HPUB` whose reply subject is `<inbox><token>`
 on our own publishing connection (`ingest/publish_connection.py`; nats-py provisions the
 streams), and every reply is read as a JetStream ack — an error reply or a no-responders
 status is a failure, never success. (nats-py's `publish_async` costs a future, a
@@ -10,6 +10,13 @@ does the same checking for a third of the CPU.)
 Any failure — an error ack, a timeout, a lost connection, a killed server — sends
 everything unacknowledged again, oldest first, with the same `Nats-Msg-Id`, so
 JetStream's de-duplication absorbs what had already landed.
+A write goes only once every batch written before it is acknowledged. When a stream's
+leader dies, the batches routed to it that it had not yet replicated are lost without a
+reply, while a batch written a moment later is stored by the next leader; resent after
+their ack timeout, the lost ones would land behind it, and the stream would hold a
+worker's batches out of the engine's order. The server takes a write's batches in order,
+within far less time than an election takes, so what a dying leader leaves of one write is
+its first batches; nothing later is written while any of it is unsettled.
 The connection does not reconnect by itself: nats-py would otherwise flush its own
 buffer of later messages before our retries of earlier ones, and reorder the stream.
 When the buffer is full, `publish` waits: the caller stops reading ZMQ (backpressure)
@@ -93,7 +100,6 @@ class JetStreamPublisher:
         self._nats_settings = nats_settings
         self._streams = streams
         self._window = window
-        self._refill = max(1, window // 2)
         self._ack_timeout = ack_timeout_s
         self._on_ack = on_ack
         self._pending: deque[_Pending] = deque()
@@ -274,8 +280,8 @@ class JetStreamPublisher:
         try:
             while True:
                 self._wake.clear()
-                # Top the window up in chunks, not one batch per ack: every write is a system call.
-                if next_index < len(self._pending) and self._window - len(in_flight) >= min(self._refill, len(self._pending) - next_index):
+                # Everything queued since the last write goes in one write, once that one is settled.
+                if next_index < len(self._pending) and not in_flight:
                     next_index = self._send(in_flight, next_index)
                 self.in_flight = len(in_flight)
                 if self._broken.is_set():
@@ -290,7 +296,7 @@ class JetStreamPublisher:
                     remaining = in_flight[0][1] + self._ack_timeout - time.monotonic()
                     if remaining <= 0:
                         raise asyncio.TimeoutError(f"no JetStream ack within {self._ack_timeout}s")
-                    # Wake for an ack, a lost connection, new work (sent if the window has room) or the watchdog.
+                    # Wake for an ack, a lost connection or the watchdog.
                     await self._wake.wait()
                 next_index -= self._take_acks(in_flight)
         except BaseException:
@@ -300,7 +306,7 @@ class JetStreamPublisher:
             watchdog.cancel()
 
     def _send(self, in_flight: deque[tuple[int, float]], next_index: int) -> int:
-        """Publish buffered batches until the window is full, in one write; returns the next index to send."""
+        """Publish up to `window` buffered batches in one write; returns the next index to send."""
         pending = self._pending
         token, sent_at = self._next_token, time.monotonic()
         messages = []
