@@ -22,6 +22,7 @@ from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
 from ingest.fleet import SimulatedFleet
 from kvledger.events import Provenance, Tier, WorkerId
+from kvledger.nats_options import connect_options
 from kvledger.settings import Settings, load_settings
 from kvledger.streams import DECIDE_SUBJECT
 from services import free_ports
@@ -49,6 +50,8 @@ class IngestProcess:
             self.args += ["--endpoint", worker.endpoint_spec, "--publisher", worker.worker.publisher]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVLEDGER_")}
         self.env["KVLEDGER_INGEST_HTTP_PORT"] = str(self.http_port)
+        # The streams as the test's settings provision them (a cluster's are R3), or ingest refuses them.
+        self.env["KVLEDGER_STREAM_REPLICAS"] = str(settings.stream.replicas)
         self.process: subprocess.Popen | None = None
 
     async def start(self) -> None:
@@ -103,7 +106,9 @@ class Pipeline:
         self.store = StoreService(self.settings)
         self._store_task = asyncio.create_task(self.store.run(self.store_stop))
         self.decide = await DecideService(self.settings).__aenter__()
-        self.nc = await nats.connect(self.settings.nats.url)
+        # The URL may be a cluster's comma-joined list; keep reconnecting through a test's faults.
+        options = connect_options(self.settings.nats, name="kvledger-test")
+        self.nc = await nats.connect(**options, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
