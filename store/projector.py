@@ -158,7 +158,7 @@ class EventsProjector:
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
         backoff = _Backoff()
         if self.shard.single:
-            self.snapshots = SnapshotWriter(js, self.engine, self.settings.store)
+            self.snapshots = SnapshotWriter(js, self.engine, self.settings.store, replicas=self.settings.stream.replicas)
         else:
             log.info("store shard %s of KV_EVENTS: no inventory snapshots are written (decide replays KV_EVENTS)", self.shard)
         while not stop.is_set():

@@ -28,8 +28,9 @@ log = logging.getLogger("kvledger.store")
 class SnapshotWriter:
     """Decides when a snapshot is due (every N messages or T seconds) and writes it."""
 
-    def __init__(self, js: JetStreamContext, engine: sa.Engine, settings: StoreSettings) -> None:
+    def __init__(self, js: JetStreamContext, engine: sa.Engine, settings: StoreSettings, *, replicas: int = 1) -> None:
         self.js = js
+        self.replicas = replicas  # as the streams: on a cluster the snapshots survive a node
         self.engine = engine
         self.every_events = settings.snapshot_every_events
         self.every_s = settings.snapshot_every_s
@@ -52,7 +53,7 @@ class SnapshotWriter:
             try:
                 self._store = await self.js.object_store(SNAPSHOTS_BUCKET)
             except (BucketNotFoundError, NotFoundError):
-                self._store = await self.js.create_object_store(SNAPSHOTS_BUCKET, storage=StorageType.FILE)
+                self._store = await self.js.create_object_store(SNAPSHOTS_BUCKET, storage=StorageType.FILE, replicas=self.replicas)
         return self._store
 
     async def write(self, fold: InventoryFold) -> str:

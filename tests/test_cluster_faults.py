@@ -401,3 +401,22 @@ async def test_kill_9_of_the_node_ingest_publishes_through_mid_stream_loses_and_
     nats_cluster, db_url, tmp_path
 ) -> None:
     await kill_mid_stream_and_restart(nats_cluster, db_url, "ingest's node", seed=23, log_dir=tmp_path)
+
+
+async def test_snapshots_on_a_cluster_are_replicated_as_the_streams(nats_cluster, sqlite_url) -> None:
+    # A snapshot lets decide start warm; at R1 it would vanish with the one node that holds it.
+    from store.snapshots import SnapshotWriter
+
+    settings = pipeline_settings(nats_cluster.urls, sqlite_url, **{"stream.replicas": REPLICAS})
+    with database.opened(sqlite_url) as engine:
+        database.upgrade(engine)
+        nc = await nats.connect(**connect_options(settings.nats, name="kvledger-test"))
+        try:
+            js = nc.jetstream()
+            fold = InventoryFold()
+            name = await SnapshotWriter(js, engine, settings.store, replicas=settings.stream.replicas).write(fold)
+            info = await js.stream_info("OBJ_KV_SNAPSHOTS")
+            assert info.config.num_replicas == REPLICAS
+            assert name in {entry.name for entry in await (await js.object_store("KV_SNAPSHOTS")).list()}
+        finally:
+            await nc.close()
