@@ -69,6 +69,7 @@ class InventoryIndex:
         self.words = 1
         self._row_of: dict[int, int] = {}
         self._row_hash: list[int] = [0]
+        self._row_bits: list[int] = [0]  # bits set in each row, over every class and worker
         self._free_rows: list[int] = []
         self.masks = np.zeros((1024, len(CLASSES), self.words), dtype=np.uint64)
         self.table_bits = _MIN_TABLE_BITS
@@ -132,34 +133,30 @@ class InventoryIndex:
         self.inventory_seq = max(self.inventory_seq, stream_seq)
 
     def _refresh(self, slot: int, sequence_hash: int) -> None:
-        worker = self.workers[slot]
-        holds = self.fold.holds
-        wanted = [holds(worker, provenance, tier, sequence_hash) for provenance, tier in CLASSES]
+        wanted = self.fold.holds_each(self.workers[slot], sequence_hash, CLASSES)
+        held = self._held[slot]  # mirrors the row's bits for this slot: set lookups, not numpy scalars
+        changes = [position for position in range(len(CLASSES)) if wanted[position] != (sequence_hash in held[position])]
+        if not changes:
+            return
         row = self._row_of.get(sequence_hash)
         if row is None:
-            if not any(wanted):
-                return
             row = self._new_row(sequence_hash)
         word, bit = divmod(slot, 64)
         flag = np.uint64(1 << bit)
-        held = self._held[slot]
-        plane = self.masks[row, :, word]
-        changed = False
-        for position, want in enumerate(wanted):
-            has = bool(plane[position] & flag)
-            if want and not has:
-                plane[position] |= flag
+        masks, bits = self.masks, self._row_bits
+        for position in changes:
+            if wanted[position]:
+                masks[row, position, word] |= flag
                 held[position].add(sequence_hash)
-                changed = True
-            elif has and not want:
-                plane[position] &= ~flag
+                bits[row] += 1
+            else:
+                masks[row, position, word] &= ~flag
                 held[position].discard(sequence_hash)
-                changed = True
-        if changed:
-            if self.track_dirty:
-                self.dirty_rows.add(row)
-            if not self.masks[row].any():
-                self._release_row(sequence_hash, row)
+                bits[row] -= 1
+        if self.track_dirty:
+            self.dirty_rows.add(row)
+        if not bits[row]:
+            self._release_row(sequence_hash, row)
 
     def _index_all_records(self, records: Iterable[BlockRecord]) -> None:
         holds = self.fold.holds
@@ -173,9 +170,13 @@ class InventoryIndex:
             row = self._row_of.get(record.sequence_hash)
             if row is None:
                 row = self._new_row(record.sequence_hash)
+            held = self._held[slot][position]
+            if record.sequence_hash in held:
+                continue  # the same block in another group
             word, bit = divmod(slot, 64)
             self.masks[row, position, word] |= np.uint64(1 << bit)
-            self._held[slot][position].add(record.sequence_hash)
+            held.add(record.sequence_hash)
+            self._row_bits[row] += 1
         self.generation += 1
 
     # --- workers -------------------------------------------------------------------------
@@ -225,6 +226,7 @@ class InventoryIndex:
         else:
             row = len(self._row_hash)
             self._row_hash.append(sequence_hash)
+            self._row_bits.append(0)
             if row >= self.masks.shape[0]:
                 grown = np.zeros((self.masks.shape[0] * 2, len(CLASSES), self.words), dtype=np.uint64)
                 grown[: self.masks.shape[0]] = self.masks

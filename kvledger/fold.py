@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 
@@ -561,17 +561,17 @@ class InventoryFold:
     def holds(self, worker: WorkerId, provenance: Provenance, tier: Tier, sequence_hash: int) -> bool:
         """Whether the worker holds an indexable block with this sequence hash, by the residency rule."""
         state = self._workers.get(worker)
+        return state is not None and _holds(state.by_provenance[provenance], tier, sequence_hash)
+
+    def holds_each(
+        self, worker: WorkerId, sequence_hash: int, classes: Sequence[tuple[Provenance, Tier]]
+    ) -> list[bool]:
+        """`holds` for each (provenance, tier) of `classes`, the worker looked up once."""
+        state = self._workers.get(worker)
         if state is None:
-            return False
-        own = state.by_provenance[provenance]
-        by_group = own.held[tier]
-        if not by_group:
-            return False
-        rule = own.rule(tier)
-        if len(rule.groups) == 1:
-            counts = by_group.get(rule.groups[0])
-            return counts is not None and counts[sequence_hash] > 0
-        return rule.holds(lambda group: sequence_hash in by_group.get(group, ()))
+            return [False] * len(classes)
+        by_provenance = state.by_provenance
+        return [_holds(by_provenance[provenance], tier, sequence_hash) for provenance, tier in classes]
 
     def is_uncertain(self, worker: WorkerId) -> bool:
         state = self._workers.get(worker)
@@ -595,6 +595,17 @@ class InventoryFold:
     def iter_records(self) -> Iterator[BlockRecord]:
         for worker in self.workers():
             yield from self.iter_worker_records(worker)
+
+
+def _holds(own: _ProvenanceState, tier: Tier, sequence_hash: int) -> bool:
+    by_group = own.held[tier]
+    if not by_group:
+        return False
+    rule = own.rule(tier)
+    if len(rule.groups) == 1:
+        counts = by_group.get(rule.groups[0])
+        return counts is not None and counts[sequence_hash] > 0
+    return rule.holds(lambda group: sequence_hash in by_group.get(group, ()))
 
 
 def _starts_with_restart(batch: EventBatch) -> bool:
