@@ -4,7 +4,7 @@ The trace's requests are replayed into simulated workers (LRU device and host ti
 device evictions offloaded to host), producing canonical batches that build both the
 decide index and a Dynamo RadixTree (device tier). The same trace requests are then asked,
 in 512-token blocks as the trace gives them, one at a time and in batches. A decision
-counts once its whole answer (every field of DESIGN §6) is JSON bytes, as the service
+counts once its whole answer (every field of docs/decide.md's answer) is JSON bytes, as the service
 sends it and records it in KV_DECISIONS.
 
     DYN_LOG=error python bench/decide.py [--trace ../shared/data/mooncake_synthetic_trace.jsonl] [--workers 64]
@@ -297,10 +297,10 @@ async def service_figures(batches: list[EventBatch], queries: list[ReuseRequest]
     import nats
 
     from decide.service import DecideService
-    from kvledger.embedded import EmbeddedNats
+    from kvledger.runtime.embedded import EmbeddedNats
     from kvledger.events import encode_batch
     from kvledger.settings import load_settings
-    from kvledger.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, ensure_stream, events_stream
+    from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, ensure_stream, events_stream
 
     overrides = {f"reuse.{field.name}": getattr(reuse, field.name) for field in attrs.fields(ReuseSettings)}
     with tempfile.TemporaryDirectory() as store, EmbeddedNats(store) as server:

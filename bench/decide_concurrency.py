@@ -36,9 +36,9 @@ from nats.js.api import ConsumerConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvledger.client import DecideClient, DecideRequest, RetryPolicy  # noqa: E402
-from kvledger.embedded import EmbeddedNats  # noqa: E402
+from kvledger.runtime.embedded import EmbeddedNats  # noqa: E402
 from kvledger.settings import StreamSettings  # noqa: E402
-from kvledger.streams import DECIDE_SUBJECT, DECISIONS_SUBJECT  # noqa: E402
+from kvledger.runtime.streams import DECIDE_SUBJECT, DECISIONS_SUBJECT  # noqa: E402
 
 BLOCK_SIZE = 16
 BARE_SUBJECT = "bench.bare"
@@ -145,7 +145,7 @@ async def wait_for_decide(url: str, request_id: str = "probe") -> None:
 
 
 def start_decide(url: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvledger.cli", "decide", "--nats", url], env=env,
+    return subprocess.Popen([sys.executable, "-m", "kvledger.app.cli", "decide", "--nats", url], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

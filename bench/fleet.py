@@ -9,7 +9,7 @@ wheel and a fresh database per configuration on a throwaway PostgreSQL cluster
 (tests/services.py), or on the PostgreSQL server `--postgres URL` (or
 KVLEDGER_TEST_POSTGRES_URL) names, where the databases are created and dropped. NATS is
 always a throwaway server: a configuration needs empty streams and no inventory snapshot
-from an earlier run. The engines are `ingest.simulator.SimulatedEngine`s (real ZMQ PUB
+from an earlier run. The engines are `kvledger.sim.engine.SimulatedEngine`s (real ZMQ PUB
 and replay sockets, vLLM's frames) in one process of their own. Engine w's batch c
 stores prompt c (16 blocks × 16 tokens, a chain from the root) and, once the engine is
 full, removes prompt c − capacity/16: 32 block events per batch and a constant inventory.
@@ -80,13 +80,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import services  # noqa: E402  (the test suite's throwaway servers)
 
-from ingest.simulator import SimulatedEngine  # noqa: E402
-from ingest.wire import VllmBlockRemoved, VllmBlockStored  # noqa: E402
+from kvledger.sim.engine import SimulatedEngine  # noqa: E402
+from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored  # noqa: E402
 from kvledger.client import DecideClient, DecideError, DecideRequest  # noqa: E402
 from kvledger.events import Gap, Removed, Stored, decode_batch  # noqa: E402
-from kvledger.lifetime import cancel_and_wait  # noqa: E402
+from kvledger.runtime.lifetime import cancel_and_wait  # noqa: E402
 from kvledger.settings import load_settings  # noqa: E402
-from kvledger.streams import EVENTS_SUBJECT_PREFIX, ensure_stream, events_stream  # noqa: E402
+from kvledger.runtime.streams import EVENTS_SUBJECT_PREFIX, ensure_stream, events_stream  # noqa: E402
 from store import database  # noqa: E402
 from store.sharding import Shard  # noqa: E402
 
@@ -220,7 +220,7 @@ class StageProcess:
         self.http_port = http_port
         self.log_path = logs / f"{name.replace(' ', '-').replace('/', 'of')}-{uuid.uuid4().hex[:6]}.log"
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "kvledger.cli", *arguments], env=env, stdout=log,
+            self.process = subprocess.Popen([sys.executable, "-m", "kvledger.app.cli", *arguments], env=env, stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
 
     @property

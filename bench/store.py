@@ -42,9 +42,9 @@ import services  # noqa: E402  (the test suite's throwaway servers)
 
 from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId, encode_batch  # noqa: E402
 from kvledger.settings import load_settings  # noqa: E402
-from kvledger.streams import events_stream  # noqa: E402
+from kvledger.runtime.streams import events_stream  # noqa: E402
 from store import audit, database  # noqa: E402
-from kvledger.streams import ensure_stream  # noqa: E402
+from kvledger.runtime.streams import ensure_stream  # noqa: E402
 from store.projector import StoreService  # noqa: E402
 
 BLOCKS_PER_BATCH = 16

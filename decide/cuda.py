@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from kvledger.resources import data_dir
+from kvledger.runtime.resources import data_dir
 from kvledger.reuse import Decision, ReuseRequest
 from kvledger.settings import ReuseSettings
 

@@ -12,7 +12,7 @@ import attrs
 import msgspec
 
 from kvledger.decision_codec import RequestError
-from kvledger.http import Response
+from kvledger.runtime.http import Response
 
 MAX_BATCH_REQUESTS = 65536
 MEDIA_TYPES = ("application/json", "application/msgpack")

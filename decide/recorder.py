@@ -18,7 +18,7 @@ import attrs
 import nats
 from nats.aio.msg import Msg
 
-from kvledger.jetstream_ack import AckError, read_ack
+from kvledger.runtime.jetstream_ack import AckError, read_ack
 
 
 class DecisionsNotRecorded(RuntimeError):

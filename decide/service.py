@@ -1,4 +1,4 @@
-"""`kvledger decide`: the reuse decision service (DESIGN §4, §6).
+"""`kvledger decide`: the reuse decision service (docs/decide.md).
 
 Warm-starts the index from the newest KV_SNAPSHOTS object (or replays KV_EVENTS from the
 start), warms the backend up, follows KV_EVENTS live with an ordered consumer, answers
@@ -25,13 +25,12 @@ from prometheus_client import generate_latest
 
 from kvledger.decision_codec import RequestError, request_from_json
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
-from kvledger.http import Handler, Request, Response, health_routes, serve_connection
-from kvledger.lifetime import AsyncLifetime
-from kvledger.nats_options import auth_failure, connect_options, is_auth_error
+from kvledger.runtime.http import Handler, Request, Response, health_routes, serve_connection
+from kvledger.runtime.lifetime import AsyncLifetime
+from kvledger.runtime.nats_options import auth_failure, connect_options, is_auth_error
 from kvledger.reuse import Reason, ReuseRequest
 from kvledger.settings import Settings
-from kvledger.streams import (
-    StreamConflictError,
+from kvledger.runtime.streams import (
     ensure_stream,
     DECIDE_BATCH_SUBJECT,
     DECIDE_SUBJECT,
@@ -40,7 +39,8 @@ from kvledger.streams import (
     decisions_stream,
     events_stream,
 )
-from kvledger.system import install_stop_signals
+from kvledger.runtime.entry import run_stage
+from kvledger.runtime.system import install_stop_signals
 
 from decide.backend import RankingBackend, choose_backend
 from decide.batching import MicroBatcher
@@ -345,10 +345,4 @@ async def serve(settings: Settings) -> None:
 
 
 def run(settings: Settings) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        asyncio.run(serve(settings))
-    except (StartupError, StreamConflictError) as error:
-        log.error("decide: %s", error)
-        return 2
-    return 0
+    return run_stage("decide", lambda: serve(settings), refusals=(StartupError,))

@@ -10,7 +10,7 @@ import nats
 import nats.js.errors
 
 from kvledger.snapshot import SnapshotError, decode_snapshot
-from kvledger.streams import SNAPSHOTS_BUCKET, snapshot_seq
+from kvledger.runtime.streams import SNAPSHOTS_BUCKET, snapshot_seq
 
 from decide.index import InventoryIndex
 

@@ -37,11 +37,11 @@ from kvledger.events import (
     DeadLetter, EventBatch, Gap, GapReason, Provenance, decode_batch, encode_batch,
     encode_dead_letter, events_subject,
 )
-from kvledger.http import health_routes, serve_connection
-from kvledger.lifetime import AsyncLifetime, cancel_and_wait
-from kvledger.nats_options import connect_options
+from kvledger.runtime.http import health_routes, serve_connection
+from kvledger.runtime.lifetime import AsyncLifetime, cancel_and_wait
+from kvledger.runtime.nats_options import connect_options
 from kvledger.settings import Settings
-from kvledger.streams import dead_letter_subject, dead_letters_stream, events_stream
+from kvledger.runtime.streams import dead_letter_subject, dead_letters_stream, events_stream
 
 log = logging.getLogger("kvledger.ingest")
 

@@ -5,7 +5,7 @@ validation, a dict of headers per message, a Msg object, a queue and a task hop 
 this connection frames `HPUB` lines itself and parses `MSG`/`HMSG` replies straight into
 `(token, status, data)`, about 2.5 µs. It speaks the client protocol's publishing subset:
 INFO, CONNECT (user/password, token, creds file), TLS upgrade, PING/PONG, SUB, HPUB, -ERR.
-Streams are provisioned, and positions read, through nats-py as before.
+Streams are provisioned, and positions read, through nats-py.
 
 It follows a cluster as nats-py does: `ServerPool` holds the URLs given and those the
 cluster announces in INFO `connect_urls`; each new connection tries the servers in the
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from kvledger.nats_options import is_refusal, tls_context
+from kvledger.runtime.nats_options import is_refusal, tls_context
 from kvledger.settings import NatsSettings
 
 _CRLF = b"\r\n"

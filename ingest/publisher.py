@@ -38,11 +38,11 @@ import nats.js.errors
 
 from ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError, ServerPool, msg_id_header
 
-from kvledger.jetstream_ack import AckError, read_ack
-from kvledger.lifetime import cancel_and_wait
-from kvledger.nats_options import auth_failure, connect_options, describe_server, is_auth_error
+from kvledger.runtime.jetstream_ack import AckError, read_ack
+from kvledger.runtime.lifetime import cancel_and_wait
+from kvledger.runtime.nats_options import auth_failure, connect_options, describe_server, is_auth_error
 from kvledger.settings import NatsSettings
-from kvledger.streams import StreamConflictError, StreamSpec, ensure_stream
+from kvledger.runtime.streams import StreamConflictError, StreamSpec, ensure_stream
 
 log = logging.getLogger("kvledger.ingest.publisher")
 

@@ -1,4 +1,4 @@
-"""Sequence rules per engine stream (DESIGN §2): in order, repaired by replay, restarts detected.
+"""Sequence rules per engine stream (docs/core.md, canonical record): in order, repaired by replay, restarts detected.
 
 One `SequenceTracker` follows one (publisher, dp_rank, provenance). It turns what the SUB
 socket and the replay socket deliver into an ordered list of batches to publish, each with

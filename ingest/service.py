@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections.abc import Sequence
 
 from ingest.bridge import Bridge
 from ingest.endpoints import EndpointError, parse_endpoints, stream_sources
-from ingest.publisher import StreamConflictError
-from kvledger.nats_options import NatsAuthError, describe_server
+from kvledger.runtime.nats_options import describe_server
 from kvledger.settings import Settings
-from kvledger.system import install_stop_signals
+from kvledger.runtime.entry import run_stage
+from kvledger.runtime.system import install_stop_signals
 
 log = logging.getLogger("kvledger.ingest")
 
@@ -80,13 +79,4 @@ async def _start_unless_stopped(bridge: Bridge, stop: asyncio.Event) -> bool:
 
 
 def run(settings: Settings, publishers: Sequence[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        asyncio.run(serve(settings, publishers))
-    except EndpointError as error:
-        print(f"kvledger ingest: {error}", file=sys.stderr)
-        return 2
-    except (StreamConflictError, TimeoutError, NatsAuthError) as error:
-        print(f"kvledger ingest: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return run_stage("ingest", lambda: serve(settings, publishers), refusals=(EndpointError,), failures=(TimeoutError,))

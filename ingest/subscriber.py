@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvledger.lifetime import cancel_and_wait
+from kvledger.runtime.lifetime import cancel_and_wait
 
 log = logging.getLogger("kvledger.ingest.subscriber")
 

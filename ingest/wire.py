@@ -1,4 +1,4 @@
-"""Engine wire formats (DESIGN §1): ZMQ frames in, canonical events out — and vLLM's format out.
+"""Engine wire formats (docs/ingest.md): ZMQ frames in, canonical events out — and vLLM's format out.
 
 Engines differ in framing (batch as `[ts, events, dp_rank]` — SGLang 0.5.23's third is its
 attention-dp rank —, a map, or older SGLang's `[ts, events]`; events as tagged maps or
@@ -22,6 +22,8 @@ import xxhash
 
 from kvledger.events import Cleared, Event, Removed, Stored, Tier
 from kvledger.hashing import block_seed, local_block_hashes, parse_extra_keys
+
+_encoder = msgspec.msgpack.Encoder()  # a rejected event's raw form, for its dead letter
 
 U64 = 1 << 64
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -386,7 +388,7 @@ def _decode_any_variant(payload: bytes, engine: Engine) -> EngineBatch:
 # `[ts, [tagged maps], dp_rank]` is what vLLM and TensorRT-LLM send. Decoding exactly that
 # into msgspec Structs skips a dict per event and a Python check per field. Whatever it
 # does not take (other variants, negative or bytes hashes, any odd value) goes through
-# the generic path, which then decides — and words the error — as it always did.
+# the generic path, which decides it and words any error.
 
 
 class _NotFast(Exception):
@@ -516,55 +518,3 @@ def _typed_removed(event: _VllmRemoved) -> Removed:
     if group_idx < 0 or (event.ownership is not None and len(event.ownership) > _OWNERSHIP_MAX_LEN):
         raise _NotFast
     return Removed(_typed_tier(event.medium), event.block_hashes, group_idx, event.ownership)
-
-
-# --- encoding vLLM's current format (the simulator and tests speak it) ---------------
-
-
-@attrs.frozen
-class VllmBlockStored:
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    medium: str | None = "GPU"
-    lora_name: str | None = None
-
-    def as_wire(self) -> dict[str, Any]:
-        # As vLLM 0.33 sends a plain model's store (tests/golden/vllm_plain.json): one
-        # extra-keys entry per block, group 0, the group's kind.
-        return {
-            "type": "BlockStored", "block_hashes": list(self.block_hashes),
-            "parent_block_hash": self.parent_block_hash, "token_ids": list(self.token_ids),
-            "block_size": self.block_size, "lora_id": None, "medium": self.medium,
-            "lora_name": self.lora_name, "extra_keys": [None] * len(self.block_hashes), "group_idx": 0,
-            "kv_cache_spec_kind": "full_attention",
-        }
-
-
-@attrs.frozen
-class VllmBlockRemoved:
-    block_hashes: tuple[int, ...]
-    medium: str | None = "GPU"
-
-    def as_wire(self) -> dict[str, Any]:
-        return {"type": "BlockRemoved", "block_hashes": list(self.block_hashes), "medium": self.medium, "group_idx": 0}
-
-
-@attrs.frozen
-class VllmAllBlocksCleared:
-    def as_wire(self) -> dict[str, Any]:
-        return {"type": "AllBlocksCleared"}
-
-
-VllmEvent = VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode_vllm_batch(ts: float, events: Sequence[VllmEvent], dp_rank: int | None = None) -> bytes:
-    """A batch exactly as vLLM publishes it: `[ts, [tagged maps], data_parallel_rank]`."""
-    return _encoder.encode([ts, [event.as_wire() for event in events], dp_rank])
-
-
-def publisher_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
-    return [topic, seq.to_bytes(8, "big"), payload]

@@ -30,7 +30,7 @@ import msgspec
 import nats
 import nats.errors
 
-from kvledger.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT
+from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT
 
 log = logging.getLogger("kvledger.client")
 
@@ -92,7 +92,7 @@ class Candidate(msgspec.Struct, frozen=True):
 
 
 class Answer(msgspec.Struct, frozen=True):
-    """decide's answer (DESIGN §6 plus `settings_digest`), field for field as `decision_to_json` writes it."""
+    """decide's answer (docs/decide.md's answer, with `settings_digest`), field for field as `decision_to_json` writes it."""
 
     request_id: str
     inventory_seq: int

@@ -1,4 +1,4 @@
-"""The decision API's JSON boundary: requests in, decisions out (DESIGN §6).
+"""The decision API's JSON boundary: requests in, decisions out (docs/decide.md, the decision API).
 
 decide parses requests and writes answers with it; store reads answers back from
 KV_DECISIONS with it. Validation happens here, once; errors name the offending field.
@@ -124,7 +124,7 @@ _converter.register_structure_hook(Tier, lambda value, _: Tier(value))
 
 
 def decision_to_json(decision: Decision) -> dict[str, Any]:
-    """The answer object of DESIGN §6 (plus `settings_digest`)."""
+    """The answer object of docs/decide.md (plus `settings_digest`)."""
     return _converter.unstructure(decision)
 
 

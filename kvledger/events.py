@@ -1,6 +1,6 @@
 """The canonical event log: worker identity, event types and the versioned record codec.
 
-One record is one engine batch as it sits in JetStream (DESIGN §2). Everything after
+One record is one engine batch as it sits in JetStream (docs/core.md, canonical record). Everything after
 ingest reads these records; nothing after ingest sees engine wire formats.
 """
 
@@ -189,7 +189,7 @@ class EventBatch:
 
     @property
     def msg_id(self) -> str:
-        """JetStream de-duplication id, `<publisher>:<dp_rank>:<epoch>:<seq>` (DESIGN §2).
+        """JetStream de-duplication id, `<publisher>:<dp_rank>:<epoch>:<seq>` (docs/core.md, canonical record).
 
         A retained endpoint announcing for the same worker counts its own sequence, so its
         ids carry `retained` to keep both streams of one worker apart.

@@ -1,7 +1,7 @@
 """The inventory fold: canonical batches in, per-worker block inventory and facts out.
 
 A pure state machine shared by store (which writes the facts to SQL) and decide (which
-indexes the state). DESIGN §3 gives the rules; each is marked where it is applied.
+indexes the state). docs/core.md gives the rules; each is marked where it is applied.
 """
 
 from __future__ import annotations
@@ -534,7 +534,7 @@ class InventoryFold:
         self, state: WorkerState, own: _ProvenanceState, provenance: Provenance, reason: str, stream_seq: int,
         facts: list[Fact],
     ) -> None:
-        """A hole no Gap accounts for: uncertain until the next Cleared or restart (DESIGN §3)."""
+        """A hole no Gap accounts for: uncertain until the next Cleared or restart (docs/core.md, the fold)."""
         self._count(state, "sequence_hole")
         if own.uncertain_since is None:
             own.uncertain_since = stream_seq

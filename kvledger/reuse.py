@@ -1,4 +1,4 @@
-"""The reuse decision model (DESIGN §4): a plain, slow, obviously correct reference.
+"""The reuse decision model (docs/core.md, the reuse model): a plain, slow, obviously correct reference.
 
 It is the oracle the fast backends in decide/ are tested against, so it walks blocks one
 by one and spells every rule out rather than vectorising anything.
@@ -108,7 +108,7 @@ class Reason:
 
 @attrs.frozen
 class Decision:
-    """A reuse answer with every field of DESIGN §6."""
+    """A reuse answer with every field of docs/decide.md's answer."""
 
     request_id: str
     inventory_seq: int

@@ -1,6 +1,6 @@
 """Typed settings, the environment-variable registry, and the one loader that merges them.
 
-Sources, later wins: defaults < TOML file < environment < command-line flags (DESIGN §5).
+Sources, later wins: defaults < TOML file < environment < command-line flags (docs/settings.md).
 Every setting is a field of one frozen attrs class per section; the registry is derived
 from those classes, so adding a field registers its TOML key, its `KVLEDGER_*` variable
 and its documentation row at once. This is the only module that reads the process
@@ -180,7 +180,7 @@ class NatsSettings:
 
 @attrs.frozen
 class StreamSettings:
-    """The JetStream streams (DESIGN §2)."""
+    """The JetStream streams (docs/core.md, canonical record)."""
 
     events_stream: str = _setting(
         "KV_EVENTS", "JetStream stream holding engine event batches.", rule=_stream_name()
@@ -322,7 +322,7 @@ class DecideSettings:
 
 @attrs.frozen
 class ReuseSettings:
-    """The reuse cost model (DESIGN §4); `settings_digest` of this section tags every decision."""
+    """The reuse cost model (docs/core.md, the reuse model); `settings_digest` of this section tags every decision."""
 
     enable_decode_to_prefill_reuse: bool = _setting(False, "Allow host and disk tier sources for KV transfer.")
     enable_decode_to_prefill_gpu_reuse: bool = _setting(False, "Allow device (GPU) tier sources for KV transfer.")

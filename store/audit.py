@@ -171,7 +171,7 @@ def run(connection: sa.Connection, query: Query, **params: object) -> list[dict]
 
 
 class Audit:
-    """The audit questions of DESIGN §6, answered from SQL."""
+    """The audit questions of docs/audit.md, answered from SQL."""
 
     def __init__(self, connection: sa.Connection) -> None:
         self.connection = connection

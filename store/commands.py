@@ -1,15 +1,13 @@
 """What the `kvledger store`, `kvledger db …` and `kvledger audit …` commands do.
 
-kvledger/cli.py parses arguments and calls these; they print and return an exit code.
+kvledger/app/cli.py parses arguments and calls these; they print and return an exit code.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import functools
 import json
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -24,20 +22,10 @@ from store.tables import parse_hash
 
 
 def run_store(settings: Settings) -> int:
-    from kvledger.nats_options import NatsAuthError
-    from kvledger.streams import StreamConflictError
+    from kvledger.runtime.entry import run_stage
     from store.projector import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        asyncio.run(serve(settings))
-    except (database.SchemaError, StreamConflictError) as error:
-        print(f"kvledger store: {error}", file=sys.stderr)
-        return 2
-    except NatsAuthError as error:
-        print(f"kvledger store: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return run_stage("store", lambda: serve(settings), refusals=(database.SchemaError,))
 
 
 def db_upgrade(settings: Settings, revision: str) -> int:

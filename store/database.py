@@ -12,7 +12,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-from kvledger.resources import data_dir
+from kvledger.runtime.resources import data_dir
 
 
 class SchemaError(RuntimeError):

@@ -10,7 +10,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from kvledger.nats_options import NatsAuthError, auth_failure, connect_options, describe_server, is_auth_error
+from kvledger.runtime.nats_options import NatsAuthError, auth_failure, connect_options, describe_server, is_auth_error
 from kvledger.settings import NatsSettings
 
 log = logging.getLogger("kvledger.store")

@@ -30,14 +30,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvledger.decision_codec import decision_from_json
 from kvledger.events import RecordError, decode_batch, decode_dead_letter
 from kvledger.fold import InventoryFold
-from kvledger.http import health_routes, serve_connection
+from kvledger.runtime.http import health_routes, serve_connection
 from kvledger.settings import Settings
-from kvledger.streams import dead_letters_stream, decisions_stream, ensure_stream, events_stream
+from kvledger.runtime.streams import dead_letters_stream, decisions_stream, ensure_stream, events_stream
 from store import tables
 from store.changes import ChangeBuilder, ChangeSet, ResidencyIndex
 from store.database import create_engine, require_current
 from store.gc_policy import young_collections_deferred
-from kvledger.system import install_stop_signals
+from kvledger.runtime.system import install_stop_signals
 from store.jetstream import ConsumerWatch, SkippedMessagesError, bind_consumer, connect
 from store.recorder import SQL_CHECKPOINT, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError, encode_changes

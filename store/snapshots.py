@@ -19,7 +19,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from kvledger.fold import InventoryFold
 from kvledger.settings import StoreSettings
 from kvledger.snapshot import encode_snapshot
-from kvledger.streams import SNAPSHOTS_BUCKET, snapshot_object_name, snapshot_seq
+from kvledger.runtime.streams import SNAPSHOTS_BUCKET, snapshot_object_name, snapshot_seq
 from store import tables
 
 log = logging.getLogger("kvledger.store")

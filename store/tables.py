@@ -1,4 +1,4 @@
-"""The SQL schema of the audit database, as SQLAlchemy Core tables (DESIGN §6).
+"""The SQL schema of the audit database, as SQLAlchemy Core tables (docs/decide.md, the decision API).
 
 Alembic's versions in `migrations/` create exactly these tables; a test compares the two.
 Block hashes are u64 in the core and stored as signed 64-bit two's complement, because

@@ -103,3 +103,36 @@ def nats_cluster() -> Iterator["cluster.LocalNatsCluster"]:
     binary = _service_or_skip(cluster.cluster_binary)
     with cluster.LocalNatsCluster(binary).start() as nodes:
         yield nodes
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """An upgraded database, once on SQLite and once on PostgreSQL: the store's contract holds on both."""
+    from store import database
+
+    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
+    with database.opened(url) as engine:
+        database.upgrade(engine)
+    return url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_pair(request: pytest.FixtureRequest, tmp_path: Path):
+    """Two upgraded databases of one kind: one for the faulty run, one for the clean run."""
+    if request.param == "sqlite":
+        urls = [f"sqlite:///{tmp_path / 'faulty.db'}", f"sqlite:///{tmp_path / 'clean.db'}"]
+        created = []
+    else:
+        server = request.getfixturevalue("postgres_server")
+        created = [f"kvledger_fault_{uuid.uuid4().hex[:12]}" for _ in range(2)]
+        urls = [server.create_database(name) for name in created]
+    from store import database
+
+    for url in urls:
+        with database.opened(url) as engine:
+            database.upgrade(engine)
+    yield urls
+    if created:
+        server.ensure_running()
+        for name in created:
+            server.drop_database(name)

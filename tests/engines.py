@@ -12,7 +12,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from ingest.wire import VllmBlockStored
+from kvledger.sim.vllm import VllmBlockStored
 from kvledger.events import EventBatch, decode_batch
 from kvledger.settings import Settings, load_settings
 from services import free_ports

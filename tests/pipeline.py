@@ -20,11 +20,11 @@ from decide.service import DecideService
 from engines import http_get, wait_until
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
-from ingest.fleet import SimulatedFleet
+from kvledger.sim.fleet import SimulatedFleet
 from kvledger.events import Provenance, Tier, WorkerId
-from kvledger.nats_options import connect_options
+from kvledger.runtime.nats_options import connect_options
 from kvledger.settings import Settings, load_settings
-from kvledger.streams import DECIDE_SUBJECT
+from kvledger.runtime.streams import DECIDE_SUBJECT
 from services import free_ports
 from store import database
 from store.projector import StoreService
@@ -45,7 +45,7 @@ class IngestProcess:
 
     def __init__(self, settings: Settings, fleet: SimulatedFleet) -> None:
         [self.http_port] = free_ports(1)
-        self.args = [sys.executable, "-m", "kvledger.cli", "ingest", "--nats", settings.nats.url]
+        self.args = [sys.executable, "-m", "kvledger.app.cli", "ingest", "--nats", settings.nats.url]
         for worker in fleet.workers:
             self.args += ["--endpoint", worker.endpoint_spec, "--publisher", worker.worker.publisher]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVLEDGER_")}
@@ -106,9 +106,9 @@ class Pipeline:
         self.store = StoreService(self.settings)
         self._store_task = asyncio.create_task(self.store.run(self.store_stop))
         self.decide = await DecideService(self.settings).__aenter__()
-        # The URL may be a cluster's comma-joined list; keep reconnecting through a test's faults.
+        # The URL may be a cluster's comma-joined list, which nats.connect takes only as a list of servers.
         options = connect_options(self.settings.nats, name="kvledger-test")
-        self.nc = await nats.connect(**options, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        self.nc = await nats.connect(**options)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -187,7 +187,7 @@ class TruthView:
     """The reference model's InventoryView over the simulator's caches (all native)."""
 
     def __init__(self, fleet: SimulatedFleet, inventory_seq: int) -> None:
-        from kvledger.workload import engine_hash
+        from kvledger.sim.workload import engine_hash
 
         self.inventory_seq = inventory_seq
         self._fleet = fleet

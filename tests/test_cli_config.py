@@ -23,7 +23,7 @@ def clean_environment(**extra: str) -> dict[str, str]:
 
 def kvledger_cli(tmp_path: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", *args],
+        [sys.executable, "-m", "kvledger.app.cli", *args],
         cwd=tmp_path,
         env=clean_environment(**extra_env),
         capture_output=True,
@@ -153,7 +153,7 @@ def test_group_without_subcommand_prints_help_and_exits_2(tmp_path: Path) -> Non
 
 
 def test_main_returns_exit_codes_in_process(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvledger.cli import main
+    from kvledger.app.cli import main
 
     assert main(["--version"]) == 0
     assert main(["no-such-command"]) == 2
@@ -162,7 +162,7 @@ def test_main_returns_exit_codes_in_process(capsys: pytest.CaptureFixture[str]) 
 
 def test_core_imports_no_stage_package(tmp_path: Path) -> None:
     probe = (
-        "import sys, kvledger.cli, kvledger.settings; "
+        "import sys, kvledger.app.cli, kvledger.settings; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ingest', 'store', 'decide')))"
     )
     result = subprocess.run(

@@ -18,13 +18,13 @@ import pytest
 from kvledger.client import (
     MSGPACK, Answer, DecideClient, DecideClientSync, DecideRequest, DecideUnavailable, RequestRefused, RetryPolicy,
 )
-from kvledger.demo import decide_asker, run_closed_loop
+from kvledger.app.demo import decide_asker, run_closed_loop
 from kvledger.events import WorkerId
-from kvledger.lifetime import cancel_and_wait
+from kvledger.runtime.lifetime import cancel_and_wait
 from kvledger.settings import Settings
-from kvledger.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, decisions_stream, ensure_stream
-from kvledger.streams import events_stream
-from kvledger.workload import CacheChange, EngineCache, Request
+from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, decisions_stream, ensure_stream
+from kvledger.runtime.streams import events_stream
+from kvledger.sim.workload import CacheChange, EngineCache, Request
 from builders import BLOCK_SIZE, local_hashes
 from test_decide_service import DEADLINE_S, ask, decide_settings, http, publish, request_body, scenario
 

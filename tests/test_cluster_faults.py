@@ -29,13 +29,13 @@ import pytest
 from cluster import LocalNatsCluster
 from decide.service import DecideService
 from engines import read_stream, wait_until
-from ingest.fleet import SimulatedFleet
+from kvledger.sim.fleet import SimulatedFleet
 from kvledger.decision_codec import decision_to_json
 from kvledger.events import Gap, decode_batch
 from kvledger.fold import InventoryFold
-from kvledger.nats_options import connect_options
+from kvledger.runtime.nats_options import connect_options
 from kvledger.reuse import ReuseRequest, decide
-from kvledger.workload import DEMO_BLOCK_SIZE, Request, request_tokens, synthetic_requests
+from kvledger.sim.workload import DEMO_BLOCK_SIZE, Request, request_tokens, synthetic_requests
 from pipeline import IngestProcess, Pipeline, pipeline_settings, truth_inventory
 from store import database
 from store.projector import EVENTS_DURABLE
@@ -54,13 +54,8 @@ SETTLE_S = 45.0
 DECIDE_CHECKS = 9
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request: pytest.FixtureRequest) -> str:
-    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
-
-
 class StoreProcess:
-    """`python -m store` (the projector) as a child process at the settings' replica count, its output in a log."""
+    """`kvledger store` (the projector) as a child process at the settings' replica count, its output in a log."""
 
     def __init__(self, settings, log_path: Path) -> None:
         environment = {name: value for name, value in os.environ.items() if not name.startswith("KVLEDGER_")}
@@ -71,7 +66,7 @@ class StoreProcess:
         self.log_path = log_path
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "store", "--nats", settings.nats.url, "--db", settings.db.url],
+                [sys.executable, "-m", "kvledger.app.cli", "store", "--nats", settings.nats.url, "--db", settings.db.url],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment,
             )  # fmt: skip
 

@@ -13,13 +13,14 @@ import msgspec
 import nats
 import pytest
 
+from engines import wait_until
 from kvledger.decision_codec import decision_from_json, decision_to_json
 from kvledger.events import WorkerId, encode_batch
 from kvledger.fold import InventoryFold
 from kvledger.reuse import ReuseRequest, decide
 from kvledger.settings import DecideSettings, load_settings
 from kvledger.snapshot import encode_snapshot
-from kvledger.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, SNAPSHOTS_BUCKET, snapshot_object_name
+from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, SNAPSHOTS_BUCKET, snapshot_object_name
 from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
 
 from decide.index import InventoryIndex
@@ -27,8 +28,8 @@ from decide.backend import RankingBackend, choose_backend
 from decide.cpu import CpuBackend
 from decide.service import DecideService
 from decide.startup import StartupError, seconds_since_process_start
-from kvledger.streams import StreamConflictError, ensure_stream
-from kvledger.streams import StreamSpec, decisions_stream, events_stream
+from kvledger.runtime.streams import StreamConflictError, ensure_stream
+from kvledger.runtime.streams import StreamSpec, decisions_stream, events_stream
 
 pytestmark = pytest.mark.service
 
@@ -75,13 +76,13 @@ async def ask(nc, subject: str, body: object) -> object:
 
 
 async def answer_at(nc, body: dict, inventory_seq: int) -> dict:
-    """Ask until the answer reflects `inventory_seq` (the index follows the stream asynchronously)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
+    """Ask until the answer reflects `inventory_seq` (the index follows the stream asynchronously); fail at the deadline."""
+
+    async def reflected() -> dict | None:
         answer = await ask(nc, DECIDE_SUBJECT, body)
-        if answer["inventory_seq"] >= inventory_seq or time.monotonic() > deadline:
-            return answer
-        await asyncio.sleep(0.02)
+        return answer if answer["inventory_seq"] >= inventory_seq else None
+
+    return await wait_until(reflected, DEADLINE_S, f"an answer at inventory_seq {inventory_seq}", interval=0.02)
 
 
 def http(port: int, path: str, body: bytes | None = None, content_type: str = "application/json") -> tuple[int, bytes, str]:

@@ -2,7 +2,7 @@
 pyproject — checked statically, without a Docker engine.
 
 Every service that runs the kvledger image has its command parsed by the real
-`kvledger.cli.build_parser()` (with `${VAR:-default}` expanded to the default), every
+`kvledger.app.cli.build_parser()` (with `${VAR:-default}` expanded to the default), every
 `KVLEDGER_*` variable must be in `ENV_REGISTRY` and load through `load_settings`, the cluster
 file has a routed three-node JetStream cluster, replicated streams and two decide replicas,
 and the Dockerfile copies everything the wheel is built from.
@@ -22,7 +22,7 @@ import pytest
 
 import yaml  # PyYAML, in the test extra
 
-from kvledger.cli import COMMANDS, build_parser
+from kvledger.app.cli import COMMANDS, build_parser
 from kvledger.settings import ENV_REGISTRY, load_settings
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,22 +9,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-import pytest
 
-from ingest.fleet import SimulatedFleet
+from kvledger.sim.fleet import SimulatedFleet
 from kvledger.decision_codec import decision_to_json
 from kvledger.reuse import ReuseRequest, decide
-from kvledger.workload import DEMO_BLOCK_SIZE, Request, request_tokens, synthetic_requests
+from kvledger.sim.workload import DEMO_BLOCK_SIZE, Request, request_tokens, synthetic_requests
 from pipeline import Pipeline, TruthView, pipeline_settings, truth_inventory
 from engines import wait_until
 
 REUSE_ON = {"reuse.enable_decode_to_prefill_reuse": True, "reuse.enable_decode_to_prefill_gpu_reuse": True,
             "reuse.transfer_source_lookup_budget_ms": 1e6}
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request) -> str:
-    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
 
 
 async def serve_round_robin(fleet: SimulatedFleet, requests, start: int = 0) -> int:
@@ -172,8 +166,8 @@ async def _certain(pipeline: Pipeline) -> bool:
 
 
 def _events_of(change, worker):
-    from ingest.fleet import _stored_runs
-    from ingest.wire import VllmBlockRemoved
+    from kvledger.sim.fleet import _stored_runs
+    from kvledger.sim.vllm import VllmBlockRemoved
 
     size = worker.cache.block_size
     events = list(_stored_runs(change.stored_gpu, size, "GPU"))

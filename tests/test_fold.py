@@ -1,4 +1,4 @@
-"""The inventory fold, rule by rule (DESIGN §3)."""
+"""The inventory fold, rule by rule (docs/core.md, the fold)."""
 
 from __future__ import annotations
 
@@ -290,7 +290,7 @@ def test_the_native_and_retained_streams_of_one_worker_count_sequences_separatel
     assert fold.counters["duplicate_batch"] == 0
 
 
-# --- sequence holes: a batch stored out of order (DESIGN §3, missed range) ------------------
+# --- sequence holes: a batch stored out of order (docs/core.md: a missed range) ------------------
 
 
 def test_a_batch_stored_after_later_ones_leaves_the_worker_uncertain_and_is_dropped_as_late() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import attrs
 import msgspec
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

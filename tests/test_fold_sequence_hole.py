@@ -15,7 +15,7 @@ from builders import stored
 from kvledger.events import EventBatch, Provenance, WorkerId
 from store import audit, database
 from store.recorder import load_fold
-from test_store_projector import RunningStore, checkpoint, db_url, publish, store_settings  # noqa: F401 (db_url: fixture)
+from store_harness import RunningStore, checkpoint, publish, store_settings
 
 pytestmark = pytest.mark.service
 

@@ -22,13 +22,13 @@ from decide.service import DecideService
 from engines import engine_endpoints, wait_until
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
-from ingest.simulator import SimulatedEngine
+from kvledger.sim.engine import SimulatedEngine
 from ingest.wire import Engine, _tier, decode_payload
 from kvledger.decision_codec import decision_to_json, request_from_json
 from kvledger.events import EventBatch, Provenance, Tier, WorkerId
 from kvledger.fold import InventoryFold, groups_state
 from kvledger.reuse import decide, overlap_of
-from kvledger.streams import DECIDE_SUBJECT
+from kvledger.runtime.streams import DECIDE_SUBJECT
 from pipeline import pipeline_settings
 from store import database
 from store.projector import StoreService
@@ -146,11 +146,6 @@ def test_a_sliding_window_groups_evictions_do_not_shorten_the_prefix() -> None:
 
 
 # --- through the real pipeline ----------------------------------------------------------
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request) -> str:
-    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
 
 
 @pytest.mark.service

@@ -17,9 +17,9 @@ from engines import engine_endpoints, http_get, one_block, read_batches, read_st
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
 from ingest.replay import ReplayClient
-from ingest.simulator import SimulatedEngine
+from kvledger.sim.engine import SimulatedEngine
 from ingest.subscriber import EngineSubscriber
-from ingest.wire import VllmAllBlocksCleared, VllmBlockRemoved
+from kvledger.sim.vllm import VllmAllBlocksCleared, VllmBlockRemoved
 from kvledger.events import Gap, GapReason, Provenance, Stored, Tier, WorkerId, decode_dead_letter
 
 
@@ -233,7 +233,7 @@ class IngestProcess:
     def __init__(self, nats_url: str, engine: SimulatedEngine, publisher: str) -> None:
         [self.http_port] = free_ports(1)
         self._args = [
-            sys.executable, "-m", "kvledger.cli", "ingest", "--nats", nats_url,
+            sys.executable, "-m", "kvledger.app.cli", "ingest", "--nats", nats_url,
             "--endpoint", f"{engine.pub_endpoint},replay={engine.replay_endpoint}", "--publisher", publisher,
         ]
         self._env = {k: v for k, v in os.environ.items() if not k.startswith("KVLEDGER_")}
@@ -337,7 +337,7 @@ async def test_the_health_endpoint_listens_on_the_configured_address(nats_server
 
 
 async def test_a_batch_too_big_for_nats_is_dead_lettered_not_retried_forever(nats_server) -> None:
-    from ingest.wire import VllmBlockStored
+    from kvledger.sim.vllm import VllmBlockStored
 
     pub, replay = engine_endpoints()
     huge = VllmBlockStored(tuple(range(2**63, 2**63 + 70_000)), None, tuple(range(70_000)), 1, "GPU")  # > 1 MiB as a record

@@ -11,9 +11,9 @@ from ingest.endpoints import EndpointError, EndpointSpec, parse_endpoint, parse_
 from ingest.publisher import JetStreamPublisher, StreamConflictError
 from ingest.wire import Engine
 from kvledger.events import Provenance, WorkerId
-from kvledger.nats_options import connect_options, describe_server
+from kvledger.runtime.nats_options import connect_options, describe_server
 from kvledger.settings import NatsSettings
-from kvledger.streams import events_stream
+from kvledger.runtime.streams import events_stream
 
 
 def test_endpoint_specs_with_every_option() -> None:

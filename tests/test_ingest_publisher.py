@@ -12,10 +12,10 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from engines import read_stream, settings_for, wait_until
 from ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError
 from ingest.publisher import JetStreamPublisher
-from kvledger.embedded import EmbeddedNats
-from kvledger.nats_options import NatsAuthError, is_auth_error
+from kvledger.runtime.embedded import EmbeddedNats
+from kvledger.runtime.nats_options import NatsAuthError, is_auth_error
 from kvledger.settings import NatsSettings
-from kvledger.streams import events_stream
+from kvledger.runtime.streams import events_stream
 
 SUBJECT = "kv.ev.pub.0"
 

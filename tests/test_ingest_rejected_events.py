@@ -30,10 +30,10 @@ import sqlalchemy as sa
 from engines import engine_endpoints, http_get, one_block, read_batches, read_stream, settings_for, wait_until
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
-from ingest.simulator import SimulatedEngine
+from kvledger.sim.engine import SimulatedEngine
 from ingest.wire import decode_event
 from kvledger.events import DeadLetter, Gap, GapReason, Provenance, WorkerId, decode_batch, decode_dead_letter
-from kvledger.streams import DEAD_LETTERS_STREAM
+from kvledger.runtime.streams import DEAD_LETTERS_STREAM
 from store import audit, database
 from store.projector import StoreService
 

@@ -1,4 +1,4 @@
-"""Sequence rules (DESIGN §2), on the tracker alone: replay supplied by a plain in-memory buffer."""
+"""Sequence rules (docs/core.md, canonical record), on the tracker alone: replay supplied by a plain in-memory buffer."""
 
 from __future__ import annotations
 

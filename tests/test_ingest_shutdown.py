@@ -17,7 +17,7 @@ import pytest
 from engines import engine_endpoints, http_get, one_block, settings_for, wait_until
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
-from ingest.simulator import SimulatedEngine
+from kvledger.sim.engine import SimulatedEngine
 from kvledger.events import Provenance, WorkerId
 from services import free_ports
 from test_ingest_bridge import IngestProcess

@@ -1,4 +1,4 @@
-"""Engine wire formats: golden frames for every variant in DESIGN §1, and a fuzz test."""
+"""Engine wire formats: golden frames for every variant docs/ingest.md lists, and a fuzz test."""
 
 from __future__ import annotations
 
@@ -8,19 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ingest import wire
-from ingest.wire import (
-    MEDIUM_TIERS,
-    VllmAllBlocksCleared,
-    VllmBlockRemoved,
-    VllmBlockStored,
-    WireError,
-    block_hash,
-    decode_payload,
-    encode_vllm_batch,
-    replay_request,
-    split_publisher_frames,
-    split_replay_frames,
-)
+from ingest.wire import MEDIUM_TIERS, WireError, block_hash, decode_payload, replay_request, split_publisher_frames, split_replay_frames
+from kvledger.sim.vllm import VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored, encode_vllm_batch
 from kvledger.events import Cleared, Removed, Stored, Tier
 from kvledger.hashing import local_block_hashes
 

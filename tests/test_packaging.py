@@ -51,7 +51,7 @@ def test_the_wheel_contains_the_packages_and_data(installed_wheel: Path) -> None
 def test_the_installed_wheel_finds_its_data_and_runs_config_show(installed_wheel: Path) -> None:
     located = _run_from(
         installed_wheel, sys.executable, "-c",
-        "import kvledger, kvledger.resources as r; print(kvledger.__file__); print(r.data_dir('cuda')); print(r.data_dir('migrations'))",
+        "import kvledger, kvledger.runtime.resources as r; print(kvledger.__file__); print(r.data_dir('cuda')); print(r.data_dir('migrations'))",
     )
     assert located.returncode == 0, located.stderr
     package_file, cuda_dir, migrations_dir = located.stdout.split()
@@ -72,7 +72,7 @@ def test_the_installed_wheel_finds_its_data_and_runs_config_show(installed_wheel
 
 
 def test_an_editable_checkout_finds_data_at_the_repository_root() -> None:
-    from kvledger.resources import data_dir
+    from kvledger.runtime.resources import data_dir
 
     if (REPO / "kvledger" / "_data").exists():
         pytest.skip("this checkout has a built _data folder")

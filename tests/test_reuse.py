@@ -1,4 +1,4 @@
-"""The reference reuse model, rule by rule (DESIGN §4)."""
+"""The reference reuse model, rule by rule (docs/core.md, the reuse model)."""
 
 from __future__ import annotations
 

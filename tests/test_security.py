@@ -12,10 +12,10 @@ import pytest
 from engines import engine_endpoints, one_block, read_batches, wait_until
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
-from ingest.simulator import SimulatedEngine
-from kvledger.embedded import EmbeddedNats
+from kvledger.sim.engine import SimulatedEngine
+from kvledger.runtime.embedded import EmbeddedNats
 from kvledger.events import Provenance, WorkerId
-from kvledger.nats_options import NatsAuthError
+from kvledger.runtime.nats_options import NatsAuthError
 from kvledger.settings import load_settings
 
 SECRET = "hunter2-s3cr3t"
@@ -81,11 +81,11 @@ async def test_a_wrong_password_fails_with_a_clear_message(locked_nats) -> None:
 
 @pytest.mark.parametrize("command", ["ingest", "decide", "store"])
 def test_each_service_refuses_a_wrong_password_in_one_line_without_the_secret(locked_nats, tmp_path, command) -> None:
-    args = [sys.executable, "-m", "kvledger.cli", command, "--nats", locked_nats.url, "--db", f"sqlite:///{tmp_path / 'x.db'}"]
+    args = [sys.executable, "-m", "kvledger.app.cli", command, "--nats", locked_nats.url, "--db", f"sqlite:///{tmp_path / 'x.db'}"]
     if command == "ingest":
         args += ["--endpoint", "tcp://127.0.0.1:5999", "--publisher", "w"]
     if command == "store":
-        subprocess.run([sys.executable, "-m", "kvledger.cli", "db", "upgrade", "--db", f"sqlite:///{tmp_path / 'x.db'}"],
+        subprocess.run([sys.executable, "-m", "kvledger.app.cli", "db", "upgrade", "--db", f"sqlite:///{tmp_path / 'x.db'}"],
                        check=True, capture_output=True, env=clean_env())
     env = clean_env(KVLEDGER_NATS_USER="alice", KVLEDGER_NATS_PASSWORD=SECRET + "-typo",
                     KVLEDGER_INGEST_HTTP_PORT="0", KVLEDGER_STORE_HTTP_PORT="0", KVLEDGER_DECIDE_HTTP_PORT="0")
@@ -97,13 +97,13 @@ def test_each_service_refuses_a_wrong_password_in_one_line_without_the_secret(lo
 
 def test_secrets_never_appear_in_config_show_or_logs_of_a_working_service(locked_nats, tmp_path) -> None:
     env = clean_env(KVLEDGER_NATS_USER="alice", KVLEDGER_NATS_PASSWORD=SECRET, KVLEDGER_NATS_TOKEN="tok-" + SECRET)
-    shown = subprocess.run([sys.executable, "-m", "kvledger.cli", "config", "show"], env=env, capture_output=True, text=True)
+    shown = subprocess.run([sys.executable, "-m", "kvledger.app.cli", "config", "show"], env=env, capture_output=True, text=True)
     assert shown.returncode == 0 and "***" in shown.stdout
     assert SECRET not in shown.stdout + shown.stderr
     # a URL with embedded credentials is shown without them in the service's own log lines
     url = locked_nats.url.replace("nats://", f"nats://alice:{SECRET}@")
     env = clean_env(KVLEDGER_DECIDE_HTTP_PORT="0")
-    process = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "decide", "--nats", url], env=env,
+    process = subprocess.Popen([sys.executable, "-m", "kvledger.app.cli", "decide", "--nats", url], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in process.stdout:
@@ -161,7 +161,7 @@ async def test_the_pipeline_runs_over_tls_with_a_client_certificate(tmp_path) ->
             async with Bridge(settings, [source]) as bridge:
                 await bridge.wait_ready(timeout=10)
                 await engine.publish([one_block(1)])
-                from kvledger.nats_options import connect_options
+                from kvledger.runtime.nats_options import connect_options
 
                 options = connect_options(settings.nats, name="test-reader")
                 servers = options.pop("servers")

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from services import libpq_url
 from store import audit, database
-from test_store_projector import db_url, project, publish, recorded_stream, store_settings  # noqa: F401
+from store_harness import project, publish, recorded_stream, store_settings
 
 pytestmark = pytest.mark.service
 

@@ -19,7 +19,7 @@ from kvledger.events import EventBatch, Provenance, Stored, Tier, WorkerId
 from store import database, tables
 from store.jetstream import first_gap
 from store.projector import EVENTS_DURABLE
-from test_store_projector import RunningStore, checkpoint, publish, store_settings
+from store_harness import RunningStore, checkpoint, publish, store_settings
 
 pytestmark = pytest.mark.service
 

@@ -1,6 +1,6 @@
 """Fault tests: kill -9 of the projector mid-run, and of PostgreSQL under it.
 
-The projector runs as its own process (`python -m store`), the way it runs in production;
+The projector runs as its own process (`kvledger store`), the way it runs in production;
 after each fault the database must be identical (row counts and a content digest) to a
 clean run's.
 """
@@ -12,14 +12,12 @@ import signal
 import subprocess
 import sys
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
 
 from services import free_ports
-from store import database
-from test_store_projector import checkpoint, content_digest, poll, project, publish, recorded_stream, store_settings
+from store_harness import checkpoint, content_digest, poll, project, publish, recorded_stream, store_settings
 
 pytestmark = pytest.mark.service
 
@@ -29,7 +27,7 @@ TRANSACTION_MESSAGES = 8
 
 
 class ProjectorProcess:
-    """`python -m store` as a child process, its output in a log file."""
+    """`kvledger store` as a child process, its output in a log file."""
 
     def __init__(self, nats_url: str, db_url: str, log_path: Path, http_port: int = 0) -> None:
         environment = {name: value for name, value in os.environ.items() if not name.startswith("KVLEDGER_")}
@@ -38,7 +36,7 @@ class ProjectorProcess:
         self.log_path = log_path
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "store", "--nats", nats_url, "--db", db_url],
+                [sys.executable, "-m", "kvledger.app.cli", "store", "--nats", nats_url, "--db", db_url],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment,
             )  # fmt: skip
 
@@ -80,26 +78,6 @@ def _past(url: str, seq: int, process: ProjectorProcess):
         return checkpoint(url) >= seq
 
     return condition
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_pair(request: pytest.FixtureRequest, tmp_path: Path):
-    """Two upgraded databases of one kind: one for the faulty run, one for the clean run."""
-    if request.param == "sqlite":
-        urls = [f"sqlite:///{tmp_path / 'faulty.db'}", f"sqlite:///{tmp_path / 'clean.db'}"]
-        created = []
-    else:
-        server = request.getfixturevalue("postgres_server")
-        created = [f"kvledger_fault_{uuid.uuid4().hex[:12]}" for _ in range(2)]
-        urls = [server.create_database(name) for name in created]
-    for url in urls:
-        with database.opened(url) as engine:
-            database.upgrade(engine)
-    yield urls
-    if created:
-        server.ensure_running()
-        for name in created:
-            server.drop_database(name)
 
 
 async def test_kill_9_of_the_projector_mid_run_loses_and_duplicates_nothing(nats_server, db_pair, tmp_path) -> None:

@@ -15,11 +15,11 @@ import pytest
 import sqlalchemy as sa
 
 from builders import BLOCK_SIZE, local_hashes
-from kvledger.cli import main
+from kvledger.app.cli import main
 from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
 from store import audit, database, tables
 from store.pruning import DECISIONS_PRUNED, HISTORY_PRUNED, HistoryPruned, pruned_through, prune_once
-from test_store_projector import RunningStore, checkpoint, db_url, publish, store_settings  # noqa: F401 (db_url: a fixture)
+from store_harness import RunningStore, checkpoint, publish, store_settings
 
 pytestmark = pytest.mark.service
 

@@ -10,15 +10,15 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from kvledger.cli import main
+from kvledger.app.cli import main
 from kvledger.settings import Settings
-from kvledger.streams import StreamSpec, events_stream
+from kvledger.runtime.streams import StreamSpec, events_stream
 from store import database
 from store.database import SchemaError
-from kvledger.streams import StreamConflictError, ensure_stream
+from kvledger.runtime.streams import StreamConflictError, ensure_stream
 from store.projector import StoreService
 from store.tables import metadata
-from test_store_projector import store_settings
+from store_harness import store_settings
 
 pytestmark = pytest.mark.service
 
@@ -93,6 +93,11 @@ async def test_an_existing_stream_with_the_agreed_spec_is_used_as_is(nats_server
         js = connection.jetstream()
         spec = events_stream(Settings().stream)
         await ensure_stream(js, spec)
+        created = (await js.stream_info(spec.name)).created
         await ensure_stream(js, spec)  # a second stage starting finds it and agrees
+        info = await js.stream_info(spec.name)
+        assert info.created == created, "the stream was created anew"
+        assert info.config.subjects == list(spec.subjects) and info.config.num_replicas == spec.replicas
+        assert info.config.duplicate_window == spec.duplicate_window_s and info.config.max_age == spec.max_age_s
     finally:
         await connection.close()

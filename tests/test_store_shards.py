@@ -24,12 +24,12 @@ from kvledger.decision_codec import decision_to_json
 from kvledger.events import Cleared, EventBatch, Provenance, WorkerId
 from kvledger.reuse import ReuseRequest, decide
 from kvledger.settings import ReuseSettings, Settings
-from kvledger.streams import DECISIONS_SUBJECT, decisions_stream, ensure_stream
+from kvledger.runtime.streams import DECISIONS_SUBJECT, decisions_stream, ensure_stream
 from store import database
 from store.recorder import load_fold
 from store.sharding import Shard, ShardError, parse_shard
-from test_store_faults import TRANSACTION_MESSAGES, ProjectorProcess, _writers_of, db_pair  # noqa: F401 (db_pair: a fixture)
-from test_store_projector import (
+from test_store_faults import TRANSACTION_MESSAGES, ProjectorProcess, _writers_of
+from store_harness import (
     RunningStore,
     checkpoint,
     fold_rows,
@@ -155,7 +155,7 @@ async def test_two_shards_write_what_one_store_writes_and_project_decisions_once
 
 
 class ShardProcess(ProjectorProcess):
-    """`python -m store --shard K/N` as a child process, with ProjectorProcess's environment and controls."""
+    """`kvledger store --shard K/N` as a child process, with ProjectorProcess's environment and controls."""
 
     def __init__(self, nats_url: str, db_url: str, log_path: Path, shard: Shard) -> None:
         self.shard = shard
@@ -165,7 +165,7 @@ class ShardProcess(ProjectorProcess):
         self.log_path = log_path
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "store", "--nats", nats_url, "--db", db_url, "--shard", str(shard)],
+                [sys.executable, "-m", "kvledger.app.cli", "store", "--nats", nats_url, "--db", db_url, "--shard", str(shard)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment,
             )  # fmt: skip
 

@@ -10,7 +10,7 @@ from kvledger.events import WorkerId
 from kvledger.fold import InventoryFold
 from kvledger.settings import StoreSettings
 from kvledger.snapshot import decode_snapshot
-from kvledger.streams import SNAPSHOTS_BUCKET, snapshot_seq
+from kvledger.runtime.streams import SNAPSHOTS_BUCKET, snapshot_seq
 from store import database
 from store.snapshots import SnapshotWriter
 

@@ -14,7 +14,7 @@ import pytest
 
 from services import LocalNatsServer, find_nats_server
 from store import database
-from test_store_projector import RunningStore, checkpoint, publish, recorded_stream, store_settings
+from store_harness import RunningStore, checkpoint, publish, recorded_stream, store_settings
 
 pytestmark = pytest.mark.service
 

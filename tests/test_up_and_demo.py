@@ -19,7 +19,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def test_the_demo_runs_end_to_end_and_prints_a_summary(tmp_path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", "demo", "--duration", "4", "--workers", "2"],
+        [sys.executable, "-m", "kvledger.app.cli", "demo", "--duration", "4", "--workers", "2"],
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -29,7 +29,7 @@ def test_the_demo_runs_end_to_end_and_prints_a_summary(tmp_path) -> None:
         assert line in out
     assert (tmp_path / ".kvledger" / "demo" / "ledger.db").is_file()
     workers = subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", "audit", "workers", "--db", "sqlite:///.kvledger/demo/ledger.db"],
+        [sys.executable, "-m", "kvledger.app.cli", "audit", "workers", "--db", "sqlite:///.kvledger/demo/ledger.db"],
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60,
     )
     assert workers.returncode == 0 and "sim-0" in workers.stdout and "sim-1" in workers.stdout
@@ -64,7 +64,7 @@ def test_up_runs_every_stage_stops_cleanly_on_sigterm_and_resumes(nats_server, t
     ingest_port, store_port, decide_port = free_ports(3)
     env = clean_env(KVLEDGER_INGEST_HTTP_PORT=str(ingest_port), KVLEDGER_STORE_HTTP_PORT=str(store_port),
                     KVLEDGER_DECIDE_HTTP_PORT=str(decide_port))
-    args = [sys.executable, "-m", "kvledger.cli", "up", "--nats", nats_server.url]
+    args = [sys.executable, "-m", "kvledger.app.cli", "up", "--nats", nats_server.url]
     database = tmp_path / ".kvledger" / "ledger.db"
     for round_ in range(2):
         process = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -94,7 +94,7 @@ def test_up_runs_every_stage_stops_cleanly_on_sigterm_and_resumes(nats_server, t
 
 def test_the_demo_with_reuse_places_round_robin_and_asks_for_transfers(tmp_path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", "demo", "--duration", "4", "--workers", "3", "--enable-reuse"],
+        [sys.executable, "-m", "kvledger.app.cli", "demo", "--duration", "4", "--workers", "3", "--enable-reuse"],
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

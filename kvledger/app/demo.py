@@ -2,7 +2,7 @@
 
 A shadow fleet of the same caches, routed round-robin without kvledger, serves the same
 requests as the baseline. The fleet, the decision call and the display are handed in by
-kvledger/cli.py; this module only keeps the loop and the score, and `decide_asker` makes
+kvledger/app/cli.py; this module only keeps the loop and the score, and `decide_asker` makes
 the decision call from a `DecideClient`.
 """
 
@@ -18,13 +18,13 @@ import attrs
 from kvledger.client import Answer, DecideClient, DecideError, DecideRequest
 from kvledger.events import WorkerId
 from kvledger.settings import ReuseSettings
-from kvledger.workload import DEMO_BLOCK_SIZE, CacheChange, EngineCache, Request, request_tokens
+from kvledger.sim.workload import DEMO_BLOCK_SIZE, CacheChange, EngineCache, Request, request_tokens
 
 log = logging.getLogger("kvledger.demo")
 
 # What the loop hears back: decide's answer, or None when there is none (the request is
 # then placed as it would be without kvledger). Raw JSON answers are read as an Answer
-# too, since kvledger/cli.py still hands in an `ask` of its own that returns them.
+# too, since kvledger/app/cli.py still hands in an `ask` of its own that returns them.
 Ask = Callable[[Request, str | None], Awaitable[Answer | None]]
 
 

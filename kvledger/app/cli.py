@@ -2,7 +2,7 @@
 
 Stage packages (`ingest`, `store`, `decide`) are imported inside the subcommand that runs
 them, never at module import, so the core and `config show` work without their
-dependencies (and DESIGN's import rule stays true).
+dependencies (and the layering of docs/core.md stays true).
 """
 
 import argparse
@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 import kvledger
+from kvledger.runtime.entry import REFUSED, configure_logging
 from kvledger.settings import (
     LoadedSettings,
     Settings,
@@ -103,7 +104,7 @@ def _decide_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _decide(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    """Run the reuse decision service (imported here: DESIGN's import rule)."""
+    """Run the reuse decision service (imported here: only the command composes stages)."""
     from decide.service import run
 
     return run(loaded.settings)
@@ -128,7 +129,7 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _stage_services(settings: Settings, sources: list) -> dict:
-    """ingest (when there are engine streams), store and decide as services for kvledger.system."""
+    """ingest (when there are engine streams), store and decide as services for kvledger.runtime.system."""
     from decide.service import DecideService
     from ingest.bridge import Bridge
     from store.projector import StoreService
@@ -155,8 +156,8 @@ def _local_system(
     loaded: LoadedSettings, data_dir: str, extra: Mapping[str, object] | None = None, *, nats_port: int | None = None,
 ):
     """Settings for `up`/`demo`: an embedded nats-server and a migrated SQLite unless URLs were given."""
-    from kvledger.embedded import EmbeddedNats
-    from kvledger.system import local_overrides, wants_embedded_nats
+    from kvledger.runtime.embedded import EmbeddedNats
+    from kvledger.runtime.system import local_overrides, wants_embedded_nats
     from store import database
 
     overrides = {**local_overrides(loaded, data_dir), **(extra or {})}
@@ -184,9 +185,9 @@ def _flat(settings: Settings) -> dict[str, object]:
 def _up(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     """Run every stage in this process until Ctrl-C or SIGTERM; run it again to resume."""
     from ingest.service import sources_from
-    from kvledger.system import install_stop_signals, run_services
+    from kvledger.runtime.system import install_stop_signals, run_services
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
 
     async def main(settings: Settings) -> None:
         stop = asyncio.Event()
@@ -233,7 +234,7 @@ def _demo(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     extra: dict[str, object] = {"ingest.http_port": 0, "store.http_port": 0, "decide.http_port": 0}
     if args.enable_reuse:
         extra |= {"reuse.enable_decode_to_prefill_reuse": True, "reuse.enable_decode_to_prefill_gpu_reuse": True}
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(logging.WARNING)
     # The demo is self-contained: its own nats-server on a free port, not `up`'s 4222.
     with _local_system(loaded, args.data_dir, extra, nats_port=-1) as settings:
         return asyncio.run(_run_demo(settings, args))
@@ -246,13 +247,13 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from ingest.endpoints import StreamSource
-    from ingest.fleet import SimulatedFleet
+    from kvledger.sim.fleet import SimulatedFleet
     from kvledger.client import DecideClient
-    from kvledger.demo import DemoScore, decide_asker, run_closed_loop
+    from kvledger.app.demo import DemoScore, decide_asker, run_closed_loop
     from kvledger.events import Provenance
-    from kvledger.nats_options import connect_options
-    from kvledger.system import run_services
-    from kvledger.workload import DEMO_BLOCK_SIZE, mooncake_requests, synthetic_requests
+    from kvledger.runtime.nats_options import connect_options
+    from kvledger.runtime.system import run_services
+    from kvledger.sim.workload import DEMO_BLOCK_SIZE, mooncake_requests, synthetic_requests
     from store.commands import ledger_counts
 
     console = Console()
@@ -333,7 +334,7 @@ async def _wait_decide_ready(nc) -> None:
     """The decision service answers once it is up; until then requests find no responder."""
     import nats.errors
 
-    from kvledger.streams import DECIDE_SUBJECT
+    from kvledger.runtime.streams import DECIDE_SUBJECT
 
     deadline = asyncio.get_running_loop().time() + 60
     attempt = 0
@@ -572,12 +573,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except Exception as exc:
         # A refused NATS login is a configuration problem: say so in one line, not a traceback.
-        from kvledger.nats_options import auth_failure, is_auth_error
+        from kvledger.runtime.nats_options import auth_failure, is_auth_error
 
         if not is_auth_error(exc):
             raise
         print(f"kvledger: {auth_failure(loaded.settings.nats, exc)}", file=sys.stderr)
-        return 1
+        return REFUSED
 
 
 if __name__ == "__main__":

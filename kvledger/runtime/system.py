@@ -1,6 +1,6 @@
 """Running several services in one process: `kvledger up` and `kvledger demo`.
 
-The stages are handed in as plain async callables by kvledger/cli.py (the one place that
+The stages are handed in as plain async callables by kvledger/app/cli.py (the one place that
 imports them), so this module knows lifetimes, not stages.
 """
 

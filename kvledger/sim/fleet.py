@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 import socket
 
-from ingest.simulator import SimulatedEngine
-from ingest.wire import VllmBlockRemoved, VllmBlockStored
+from kvledger.sim.engine import SimulatedEngine
+from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored
 from kvledger.events import WorkerId
-from kvledger.lifetime import AsyncLifetime
-from kvledger.workload import CacheChange, EngineCache, Request, block_tokens
+from kvledger.runtime.lifetime import AsyncLifetime
+from kvledger.sim.workload import CacheChange, EngineCache, Request, block_tokens
 
 
 def free_tcp_port() -> int:

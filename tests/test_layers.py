@@ -1,0 +1,66 @@
+"""The layering docs/core.md states, checked on the source: which tier may import which."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("ingest", "store", "decide")
+CORE = tuple(sorted(path.stem for path in (ROOT / "kvledger").glob("*.py") if path.stem not in ("__init__", "client")))
+
+
+def imported_modules(path: Path) -> set[str]:
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules.add(node.module)
+    return modules
+
+
+def first_party(modules: set[str]) -> set[str]:
+    return {module for module in modules if module.split(".")[0] in ("kvledger", *STAGES)}
+
+
+def sources(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_the_core_imports_only_the_core(name: str) -> None:
+    imported = first_party(imported_modules(ROOT / "kvledger" / f"{name}.py"))
+    outside = {module for module in imported if module.split(".")[0] != "kvledger" or module.split(".")[1] not in CORE}
+    assert outside == set(), f"kvledger/{name}.py imports {sorted(outside)}"
+
+
+def test_the_core_opens_no_sockets_processes_or_sql() -> None:
+    worldly = {"socket", "subprocess", "asyncio", "nats", "zmq", "sqlalchemy", "aiohttp", "multiprocessing"}
+    found = {name: sorted(imported_modules(ROOT / "kvledger" / f"{name}.py") & worldly) for name in CORE}
+    assert {name: modules for name, modules in found.items() if modules} == {}
+
+
+def test_the_runtime_imports_no_stage_no_app_and_no_simulator() -> None:
+    for path in sources("kvledger/runtime"):
+        bad = {m for m in first_party(imported_modules(path)) if m.split(".")[0] in STAGES or m.startswith(("kvledger.app", "kvledger.sim"))}
+        assert bad == set(), f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stage_imports_no_other_stage_nor_the_app_nor_the_simulator(stage: str) -> None:
+    for path in sources(stage):
+        bad = {m for m in first_party(imported_modules(path))
+               if (m.split(".")[0] in STAGES and m.split(".")[0] != stage) or m.startswith(("kvledger.app", "kvledger.sim"))}
+        assert bad == set(), f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_the_client_and_the_simulator_import_no_stage_but_ingest_s_engine_formats() -> None:
+    # The simulator speaks what ingest reads: the engines' framing and their endpoint convention.
+    engine_formats = {"ingest.wire", "ingest.endpoints"}
+    for path in [ROOT / "kvledger" / "client.py", *sources("kvledger/sim")]:
+        bad = {m for m in first_party(imported_modules(path))
+               if (m.split(".")[0] in STAGES and m not in engine_formats) or m.startswith("kvledger.app")}
+        assert bad == set(), f"{path.relative_to(ROOT)} imports {sorted(bad)}"
