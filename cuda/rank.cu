@@ -200,6 +200,7 @@ extern "C" __global__ void __launch_bounds__(RANK_THREADS) rank_requests(
             if (prefix <= baseline) continue;
             longer = 1;
             const long long transfer_blocks = prefix - baseline;
+            // kvledger/cost.py's model, the same expressions in the same order (bit-equal floats).
             const double recompute_ms = (double)(transfer_blocks * block_size) * prefill_token_us / 1000.0;
             const double transfer_ms = (double)transfer_blocks * (tier == 0 ? device_block_us : host_block_us) / 1000.0;
             const double saving_ms = recompute_ms - transfer_ms;

@@ -20,6 +20,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
+from kvledger import cost
 from kvledger.hashing import HASH_SEED
 
 
@@ -46,6 +47,11 @@ _compiled = numba.njit(cache=True, nogil=True)
 # Small helpers are inlined where they are used: a call that passes arrays pays their
 # reference counts (atomic), which cost more than what the helpers do.
 _inlined = numba.njit(cache=True, nogil=True, inline="always")
+
+# The cost model, compiled from its one definition.
+_recompute_ms = _inlined(cost.recompute_ms)
+_transfer_ms = _inlined(cost.transfer_ms)
+_block_us = _inlined(cost.block_us)
 
 # --- XXH3-64 of the 16-byte (parent ‖ local) pair, seed 1337 ------------------------------
 
@@ -392,8 +398,8 @@ def rank_requests(
                             continue
                         longer = True
                         transfer_blocks = prefix - baseline
-                        recompute_ms = np.float64(np.int64(transfer_blocks) * block_sizes[request]) * prefill_token_us / 1000.0
-                        transfer_ms = np.float64(transfer_blocks) * (gpu_block_us if tier == 0 else block_us) / 1000.0
+                        recompute_ms = _recompute_ms(np.int64(transfer_blocks), np.int64(block_sizes[request]), prefill_token_us)
+                        transfer_ms = _transfer_ms(np.int64(transfer_blocks), _block_us(tier == 0, gpu_block_us, block_us))
                         saving_ms = recompute_ms - transfer_ms
                         if transfer_blocks < minimum_blocks or not saving_ms >= minimum_saving_ms:
                             continue

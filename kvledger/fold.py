@@ -23,6 +23,7 @@ from kvledger.events import (
     Tier,
     WorkerId,
 )
+from kvledger import precedence
 from kvledger.hashing import chain_hash
 from kvledger.residency import ResidencyRule, rule_for
 
@@ -319,11 +320,11 @@ class InventoryFold:
                     ), stream_seq, facts,
                 )  # fmt: skip
             else:
-                # Retained records are advisory: one that disagrees with the engine's own
+                # kvledger/precedence.py, rule 1: one that disagrees with the engine's own
                 # topology for this block is kept for audit and never indexed.
                 native_entry = native.topology.get(engine_hash)
-                conflict = native_entry is not None and (
-                    native_entry.parent_hash != parent or native_entry.sequence_hash != sequence_hash
+                conflict = native_entry is not None and precedence.contradicts(
+                    native_entry.parent_hash, native_entry.sequence_hash, parent, sequence_hash
                 )
                 if conflict:
                     self._count(state, "retained_conflict")
@@ -412,17 +413,16 @@ class InventoryFold:
         native = state.by_provenance[NATIVE]
         engine_hash, parent, sequence_hash = record.engine_hash, record.parent_hash, record.sequence_hash
         entry = native.topology.get(engine_hash)
-        if entry is not None and (entry.parent_hash != parent or entry.sequence_hash != sequence_hash):
+        if entry is not None and precedence.contradicts(entry.parent_hash, entry.sequence_hash, parent, sequence_hash):
             self._count(state, "native_reparent")
         attach_record(native, record)
         facts.append(BlockStoredFact(record))
-        # Native is authoritative for topology: retained records of this block that
-        # disagree with it become audit-only.
+        # kvledger/precedence.py, rule 1: retained records of this block that disagree become audit-only.
         retained = state.by_provenance[RETAINED]
         if engine_hash not in retained.topology:
             return
         for held in _copies(retained, engine_hash):
-            if held.parent_hash != parent or held.sequence_hash != sequence_hash:
+            if precedence.contradicts(parent, sequence_hash, held.parent_hash, held.sequence_hash):
                 _detach(retained, held)
                 demoted = attrs.evolve(held, conflict=True)
                 attach_record(retained, demoted)
@@ -433,7 +433,7 @@ class InventoryFold:
         """Sequence hash of the parent block, native topology first; None starts a new chain."""
         if parent is None:
             return None
-        for provenance in (NATIVE, RETAINED):
+        for provenance in precedence.PARENT_LOOKUP:
             entry = state.by_provenance[provenance].topology.get(parent)
             if entry is not None:
                 return entry.sequence_hash

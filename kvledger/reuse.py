@@ -12,12 +12,11 @@ from typing import Protocol
 
 import attrs
 
+from kvledger import cost, precedence
 from kvledger.events import Provenance, Tier, WorkerId
 from kvledger.hashing import BlockKeys, local_block_hashes, sequence_hashes
 from kvledger.settings import ReuseSettings, settings_digest
 
-NATIVE = Provenance.NATIVE
-RETAINED = Provenance.RETAINED
 # Tiers that hold blocks locally on a worker, best first; external stores are not a worker's own.
 LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 _TIER_RANK = {tier: rank for rank, tier in enumerate(LOCAL_TIERS)}
@@ -135,17 +134,18 @@ def overlap_of(view: InventoryView, worker: WorkerId, sequence: Sequence[int]) -
             length += 1
         return length
 
+    # kvledger/precedence.py, rule 4: sources and credit count what the engine announced.
     def native_on(tier: Tier) -> Callable[[int], bool]:
-        return lambda h: view.holds(worker, NATIVE, tier, h)
+        return lambda h: view.holds(worker, precedence.CREDITED, tier, h)
 
     return Overlap(
         device=prefix(native_on(Tier.DEVICE)),
         host=prefix(native_on(Tier.HOST)),
         disk=prefix(native_on(Tier.DISK)),
-        any=prefix(lambda h: any(view.holds(worker, NATIVE, tier, h) for tier in LOCAL_TIERS)),
-        # Retained device blocks still spare the target a transfer after a native eviction.
+        any=prefix(lambda h: any(view.holds(worker, precedence.CREDITED, tier, h) for tier in LOCAL_TIERS)),
+        # kvledger/precedence.py, rule 5: retained device blocks still spare the target a transfer.
         retained_device=prefix(
-            lambda h: view.holds(worker, NATIVE, Tier.DEVICE, h) or view.holds(worker, RETAINED, Tier.DEVICE, h)
+            lambda h: any(view.holds(worker, provenance, tier, h) for provenance, tier in precedence.BASELINE_CLASSES)
         ),
     )
 
@@ -159,7 +159,7 @@ def credit_of(view: InventoryView, worker: WorkerId, sequence: Sequence[int], se
     }
     credit = 0.0
     for sequence_hash in sequence:
-        holding = [tier for tier in LOCAL_TIERS if view.holds(worker, NATIVE, tier, sequence_hash)]
+        holding = [tier for tier in LOCAL_TIERS if view.holds(worker, precedence.CREDITED, tier, sequence_hash)]
         if not holding:
             break
         credit += max(weights[tier] for tier in holding)
@@ -169,16 +169,13 @@ def credit_of(view: InventoryView, worker: WorkerId, sequence: Sequence[int], se
 def candidate_for(source: WorkerId, tier: Tier, prefix_blocks: int, baseline: int, block_size: int, settings: ReuseSettings) -> Candidate:
     """Cost model for moving `prefix_blocks − baseline` blocks from `source`'s `tier` instead of recomputing them."""
     transfer_blocks = prefix_blocks - baseline
-    recompute_ms = transfer_blocks * block_size * settings.transfer_source_prefill_token_us / 1000.0
-    block_us = (
-        settings.transfer_source_gpu_estimated_block_us
-        if tier is Tier.DEVICE
-        else settings.transfer_source_estimated_block_us
+    recompute = cost.recompute_ms(transfer_blocks, block_size, settings.transfer_source_prefill_token_us)
+    per_block = cost.block_us(
+        tier is Tier.DEVICE, settings.transfer_source_gpu_estimated_block_us, settings.transfer_source_estimated_block_us
     )
-    transfer_ms = transfer_blocks * block_us / 1000.0
+    transfer = cost.transfer_ms(transfer_blocks, per_block)
     return Candidate(
-        source.publisher, source.dp_rank, tier, prefix_blocks, transfer_blocks,
-        recompute_ms, transfer_ms, recompute_ms - transfer_ms,
+        source.publisher, source.dp_rank, tier, prefix_blocks, transfer_blocks, recompute, transfer, recompute - transfer,
     )
 
 

@@ -18,7 +18,10 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             modules.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            modules.add(node.module)
+            if node.module == "kvledger":  # `from kvledger import cost` imports kvledger.cost
+                modules.update(f"kvledger.{alias.name}" for alias in node.names)
+            else:
+                modules.add(node.module)
     return modules
 
 

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import attrs
 
+from kvledger import cost
 from kvledger.client import Answer, DecideClient, DecideError, DecideRequest
 from kvledger.events import WorkerId
 from kvledger.settings import ReuseSettings
@@ -59,7 +60,7 @@ class DemoScore:
     def routing_saving_ms(self, block_size: int, reuse: ReuseSettings) -> float:
         """Prefill avoided by prefix hits that round-robin routing would have missed."""
         extra_blocks = self.hit_blocks - self.baseline_hit_blocks
-        return extra_blocks * block_size * reuse.transfer_source_prefill_token_us / 1000.0
+        return cost.recompute_ms(extra_blocks, block_size, reuse.transfer_source_prefill_token_us)
 
 
 def decide_asker(client: DecideClient, block_size: int = DEMO_BLOCK_SIZE) -> Ask:
