@@ -126,7 +126,7 @@ class InventoryIndex:
         state = self.fold.worker_state(worker)
         if state is None:
             return ()
-        return tuple(own.rule(tier) for own in state.by_provenance.values() for tier in Tier)
+        return state.residency_rules()
 
     def skip(self, stream_seq: int) -> None:
         """A stream message that could not be decoded still moves the index past its seq."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import attrs
 
@@ -224,6 +224,34 @@ class WorkerState:
     def epoch(self) -> int | None:
         return self.by_provenance[NATIVE].epoch
 
+    def position(self, provenance: Provenance) -> ProvenancePosition:
+        """Where one provenance stands beyond its records: what snapshots and SQL keep of it."""
+        own = self.by_provenance[provenance]
+        return ProvenancePosition(own.epoch, own.seq, own.uncertain_since, _groups_state(own))
+
+    def records(self, provenance: Provenance) -> Iterator[BlockRecord]:
+        """Every record of one provenance, on every tier (conflicting and unresolved ones included)."""
+        for tier_records in self.by_provenance[provenance].records.values():
+            yield from tier_records.values()
+
+    def residency_rules(self) -> tuple[ResidencyRule, ...]:
+        """The rule of every (provenance, tier): when it changes, what every block counts as may change."""
+        return tuple(own.rule(tier) for own in self.by_provenance.values() for tier in Tier)
+
+
+@attrs.frozen
+class ProvenancePosition:
+    """One provenance of a worker beyond its records: epoch, last engine seq, uncertainty, KV-cache groups.
+
+    `groups` is JSON-ready: `kinds` (group -> declared kind) and `tiers` (tier -> the groups
+    that stored there since it was last cleared).
+    """
+
+    epoch: int | None = None
+    seq: int | None = None
+    uncertain_since: int | None = None
+    groups: dict[str, dict] = attrs.field(factory=dict)
+
 
 class InventoryFold:
     """Applies canonical batches in stream order and keeps every worker's inventory."""
@@ -332,7 +360,7 @@ class InventoryFold:
                     state.worker, event.tier, RETAINED, engine_hash, sequence_hash, parent,
                     local_hash, stream_seq, conflict, group, ownership, event.spec_kind, event.sliding_window,
                 )
-                attach_record(retained, record)
+                _attach_record(retained, record)
                 facts.append(BlockStoredFact(record))
             if native.waiting or retained.waiting:
                 self._resolve_waiting(state, engine_hash, stream_seq, facts)
@@ -364,7 +392,7 @@ class InventoryFold:
                     state.worker, event.tier, provenance, engine_hash, 0, event.parent_hash, 0, stream_seq,
                     False, group, ownership, event.spec_kind, event.sliding_window, unresolved=True,
                 )
-                attach_record(own, record)
+                _attach_record(own, record)
                 facts.append(BlockStoredFact(record))
                 continue
             record = BlockRecord(
@@ -374,7 +402,7 @@ class InventoryFold:
             if provenance is NATIVE:
                 self._store_native(state, record, stream_seq, facts)
             else:
-                attach_record(own, record)
+                _attach_record(own, record)
                 facts.append(BlockStoredFact(record))
             if state.by_provenance[NATIVE].waiting or state.by_provenance[RETAINED].waiting:
                 self._resolve_waiting(state, engine_hash, stream_seq, facts)
@@ -397,7 +425,7 @@ class InventoryFold:
                     held, sequence_hash=entry.sequence_hash, parent_hash=entry.parent_hash, local_hash=entry.local_hash,
                     stream_seq=stream_seq, unresolved=False,
                 )
-                attach_record(own, resolved)
+                _attach_record(own, resolved)
                 facts.append(BlockRemovedFact(held, RemovalCause.RESOLVED, stream_seq))
                 facts.append(BlockStoredFact(resolved))
 
@@ -415,7 +443,7 @@ class InventoryFold:
         entry = native.topology.get(engine_hash)
         if entry is not None and precedence.contradicts(entry.parent_hash, entry.sequence_hash, parent, sequence_hash):
             self._count(state, "native_reparent")
-        attach_record(native, record)
+        _attach_record(native, record)
         facts.append(BlockStoredFact(record))
         # kvledger/precedence.py, rule 1: retained records of this block that disagree become audit-only.
         retained = state.by_provenance[RETAINED]
@@ -425,7 +453,7 @@ class InventoryFold:
             if precedence.contradicts(parent, sequence_hash, held.parent_hash, held.sequence_hash):
                 _detach(retained, held)
                 demoted = attrs.evolve(held, conflict=True)
-                attach_record(retained, demoted)
+                _attach_record(retained, demoted)
                 self._count(state, "retained_conflict")
                 facts.append(RetainedConflictFact(demoted, stream_seq))
 
@@ -545,8 +573,30 @@ class InventoryFold:
         if state is not None:
             state.counters[name] += 1
 
-    def restore_worker(self, state: WorkerState) -> None:
-        """Adopt a worker's state rebuilt elsewhere (from a snapshot)."""
+    def restore_worker(
+        self,
+        worker: WorkerId,
+        positions: Mapping[Provenance, ProvenancePosition],
+        records: Iterable[BlockRecord],
+        counters: Mapping[str, int] = {},
+    ) -> None:
+        """Rebuild one worker from what a snapshot or SQL kept: the one way state comes back.
+
+        `records` must come in the order they were stored (stream seq first), so the
+        topology ends as it was after folding.
+        """
+        state = WorkerState(worker)
+        state.counters.update(counters)
+        for provenance, position in positions.items():
+            own = state.by_provenance[provenance]
+            own.epoch, own.seq, own.uncertain_since = position.epoch, position.seq, position.uncertain_since
+            _restore_groups(own, position.groups)
+        for record in records:
+            _attach_record(state.by_provenance[record.provenance], record)
+        self._workers[worker] = state
+
+    def adopt_worker(self, state: WorkerState) -> None:
+        """Take over a worker another fold holds (to merge folds of disjoint workers)."""
         self._workers[state.worker] = state
 
     # --- reading ---------------------------------------------------------------------
@@ -647,7 +697,7 @@ def _fill_hole(own: _ProvenanceState, seq: int) -> bool:
     return False
 
 
-def groups_state(own: _ProvenanceState) -> dict[str, dict]:
+def _groups_state(own: _ProvenanceState) -> dict[str, dict]:
     """What one provenance knows of its KV-cache groups beyond its records, JSON-ready (for restores)."""
     return {
         "kinds": {str(group): kind for group, kind in sorted(own.group_kinds.items())},
@@ -655,8 +705,8 @@ def groups_state(own: _ProvenanceState) -> dict[str, dict]:
     }
 
 
-def restore_groups(own: _ProvenanceState, state: dict[str, dict]) -> None:
-    """Adopt `groups_state`'s output (before or after the records are attached)."""
+def _restore_groups(own: _ProvenanceState, state: dict[str, dict]) -> None:
+    """Adopt `_groups_state`'s output (before or after the records are attached)."""
     own.group_kinds.update({int(group): kind for group, kind in state.get("kinds", {}).items()})
     for tier_name, groups in state.get("tiers", {}).items():
         own.tier_groups[Tier(tier_name)].update(groups)
@@ -667,7 +717,7 @@ def _record_order(record: BlockRecord) -> tuple:
     return (record.engine_hash, record.group_idx, record.ownership or "")
 
 
-def attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
+def _attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
     """Hold `record` in one provenance's inventory (the fold's and every restore's one way in)."""
     tier, group = record.tier, record.group_idx
     own.records[tier][(group, record.ownership, record.engine_hash)] = record

@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 
 from kvledger.events import Provenance, Tier, WorkerId
-from kvledger.fold import BlockRecord, InventoryFold, WorkerState, attach_record, groups_state, restore_groups
+from kvledger.fold import BlockRecord, InventoryFold, ProvenancePosition
 
 SNAPSHOT_VERSION = 2  # 2: each record's group, ownership, cache spec, references, resolution
 _TIER_CODES = {tier: code for code, tier in enumerate(Tier)}
@@ -43,7 +43,7 @@ class _ProvenanceWire(msgspec.Struct, array_like=True):
     spec_kinds: bytes  # uint32
     sliding_windows: bytes  # int64, -1: none
     names: list[str]
-    kv_cache_groups: dict[str, dict]  # kvledger.fold.groups_state
+    kv_cache_groups: dict[str, dict]  # kvledger.fold.ProvenancePosition.groups
 
 
 class _WorkerWire(msgspec.Struct, array_like=True):
@@ -66,9 +66,10 @@ def encode_snapshot(fold: InventoryFold) -> bytes:
     for worker in fold.workers():
         state = fold.worker_state(worker)
         provenances = []
-        for provenance, own in state.by_provenance.items():
+        for provenance in Provenance:
+            position = state.position(provenance)
             records = sorted(
-                (record for tier_records in own.records.values() for record in tier_records.values()),
+                state.records(provenance),
                 key=lambda r: (r.stream_seq, _TIER_CODES[r.tier], r.engine_hash, r.group_idx, r.ownership or ""),
             )
             names: dict[str | None, int] = {None: 0}
@@ -77,7 +78,7 @@ def encode_snapshot(fold: InventoryFold) -> bytes:
                 names.setdefault(record.spec_kind, len(names))
             provenances.append(
                 _ProvenanceWire(
-                    provenance.value, own.epoch, own.seq, own.uncertain_since,
+                    provenance.value, position.epoch, position.seq, position.uncertain_since,
                     np.array([_TIER_CODES[r.tier] for r in records], dtype=np.uint8).tobytes(),
                     np.array([r.engine_hash for r in records], dtype=np.uint64).tobytes(),
                     np.array([r.sequence_hash for r in records], dtype=np.uint64).tobytes(),
@@ -93,7 +94,7 @@ def encode_snapshot(fold: InventoryFold) -> bytes:
                     np.array([names[r.spec_kind] for r in records], dtype=np.uint32).tobytes(),
                     np.array([-1 if r.sliding_window is None else r.sliding_window for r in records], dtype=np.int64).tobytes(),
                     [name for name in names if name is not None],
-                    groups_state(own),
+                    position.groups,
                 )
             )
         workers.append(_WorkerWire(worker.publisher, worker.dp_rank, dict(state.counters), provenances))
@@ -113,13 +114,11 @@ def decode_snapshot(data: bytes) -> InventoryFold:
     fold.counters.update(wire.counters)
     for worker_wire in wire.workers:
         worker = WorkerId(worker_wire.publisher, worker_wire.dp_rank)
-        state = WorkerState(worker)
-        state.counters.update(worker_wire.counters)
+        positions, records = {}, []
         for provenance_wire in worker_wire.provenances:
-            own = state.by_provenance[Provenance(provenance_wire.provenance)]
-            own.epoch, own.seq = provenance_wire.epoch, provenance_wire.seq
-            own.uncertain_since = provenance_wire.uncertain_since
-            restore_groups(own, provenance_wire.kv_cache_groups)
+            positions[Provenance(provenance_wire.provenance)] = ProvenancePosition(
+                provenance_wire.epoch, provenance_wire.seq, provenance_wire.uncertain_since, provenance_wire.kv_cache_groups,
+            )
             columns = zip(
                 np.frombuffer(provenance_wire.tiers, dtype=np.uint8).tolist(),
                 np.frombuffer(provenance_wire.engine_hashes, dtype=np.uint64).tolist(),
@@ -144,10 +143,10 @@ def decode_snapshot(data: bytes) -> InventoryFold:
                 tier, engine, sequence, parent, has_parent, local, stream_seq, conflict, group, refs, unresolved,
                 ownership, spec_kind, window,
             ) in columns:
-                attach_record(own, BlockRecord(
+                records.append(BlockRecord(
                     worker, _TIERS[tier], provenance, engine, sequence, parent if has_parent else None, local,
                     stream_seq, conflict, group, names[ownership], names[spec_kind], None if window < 0 else window,
                     refs, unresolved,
                 ))
-        fold.restore_worker(state)
+        fold.restore_worker(worker, positions, records, worker_wire.counters)
     return fold

@@ -23,7 +23,6 @@ from kvledger.fold import (
     InventoryFold,
     RetainedConflictFact,
     UncertaintyFact,
-    groups_state,
 )
 
 RowKey = tuple[int, int]  # (stored_seq, slot)
@@ -237,12 +236,12 @@ class ChangeBuilder:
         """Render what is per transaction rather than per batch: worker rows and counters."""
         for worker, (first, last, ingest_ts) in changes.workers.items():
             state = fold.worker_state(worker)
-            native, retained = state.by_provenance[Provenance.NATIVE], state.by_provenance[Provenance.RETAINED]
+            native, retained = state.position(Provenance.NATIVE), state.position(Provenance.RETAINED)
             changes.worker_rows.append((
                 worker.publisher, worker.dp_rank, native.epoch, native.seq, native.uncertain_since,
                 retained.epoch, retained.seq, retained.uncertain_since,
                 first, last, ingest_ts, json.dumps(dict(state.counters), sort_keys=True),
-                json.dumps({p.value: groups_state(own) for p, own in state.by_provenance.items()}, sort_keys=True),
+                json.dumps({"native": native.groups, "retained": retained.groups}, sort_keys=True),
             ))  # fmt: skip
         changes.checkpoint_counters = json.dumps(dict(fold.counters), sort_keys=True)
         return changes

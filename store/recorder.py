@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import sqlalchemy as sa
 
 from kvledger.events import Provenance, Tier, WorkerId
-from kvledger.fold import BlockRecord, InventoryFold, WorkerState, attach_record, restore_groups
+from kvledger.fold import BlockRecord, InventoryFold, ProvenancePosition
 from store import tables
 from store.changes import (
     DEAD_LETTER_COLUMNS,
@@ -226,20 +226,19 @@ def load_fold(engine: sa.Engine, shard: Shard = SINGLE) -> tuple[InventoryFold, 
             return fold, index
         fold.inventory_seq = row.stream_seq
         fold.counters.update(json.loads(row.counters))
-        states: dict[WorkerId, WorkerState] = {}
+        # per worker: (positions, records in stored order, counters), for fold.restore_worker
+        kept: dict[WorkerId, tuple[dict, list[BlockRecord], dict]] = {}
         for w in connection.execute(sa.select(t.workers)):
             if not shard.owns_publisher(w.publisher):
                 continue
-            worker = WorkerId(w.publisher, w.dp_rank)
-            state = states[worker] = WorkerState(worker)
-            state.counters.update(json.loads(w.counters))
-            native, retained = state.by_provenance[Provenance.NATIVE], state.by_provenance[Provenance.RETAINED]
-            native.epoch, native.seq, native.uncertain_since = w.epoch, w.engine_seq, w.uncertain_since
-            retained.epoch, retained.seq, retained.uncertain_since = (
-                w.retained_epoch, w.retained_engine_seq, w.retained_uncertain_since,
-            )
-            for provenance_name, groups in json.loads(w.kv_cache_groups).items():
-                restore_groups(state.by_provenance[Provenance(provenance_name)], groups)
+            groups = json.loads(w.kv_cache_groups)
+            positions = {
+                Provenance.NATIVE: ProvenancePosition(w.epoch, w.engine_seq, w.uncertain_since, groups.get("native", {})),
+                Provenance.RETAINED: ProvenancePosition(
+                    w.retained_epoch, w.retained_engine_seq, w.retained_uncertain_since, groups.get("retained", {}),
+                ),
+            }
+            kept[WorkerId(w.publisher, w.dp_rank)] = (positions, [], json.loads(w.counters))
         r = t.block_residency.c
         rows = connection.execution_options(yield_per=50_000).execute(
             sa.select(
@@ -269,8 +268,8 @@ def load_fold(engine: sa.Engine, shard: Shard = SINGLE) -> tuple[InventoryFold, 
                 None if parent is None else to_unsigned(parent), to_unsigned(local), stored_seq, conflict is not None,
                 group, ownership, spec_kind, window, refs, bool(unresolved),
             )  # fmt: skip
-            attach_record(states[worker].by_provenance[provenance], record)
+            kept[worker][1].append(record)
             index.setdefault((worker, provenance), {}).setdefault(tier, {})[record.key] = (stored_seq, slot)
-    for state in states.values():
-        fold.restore_worker(state)
+    for worker, (positions, records, counters) in kept.items():
+        fold.restore_worker(worker, positions, records, counters)
     return fold, index

@@ -27,7 +27,7 @@ from kvledger.events import (
     WorkerId,
     encode_batch,
 )
-from kvledger.fold import InventoryFold, groups_state
+from kvledger.fold import InventoryFold
 from kvledger.settings import Settings, load_settings
 from kvledger.runtime.streams import events_stream
 from store import audit, database
@@ -169,7 +169,7 @@ def fold_state(fold: InventoryFold) -> dict:
     for worker in fold.workers():
         state = fold.worker_state(worker)
         workers[worker.name] = (
-            {p.value: (s.epoch, s.seq, s.uncertain_since, groups_state(s)) for p, s in state.by_provenance.items()},
+            {p.value: attrs.astuple(state.position(p), recurse=False) for p in Provenance},
             {k: v for k, v in state.counters.items() if v},
         )
     return {

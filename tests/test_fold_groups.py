@@ -19,7 +19,7 @@ from kvledger.events import (
 )
 from kvledger.fold import (
     BlockReferencedFact, BlockRemovedFact, BlockStoredFact, InventoryClearedFact, InventoryFold, RemovalCause,
-    UncertaintyFact, groups_state,
+    UncertaintyFact,
 )
 from kvledger.hashing import chain_hash, sequence_hashes
 from kvledger.residency import ResidencyRule, decides, rule_for
@@ -339,7 +339,7 @@ def state_of(fold: InventoryFold) -> tuple:
     return (
         fold.inventory_seq, sorted(fold.counters.items()), list(fold.iter_records()),
         [(w, fold.is_uncertain(w), sorted(fold.worker_state(w).counters.items()),
-          [groups_state(own) for own in fold.worker_state(w).by_provenance.values()]) for w in fold.workers()],
+          [fold.worker_state(w).position(p).groups for p in Provenance]) for w in fold.workers()],
     )
 
 

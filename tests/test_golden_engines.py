@@ -26,7 +26,7 @@ from kvledger.sim.engine import SimulatedEngine
 from ingest.wire import Engine, _tier, decode_payload
 from kvledger.decision_codec import decision_to_json, request_from_json
 from kvledger.events import EventBatch, Provenance, Tier, WorkerId
-from kvledger.fold import InventoryFold, groups_state
+from kvledger.fold import InventoryFold
 from kvledger.reuse import decide, overlap_of
 from kvledger.runtime.streams import DECIDE_SUBJECT
 from pipeline import pipeline_settings
@@ -190,8 +190,8 @@ async def test_every_golden_stream_through_ingest_store_and_decide(nats_server, 
                     attrs.evolve(record, stream_seq=_stream_seq_of(restored, record)) for record in fold.iter_worker_records(worker)
                 ]
                 for provenance in Provenance:
-                    assert groups_state(restored.worker_state(worker).by_provenance[provenance]) == groups_state(
-                        fold.worker_state(worker).by_provenance[provenance])
+                    assert restored.worker_state(worker).position(provenance).groups == (
+                        fold.worker_state(worker).position(provenance).groups)
             async with DecideService(settings) as service:
                 await _decide_equals_reference(service, settings, fixtures, total)
             store_stop.set()
@@ -207,7 +207,7 @@ async def _decide_equals_reference(service: DecideService, settings, fixtures: l
     for fixture in fixtures:  # the same stream order ingest published in, per worker
         fold, _ = folded(fixture)
         for worker in fold.workers():
-            reference.restore_worker(fold.worker_state(worker))
+            reference.adopt_worker(fold.worker_state(worker))
     nc = await nats.connect(settings.nats.url)
     try:
         async def ask(body: dict) -> dict:

@@ -145,7 +145,7 @@ async def test_health_metrics_and_redelivery_after_restart_change_nothing(nats_s
 async def test_hashes_above_2_63_round_trip_and_the_audit_cli_finds_them_in_three_notations(
     nats_server, db_url, capsys
 ) -> None:
-    from kvledger.cli import main
+    from kvledger.app.cli import main
 
     worker = WorkerId("hash-test")
     big = (1 << 64) - 2
@@ -169,7 +169,7 @@ async def test_hashes_above_2_63_round_trip_and_the_audit_cli_finds_them_in_thre
 
 
 async def test_decisions_and_ingest_dead_letters_are_projected_and_audited(nats_server, db_url, capsys) -> None:
-    from kvledger.cli import main
+    from kvledger.app.cli import main
     from kvledger.decision_codec import decision_to_json
     from kvledger.events import DeadLetter, encode_dead_letter
     from kvledger.reuse import ReuseRequest, decide
