@@ -27,6 +27,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
+from kvledger.runtime.embedded import nats_server_command
 from services import (
     POLL_INTERVAL_S,
     READY_TIMEOUT_S,
@@ -81,18 +82,11 @@ class ClusterNode:
 
     def launch(self) -> None:
         """Start the process; readiness is the caller's to await (peers must be launched first)."""
-        command = [
-            self.binary,
-            "-n", self.name,
-            "-a", "127.0.0.1",
-            "-p", str(self.client_port),
-            "-m", str(self.monitor_port),
-            "-js",
-            "-sd", str(self.store_dir),
-            "-cluster", f"nats://127.0.0.1:{self.route_port}",
-            "-cluster_name", CLUSTER_NAME,
-            "-routes", self._routes,
-        ]  # fmt: skip
+        command = nats_server_command(
+            self.binary, store_dir=self.store_dir, port=self.client_port, monitor_port=self.monitor_port,
+            extra_args=("-n", self.name, "-cluster", f"nats://127.0.0.1:{self.route_port}",
+                        "-cluster_name", CLUSTER_NAME, "-routes", self._routes),
+        )
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent

