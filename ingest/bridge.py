@@ -37,6 +37,7 @@ from kvledger.events import (
     DeadLetter, EventBatch, Gap, GapReason, Provenance, decode_batch, encode_batch,
     encode_dead_letter, events_subject,
 )
+from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.http import health_routes, serve_connection
 from kvledger.runtime.lifetime import AsyncLifetime, cancel_and_wait
 from kvledger.runtime.nats_options import connect_options
@@ -372,7 +373,7 @@ class Bridge(AsyncLifetime):
     async def _supervise(self, stream: EngineStream) -> None:
         # A bug or a vanished socket in one stream must not stop the others; its tracker
         # survives the restart, so no position is lost.
-        delay = 0.1
+        backoff = Backoff(first_s=0.1, limit_s=5.0)
         while True:
             try:
                 await stream.run()
@@ -383,8 +384,7 @@ class Bridge(AsyncLifetime):
                     raise  # nothing can be published any more: restarting would only spin
                 log.exception("%s: stream failed; restarting", stream.name)
                 stream.ready.clear()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await backoff.wait()
 
     async def resume_position(self, source: StreamSource) -> tuple[int, int]:
         """(epoch, next seq) after the last batch JetStream holds for this stream; (0, 0) if none."""

@@ -38,6 +38,7 @@ import nats.js.errors
 
 from ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError, ServerPool, msg_id_header
 
+from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.jetstream_ack import AckError, read_ack
 from kvledger.runtime.lifetime import cancel_and_wait
 from kvledger.runtime.nats_options import auth_failure, connect_options, describe_server, is_auth_error
@@ -208,7 +209,7 @@ class JetStreamPublisher:
     # --- the pump ---------------------------------------------------------------------
 
     async def _run(self) -> None:
-        delay = 0.05
+        backoff = Backoff()
         while not self._closing:
             published_before = self.counters.published
             try:
@@ -225,8 +226,9 @@ class JetStreamPublisher:
                 await self._disconnect()
                 # Back off until a connection gets something acknowledged: a server that takes
                 # the connection but refuses every publish must not be hammered.
-                delay = 0.05 if self.counters.published > published_before else min(delay * 2, 2.0)
-                await asyncio.sleep(delay)
+                if self.counters.published > published_before:
+                    backoff.reset()
+                await backoff.wait()
 
     async def _connect(self) -> None:
         options = connect_options(self._nats_settings, name="kvledger-ingest")

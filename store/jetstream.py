@@ -10,6 +10,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.nats_options import NatsAuthError, auth_failure, connect_options, describe_server, is_auth_error
 from kvledger.settings import NatsSettings
 
@@ -22,7 +23,7 @@ async def connect(settings: NatsSettings, stop: asyncio.Event) -> nats.NATS | No
     A refused login is not retried: it raises NatsAuthError, whose one line says which
     credentials were used (never their values).
     """
-    delay = 0.1
+    backoff = Backoff(first_s=0.1, limit_s=5.0)
     while not stop.is_set():
         refused = asyncio.Event()
         errors: list[Exception] = []
@@ -50,12 +51,8 @@ async def connect(settings: NatsSettings, stop: asyncio.Event) -> nats.NATS | No
         except Exception as error:  # nats-py raises several unrelated types for "not reachable"
             if is_auth_error(error):
                 raise auth_failure(settings, error) from None
-            log.warning("NATS at %s not reachable (%s); retrying in %.1fs", describe_server(settings), error, delay)
-            try:
-                await asyncio.wait_for(stop.wait(), delay)
-            except TimeoutError:
-                pass
-            delay = min(delay * 2, 5.0)
+            log.warning("NATS at %s not reachable (%s); retrying in %.1fs", describe_server(settings), error, backoff.delay_s)
+            await backoff.wait(stop)
         finally:
             watching.cancel()
     return None

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvledger.decision_codec import decision_from_json
 from kvledger.events import RecordError, decode_batch, decode_dead_letter
 from kvledger.fold import InventoryFold
+from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.http import health_routes, serve_connection
 from kvledger.settings import Settings
 from kvledger.runtime.streams import dead_letters_stream, decisions_stream, ensure_stream, events_stream
@@ -97,24 +98,6 @@ class StoreMetrics:
         return generate_latest(self.registry)
 
 
-async def _wait(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
-
-
-@attrs.define
-class _Backoff:
-    delay: float = 0.05
-    limit: float = 2.0
-
-    async def wait(self, stop: asyncio.Event) -> None:
-        await _wait(stop, self.delay)
-        self.delay = min(self.delay * 2, self.limit)
-
-    def reset(self) -> None:
-        self.delay = 0.05
-
-
 async def _refuse_skips(watch: ConsumerWatch, messages: list, checkpoint: int, metrics: StoreMetrics, stream: str) -> None:
     """Raise (and count) SkippedMessagesError when a fetched batch jumps past messages the stream holds."""
     try:
@@ -124,7 +107,7 @@ async def _refuse_skips(watch: ConsumerWatch, messages: list, checkpoint: int, m
         raise
 
 
-async def _wait_out_failure(error: Exception, stream: str, metrics: StoreMetrics, backoff: _Backoff, stop: asyncio.Event) -> None:
+async def _wait_out_failure(error: Exception, stream: str, metrics: StoreMetrics, backoff: Backoff, stop: asyncio.Event) -> None:
     """Count and log a failed projector session, then back off; the caller starts a fresh session."""
     if isinstance(error, DATABASE_ERRORS):
         metrics.database_errors.inc()
@@ -156,7 +139,7 @@ class EventsProjector:
         self.snapshots: SnapshotWriter | None = None
 
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
-        backoff = _Backoff()
+        backoff = Backoff()
         if self.shard.single:
             self.snapshots = SnapshotWriter(js, self.engine, self.settings.store, replicas=self.settings.stream.replicas)
         else:
@@ -363,7 +346,7 @@ class RowProjector:
     ready: bool = False
 
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
-        backoff = _Backoff()
+        backoff = Backoff()
         while not stop.is_set():
             try:
                 checkpoint = await asyncio.to_thread(self._checkpoint)
@@ -505,7 +488,7 @@ class StoreService:
         still recovering JetStream) times the stream lookups out, and the store must then
         wait like its projectors do, not end. A stream that differs from the spec stays fatal.
         """
-        backoff = _Backoff()
+        backoff = Backoff()
         specs = (
             events_stream(self.settings.stream), dead_letters_stream(self.settings.stream),
             decisions_stream(self.settings.stream),
