@@ -25,7 +25,7 @@ from prometheus_client import generate_latest
 
 from kvledger.decision_codec import RequestError, request_from_json
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
-from kvledger.runtime.http import Handler, Request, Response, health_routes, serve_connection
+from kvledger.runtime.http import HttpFront, HttpLimits, Request, Response, Route, health_routes
 from kvledger.runtime.lifetime import AsyncLifetime
 from kvledger.runtime.nats_options import auth_failure, connect_options, is_auth_error
 from kvledger.reuse import Reason, ReuseRequest
@@ -91,7 +91,7 @@ class DecideService(AsyncLifetime):
             self.answer, window_s=settings.decide.batch_window_us / 1e6, max_batch=settings.decide.max_batch,
         )
         self._singles: set[asyncio.Task] = set()  # single NATS requests being answered
-        self._http: asyncio.base_events.Server | None = None
+        self._http: HttpFront | None = None
         self._ready = asyncio.Event()
         self._warm_target = 0
         self._stopped = asyncio.Event()
@@ -138,18 +138,19 @@ class DecideService(AsyncLifetime):
         self._subscriptions.append(await self._nc.subscribe(DECIDE_SUBJECT, queue=QUEUE_GROUP, cb=self._on_single))
         self._subscriptions.append(await self._nc.subscribe(DECIDE_BATCH_SUBJECT, queue=QUEUE_GROUP, cb=self._on_batch))
         await settle_subscriptions(self._nc)  # the server has our interest before anyone is told we started
-        self._http = await asyncio.start_server(
-            functools.partial(serve_connection, router=self._routes()), host=settings.decide.http_host, port=settings.decide.http_port,
-        )
-        self.http_port = self._http.sockets[0].getsockname()[1]
+        limits = HttpLimits(idle_timeout_s=settings.decide.http_idle_timeout_s, body_timeout_s=settings.decide.http_body_timeout_s)
+        self._http = await HttpFront(
+            self._routes(), settings.decide.http_host, settings.decide.http_port, limits=limits,
+            token=settings.decide.http_token,
+        ).start()
+        self.http_port = self._http.port
         log.info("decide: NATS %s and %s; HTTP front, metrics and health on :%d",
                  DECIDE_SUBJECT, DECIDE_BATCH_SUBJECT, self.http_port)
         self._check_warm()
 
     async def close(self) -> None:
         if self._http is not None:
-            self._http.close()
-            await self._http.wait_closed()
+            await self._http.close()  # requests in progress are answered first
             self._http = None
         for subscription in self._subscriptions:
             try:
@@ -306,10 +307,17 @@ class DecideService(AsyncLifetime):
 
     # HTTP front
 
-    def _routes(self) -> dict[tuple[str, str], Handler]:
-        routes = health_routes(lambda: self.ready, lambda: generate_latest(self.metrics.registry))
-        routes[("POST", "/v1/decide")] = functools.partial(self._http_decide, batch=False)
-        routes[("POST", "/v1/decide/batch")] = functools.partial(self._http_decide, batch=True)
+    def _routes(self) -> dict[tuple[str, str], Route]:
+        settings = self.settings.decide
+        routes = health_routes(lambda: self.ready, lambda: generate_latest(self.metrics.registry),
+                               metrics_need_token=settings.http_token_for_metrics)
+        # With a token set, a request without it is refused before its body is read: it never reaches the audit log.
+        routes[("POST", "/v1/decide")] = Route(
+            functools.partial(self._http_decide, batch=False), settings.http_max_request_bytes, needs_token=True,
+        )
+        routes[("POST", "/v1/decide/batch")] = Route(
+            functools.partial(self._http_decide, batch=True), settings.http_max_batch_bytes, needs_token=True,
+        )
         return routes
 
     async def _http_decide(self, request: Request, *, batch: bool) -> Response:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
-import functools
 import logging
 import math
 import time
@@ -38,7 +37,7 @@ from kvledger.events import (
     encode_dead_letter, events_subject,
 )
 from kvledger.runtime.backoff import Backoff
-from kvledger.runtime.http import health_routes, serve_connection
+from kvledger.runtime.http import HttpFront, health_routes
 from kvledger.runtime.lifetime import AsyncLifetime, cancel_and_wait
 from kvledger.runtime.nats_options import connect_options
 from kvledger.settings import Settings
@@ -310,7 +309,7 @@ class Bridge(AsyncLifetime):
         self.metrics.publisher = self.publisher
         self._reader: nats.NATS | None = None
         self._tasks: list[asyncio.Task] = []
-        self._http: asyncio.Server | None = None
+        self._http: HttpFront | None = None
         self.http_port: int | None = None
         # Benchmarks hook here to see every engine-send → JetStream-ack latency.
         self.ack_observer: Callable[[float], None] | None = None
@@ -320,10 +319,8 @@ class Bridge(AsyncLifetime):
         await self.publisher.wait_connected(timeout=self.settings.nats.connect_timeout_s * 3)
         self._reader = await nats.connect(**connect_options(self.settings.nats, name="kvledger-ingest-reader"))
         router = health_routes(self.is_ready, lambda: generate_latest(self.metrics.registry))
-        self._http = await asyncio.start_server(
-            functools.partial(serve_connection, router=router), self.settings.ingest.http_host, self._http_port,
-        )
-        self.http_port = self._http.sockets[0].getsockname()[1]
+        self._http = await HttpFront(router, self.settings.ingest.http_host, self._http_port).start()
+        self.http_port = self._http.port
         self._tasks = [asyncio.create_task(self._supervise(stream), name=f"stream-{stream.name}") for stream in self.streams]
 
     async def close(self) -> None:
@@ -334,8 +331,7 @@ class Bridge(AsyncLifetime):
             self._tasks = []
             await self.publisher.close()
             if self._http is not None:
-                self._http.close()
-                await self._http.wait_closed()
+                await self._http.close()
                 self._http = None
             if self._reader is not None:
                 await self._reader.close()

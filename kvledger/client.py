@@ -206,10 +206,15 @@ class _NatsTransport:
 class _HttpTransport:
     """`POST /v1/decide[/batch]`; a 5xx or a lost connection is transient, a 4xx is not."""
 
-    def __init__(self, base_url: str, *, media_type: str, session: aiohttp.ClientSession | None) -> None:
+    def __init__(
+        self, base_url: str, *, media_type: str, session: aiohttp.ClientSession | None, token: str | None = None,
+    ) -> None:
         if media_type not in (JSON, MSGPACK):
             raise ValueError(f"media_type must be {JSON!r} or {MSGPACK!r}, got {media_type!r}")
         self.media_type = media_type
+        self._headers = {"Content-Type": media_type}
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._single_url = base_url.rstrip("/") + "/v1/decide"
         self._batch_url = self._single_url + "/batch"
         self._session = session
@@ -225,7 +230,7 @@ class _HttpTransport:
         url = self._batch_url if batch else self._single_url
         try:
             async with self._session_now().post(
-                url, data=payload, headers={"Content-Type": self.media_type},
+                url, data=payload, headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:
                 body = await response.read()
@@ -236,6 +241,8 @@ class _HttpTransport:
             raise _Transient(f"{type(error).__name__} on {url}: {error}") from error
         if status >= 500:
             raise _Transient(f"HTTP {status} from {url}: {_error_text(body)}")
+        if status == 401:  # retrying with the same token cannot help
+            raise DecideError(f"HTTP 401 from {url}: decide.http_token is set there; pass DecideClient.http(..., token=...)")
         # decide answers, and refuses (400, 415), in JSON or msgpack; a text/plain 404 means a wrong base URL.
         if media_type not in _CODECS:
             raise DecideError(f"HTTP {status} from {url}: {_error_text(body)}")
@@ -353,10 +360,13 @@ class DecideClient:
     @classmethod
     def http(
         cls, base_url: str, *, timeout: timedelta = DEFAULT_TIMEOUT, retry: RetryPolicy = RetryPolicy(),
-        media_type: str = JSON, session: aiohttp.ClientSession | None = None,
+        media_type: str = JSON, session: aiohttp.ClientSession | None = None, token: str | None = None,
     ) -> DecideClient:
-        """A client over decide's HTTP front (`http://host:decide.http_port`); a session given is left open."""
-        return cls(_HttpTransport(base_url, media_type=media_type, session=session), timeout=timeout, retry=retry)
+        """A client over decide's HTTP front (`http://host:decide.http_port`); a session given is left open.
+
+        `token` is decide's `decide.http_token`, sent as `Authorization: Bearer <token>`.
+        """
+        return cls(_HttpTransport(base_url, media_type=media_type, session=session, token=token), timeout=timeout, retry=retry)
 
     async def decide(self, request: DecideRequest) -> Answer:
         """The answer to one request; raises RequestRefused, or DecideUnavailable once every attempt failed."""

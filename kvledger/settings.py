@@ -318,6 +318,27 @@ class DecideSettings:
     max_batch: int = _setting(
         256, "Most single requests answered in one micro-batch.", rule=_between(1, 65536)
     )
+    http_token: str | None = _setting(
+        None, "Bearer token the HTTP decision API requires (`Authorization: Bearer <token>`); unset = none. "
+        "Set it whenever http_host reaches beyond this host: every answer is written to the audit log.",
+        secret=True, rule=_Rule(lambda value: "must not be empty" if value == "" else None),
+    )
+    http_token_for_metrics: bool = _setting(
+        False, "Whether /metrics needs decide.http_token too (/healthz and /readyz never do)."
+    )
+    http_max_request_bytes: int = _setting(
+        1024 * 1024, "Largest body of POST /v1/decide, in bytes (larger: 413, unread).", rule=_at_least(1)
+    )
+    http_max_batch_bytes: int = _setting(
+        64 * 1024 * 1024, "Largest body of POST /v1/decide/batch, in bytes (larger: 413, unread).", rule=_at_least(1)
+    )
+    http_idle_timeout_s: float = _setting(
+        10.0, "Seconds an HTTP connection may send nothing, or only part of a request head, before it is closed.",
+        rule=_positive(),
+    )
+    http_body_timeout_s: float = _setting(
+        10.0, "Seconds a request body may take to arrive whole (else 408).", rule=_positive()
+    )
 
 
 @attrs.frozen

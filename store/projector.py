@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import sqlite3
@@ -31,7 +30,7 @@ from kvledger.decision_codec import decision_from_json
 from kvledger.events import RecordError, decode_batch, decode_dead_letter
 from kvledger.fold import InventoryFold
 from kvledger.runtime.backoff import Backoff
-from kvledger.runtime.http import health_routes, serve_connection
+from kvledger.runtime.http import HttpFront, health_routes
 from kvledger.settings import Settings
 from kvledger.runtime.streams import dead_letters_stream, decisions_stream, ensure_stream, events_stream
 from store import tables
@@ -453,10 +452,8 @@ class StoreService:
         # Refuse an old schema before touching NATS: the fix is a command, not a retry.
         await asyncio.to_thread(require_current, self.engine, self.settings.db.url)
         router = health_routes(self.is_ready, self.metrics.text)
-        server = await asyncio.start_server(
-            functools.partial(serve_connection, router=router), self.settings.store.http_host, self.settings.store.http_port
-        )
-        self.http_port = server.sockets[0].getsockname()[1]
+        server = await HttpFront(router, self.settings.store.http_host, self.settings.store.http_port).start()
+        self.http_port = server.port
         log.info("store http on port %d", self.http_port)
         try:
             connection = await connect(self.settings.nats, stop)
@@ -476,8 +473,7 @@ class StoreService:
                 with contextlib.suppress(Exception):
                     await connection.close()
         finally:
-            server.close()
-            await server.wait_closed()
+            await server.close()
             self.engine.dispose()
 
 

@@ -16,6 +16,7 @@ import nats.errors
 import pytest
 
 from kvledger.client import (
+    DecideError,
     MSGPACK, Answer, DecideClient, DecideClientSync, DecideRequest, DecideUnavailable, RequestRefused, RetryPolicy,
 )
 from kvledger.app.demo import decide_asker, run_closed_loop
@@ -316,3 +317,24 @@ def test_backoff_doubles_up_to_its_ceiling_and_jitter_only_shortens_it() -> None
     with pytest.raises(ValueError):
         RetryPolicy(attempts=0)
     assert DecideRequest(block_size=16).request_id != DecideRequest(block_size=16).request_id
+
+
+async def test_with_decide_http_token_set_the_http_client_needs_it_and_a_refusal_is_never_recorded(nats_server) -> None:
+    settings = attrs.evolve(decide_settings(nats_server.url), decide=attrs.evolve(
+        decide_settings(nats_server.url).decide, http_token="router-secret"))
+    early, late = scenario()
+    async with await nats.connect(nats_server.url) as nc:
+        await ensure_stream(nc.jetstream(), events_stream(settings.stream))
+        await publish(nc.jetstream(), early + late)
+        async with DecideService(settings) as service:
+            await service.wait_ready(DEADLINE_S)
+            running = RunningDecide(service, settings, nc, nats_server.url)
+            url = f"http://127.0.0.1:{service.http_port}"
+            for token in (None, "guess"):
+                async with DecideClient.http(url, token=token, retry=RetryPolicy(attempts=3)) as client:
+                    with pytest.raises(DecideError, match="HTTP 401"):
+                        await client.decide(typed_request(f"refused-{token}"))
+            async with DecideClient.http(url, token="router-secret") as client:
+                answer = await client.decide(typed_request("allowed"))
+            assert answer.request_id == "allowed" and answer.target == "target"
+            assert await running.records() == 1  # the refused ones never reached KV_DECISIONS

@@ -257,7 +257,7 @@ class IngestProcess:
             reader, writer = await asyncio.open_connection("127.0.0.1", self.http_port)
         except OSError:
             return False
-        writer.write(f"GET {path} HTTP/1.1\r\nConnection: close\r\n\r\n".encode())
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
         status = (await reader.readline()).decode()
         writer.close()
         return " 200 " in status
@@ -332,7 +332,7 @@ async def test_the_health_endpoint_listens_on_the_configured_address(nats_server
     async with SimulatedEngine(pub, replay) as engine:
         settings = settings_for(nats_server.url, **{"ingest.http_host": host})
         async with Bridge(settings, [source(WorkerId("bound"), engine)]) as bridge:
-            assert bridge._http.sockets[0].getsockname()[0] == host
+            assert bridge._http.address[0] == host
             assert (await http_get(bridge.http_port, "/healthz"))[0] == 200
 
 

@@ -104,7 +104,7 @@ async def test_health_metrics_and_redelivery_after_restart_change_nothing(nats_s
         await running.until(lambda: checkpoint(db_url) >= last, "projection")
         await running.until(service.is_ready, "readiness")
         reader, writer = await asyncio.open_connection("127.0.0.1", service.http_port)
-        writer.write(b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         body = (await reader.read()).decode()
         writer.close()
         assert "kvledger_store_checkpoint_seq" in body and f'stream="KV_EVENTS"}} {float(last)}' in body

@@ -1,23 +1,41 @@
-"""A minimal HTTP/1.1 front for the services: health, readiness, metrics, small JSON APIs.
+"""The HTTP front of every stage (health, readiness, metrics, decide's JSON API) on aiohttp's server.
 
-This module only speaks the protocol over an asyncio stream pair it is handed; each stage
-opens its own listening socket (`asyncio.start_server(partial(serve_connection, router=...))`),
-so the core stays free of sockets.
+aiohttp speaks the protocol (keep-alive, pipelining, chunked bodies, malformed requests);
+this module adds what a front exposed to a network needs, per `HttpLimits`:
+
+- a connection that sends nothing, or only part of a request head, or idles between
+  requests, is closed after `idle_timeout_s` (aiohttp's keep-alive timer, which starts
+  when the connection opens), so half-open connections cannot pile up;
+- a body must arrive whole within `body_timeout_s` (else 408), and no larger than its
+  route allows: a Content-Length above the limit is 413 before any of the body is read,
+  and a chunked body stops being read once it passes the limit (413 as well);
+- a route may require a bearer token (`Authorization: Bearer <token>`): a missing or
+  wrong one is 401 before the body is read, so nothing of it reaches a handler;
+- `close()` stops listening, lets requests in progress finish (up to
+  `shutdown_timeout_s`) and closes idle connections.
+
+Handlers see a small `Request` and return a `Response`; routes are exact (method, path)
+pairs, an unknown path is 404 and a known path with another method 405.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 
 import attrs
+from aiohttp import web
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
-_REASONS = {
-    200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
-    413: "Payload Too Large", 415: "Unsupported Media Type", 500: "Internal Server Error", 503: "Service Unavailable",
-}
+log = logging.getLogger("kvledger.http")
+# aiohttp reports each malformed request (a missing Host, a bad request line) on this logger
+# with a traceback: the client's fault, already answered 400, so it is not logged again.
+_protocol_log = logging.getLogger("kvledger.http.protocol")
+_protocol_log.setLevel(logging.CRITICAL)
+
+_CHUNK = 64 * 1024
 
 
 @attrs.frozen
@@ -48,11 +66,31 @@ class Response:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
-# (method, path) -> handler
-Router = Mapping[tuple[str, str], Handler]
 
 
-def health_routes(is_ready: Callable[[], bool], metrics_text: Callable[[], bytes]) -> dict[tuple[str, str], Handler]:
+@attrs.frozen
+class Route:
+    """A handler, the largest body it takes, and whether it needs the front's bearer token."""
+
+    handler: Handler
+    max_body_bytes: int = 0
+    needs_token: bool = False
+
+
+# (method, path) -> route
+Router = Mapping[tuple[str, str], Route]
+
+
+@attrs.frozen
+class HttpLimits:
+    idle_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+    shutdown_timeout_s: float = 5.0
+
+
+def health_routes(
+    is_ready: Callable[[], bool], metrics_text: Callable[[], bytes], *, metrics_need_token: bool = False
+) -> dict[tuple[str, str], Route]:
     """The routes every service has: `/healthz` (alive), `/readyz` (ready to serve), `/metrics`."""
 
     async def healthz(_: Request) -> Response:
@@ -64,79 +102,100 @@ def health_routes(is_ready: Callable[[], bool], metrics_text: Callable[[], bytes
     async def metrics(_: Request) -> Response:
         return Response(200, metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
 
-    return {("GET", "/healthz"): healthz, ("GET", "/readyz"): readyz, ("GET", "/metrics"): metrics}
+    return {
+        ("GET", "/healthz"): Route(healthz),
+        ("GET", "/readyz"): Route(readyz),
+        ("GET", "/metrics"): Route(metrics, needs_token=metrics_need_token),
+    }
 
 
-async def serve_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, router: Router) -> None:
-    """Answer requests on one connection until the client closes it or asks to."""
-    try:
-        while True:
-            request, error = await _read_request(reader)
-            if request is None and error is None:
-                return
-            if error is not None:
-                await _write(writer, error, keep_alive=False)
-                return
-            response = await _dispatch(router, request)
-            keep_alive = request.headers.get("connection", "").lower() != "close"
-            await _write(writer, response, keep_alive)
-            if not keep_alive:
-                return
-    except (ConnectionError, asyncio.IncompleteReadError):
-        return
-    finally:
-        writer.close()
+class HttpFront:
+    """`front = await HttpFront(router, host, port).start()`; `front.port`; `await front.close()`."""
+
+    def __init__(
+        self, router: Router, host: str, port: int, *, limits: HttpLimits = HttpLimits(), token: str | None = None,
+    ) -> None:
+        if token is not None and not token:
+            raise ValueError("an empty bearer token would accept an empty Authorization header")
+        self._router = dict(router)
+        self._paths = {path for _, path in self._router}
+        self._host, self._requested_port = host, port
+        self._limits = limits
+        self._expected = f"Bearer {token}".encode() if token is not None else None
+        self._runner: web.ServerRunner | None = None
+        self.address: tuple = ()
+        self.port = 0
+
+    async def start(self) -> HttpFront:
+        server = web.Server(
+            self._handle, keepalive_timeout=self._limits.idle_timeout_s, access_log=None,
+            handler_cancellation=True, logger=_protocol_log,
+        )  # fmt: skip
+        self._runner = web.ServerRunner(server, shutdown_timeout=self._limits.shutdown_timeout_s)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._requested_port)
+        await site.start()
+        self.address = self._runner.addresses[0]  # (host, port) as bound
+        self.port = self.address[1]
+        return self
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def _handle(self, raw: web.BaseRequest) -> web.StreamResponse:
+        route = self._router.get((raw.method, raw.path))
+        if route is None:
+            status = 405 if raw.path in self._paths else 404
+            return _reply(Response.text(status, f"{raw.method} {raw.path}: not here\n"))
+        if route.needs_token and not self._authorized(raw):
+            return _reply(Response.text(401, "missing or wrong bearer token\n"), {"WWW-Authenticate": "Bearer"})
+        body, refusal = await self._read_body(raw, route.max_body_bytes)
+        if refusal is not None:
+            return _reply(refusal, {"Connection": "close"})
+        request = Request(raw.method, raw.path, {name.lower(): value for name, value in raw.headers.items()}, body)
+        try:
+            response = await route.handler(request)
+        except Exception as error:  # a handler bug must not take the service down
+            log.exception("%s %s failed", raw.method, raw.path)
+            response = Response.json(500, {"error": {"field": None, "message": f"internal error: {error}"}})
+        return _reply(response)
+
+    def _authorized(self, raw: web.BaseRequest) -> bool:
+        if self._expected is None:
+            return True
+        given = raw.headers.get("Authorization", "").encode()
+        return hmac.compare_digest(given, self._expected)
+
+    async def _read_body(self, raw: web.BaseRequest, limit: int) -> tuple[bytes, Response | None]:
+        too_large = Response.text(413, f"body larger than {limit} bytes\n")
+        if raw.content_length is not None and raw.content_length > limit:
+            return b"", too_large  # refused before reading any of it
+        if not raw.body_exists:
+            return b"", None
+        parts: list[bytes] = []
+        size = 0
+
+        async def read_all() -> Response | None:
+            nonlocal size
+            while True:
+                chunk = await raw.content.read(_CHUNK)
+                if not chunk:
+                    return None
+                size += len(chunk)
+                if size > limit:
+                    return too_large
+                parts.append(chunk)
+
+        try:
+            refusal = await asyncio.wait_for(read_all(), self._limits.body_timeout_s)
+        except TimeoutError:
+            return b"", Response.text(408, f"body not received within {self._limits.body_timeout_s:g}s\n")
+        return b"".join(parts), refusal
 
 
-async def _dispatch(router: Router, request: Request) -> Response:
-    handler = router.get((request.method, request.path))
-    if handler is None:
-        allowed = any(path == request.path for _, path in router)
-        return Response.text(405 if allowed else 404, f"{request.method} {request.path}: not here\n")
-    try:
-        return await handler(request)
-    except Exception as error:  # a handler bug must not take the service down
-        return Response.json(500, {"error": {"field": None, "message": f"internal error: {error}"}})
-
-
-async def _read_request(reader: asyncio.StreamReader) -> tuple[Request | None, Response | None]:
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError as partial:
-        if partial.partial.strip():
-            return None, Response.text(400, "incomplete request\n")
-        return None, None
-    except asyncio.LimitOverrunError:
-        return None, Response.text(400, "request head too large\n")
-    lines = head.decode("latin-1").split("\r\n")
-    try:
-        method, target, _version = lines[0].split(" ", 2)
-    except ValueError:
-        return None, Response.text(400, "malformed request line\n")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        if line:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-    if headers.get("transfer-encoding"):
-        return None, Response.text(411, "chunked bodies are not supported; send Content-Length\n")
-    try:
-        length = int(headers.get("content-length", "0"))
-    except ValueError:
-        return None, Response.text(400, "bad Content-Length\n")
-    if length < 0 or length > MAX_BODY_BYTES:
-        return None, Response.text(413, f"body larger than {MAX_BODY_BYTES} bytes\n")
-    body = await reader.readexactly(length) if length else b""
-    return Request(method.upper(), target.split("?", 1)[0], headers, body), None
-
-
-async def _write(writer: asyncio.StreamWriter, response: Response, keep_alive: bool) -> None:
-    reason = _REASONS.get(response.status, "Status")
-    head = (
-        f"HTTP/1.1 {response.status} {reason}\r\n"
-        f"Content-Type: {response.content_type}\r\n"
-        f"Content-Length: {len(response.body)}\r\n"
-        f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
-    )
-    writer.write(head.encode("latin-1") + response.body)
-    await writer.drain()
+def _reply(response: Response, headers: Mapping[str, str] | None = None) -> web.Response:
+    reply = web.Response(status=response.status, body=response.body, headers=headers)
+    reply.headers["Content-Type"] = response.content_type
+    return reply
