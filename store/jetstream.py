@@ -33,6 +33,9 @@ async def connect(settings: NatsSettings, stop: asyncio.Event) -> nats.NATS | No
             if is_auth_error(error):
                 errors.append(error)
                 refused.set()
+            elif "permissions violation" in str(error).lower():
+                # The server's words: which subject this user may not use (its request then times out).
+                log.error("NATS refused store's user: %s", error)
 
         # Once connected, never give up: the projector waits out a NATS restart.
         connecting = asyncio.ensure_future(nats.connect(
