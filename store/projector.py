@@ -89,6 +89,13 @@ class StoreMetrics:
             "kvledger_store_history_horizon_seq", "KV_EVENTS seq at or before which history was removed", registry=r
         )
         self.checkpoint = Gauge("kvledger_store_checkpoint_seq", "Last committed stream seq", ["stream"], registry=r)
+        self.pending = Gauge(
+            "kvledger_store_pending_messages", "Messages the stream holds past the last one committed (store's lag)",
+            ["stream"], registry=r,
+        )
+        self.uncertain_workers = Gauge(
+            "kvledger_store_uncertain_workers", "Workers whose inventory is uncertain (a hole, a lost replay)", registry=r
+        )
         self.transaction_seconds = Histogram(
             "kvledger_store_transaction_seconds", "Time to write one transaction", ["stream"], registry=r
         )
@@ -267,6 +274,9 @@ class EventsProjector:
             self.metrics.messages.labels(self.stream).inc(fresh)
             self.metrics.blocks.inc(changes.blocks)
             self.metrics.checkpoint.labels(self.stream).set(changes.last_seq)
+            if self.fold is not None:
+                self.metrics.uncertain_workers.set(len(self.fold.uncertain_workers()))
+        self.metrics.pending.labels(self.stream).set(last_message.metadata.num_pending)
         # Only after the commit: acking first could lose the batch in a crash.
         await last_message.ack()
 
@@ -391,6 +401,7 @@ class RowProjector:
                 self.metrics.transactions.labels(self.stream).inc()
                 self.metrics.messages.labels(self.stream).inc(len(rows))
                 self.metrics.checkpoint.labels(self.stream).set(checkpoint)
+            self.metrics.pending.labels(self.stream).set(messages[-1].metadata.num_pending)
             await messages[-1].ack()
 
     def _write(self, rows: list, checkpoint: int) -> None:
