@@ -96,13 +96,14 @@ def test_each_service_refuses_a_wrong_password_in_one_line_without_the_secret(lo
 
 
 def test_secrets_never_appear_in_config_show_or_logs_of_a_working_service(locked_nats, tmp_path) -> None:
-    env = clean_env(KVLEDGER_NATS_USER="alice", KVLEDGER_NATS_PASSWORD=SECRET, KVLEDGER_NATS_TOKEN="tok-" + SECRET)
+    env = clean_env(KVLEDGER_NATS_USER="alice", KVLEDGER_NATS_PASSWORD=SECRET, KVLEDGER_NATS_TOKEN="tok-" + SECRET,
+                    KVLEDGER_DECIDE_HTTP_TOKEN="http-" + SECRET)
     shown = subprocess.run([sys.executable, "-m", "kvledger.app.cli", "config", "show"], env=env, capture_output=True, text=True)
     assert shown.returncode == 0 and "***" in shown.stdout
     assert SECRET not in shown.stdout + shown.stderr
     # a URL with embedded credentials is shown without them in the service's own log lines
     url = locked_nats.url.replace("nats://", f"nats://alice:{SECRET}@")
-    env = clean_env(KVLEDGER_DECIDE_HTTP_PORT="0")
+    env = clean_env(KVLEDGER_DECIDE_HTTP_PORT="0", KVLEDGER_DECIDE_HTTP_TOKEN="http-" + SECRET)
     process = subprocess.Popen([sys.executable, "-m", "kvledger.app.cli", "decide", "--nats", url], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
