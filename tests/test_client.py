@@ -64,17 +64,22 @@ class RunningDecide:
         )
 
 
-@pytest.fixture
-async def running(nats_server) -> AsyncIterator[RunningDecide]:
+@contextlib.asynccontextmanager
+async def decide_on_the_scenario(nats_url: str, settings) -> AsyncIterator[RunningDecide]:
     """decide, ready, on the five batches of test_decide_service's scenario (the source holds 11 blocks)."""
-    settings = decide_settings(nats_server.url)
     early, late = scenario()
-    async with await nats.connect(nats_server.url) as nc:
+    async with await nats.connect(nats_url) as nc:
         await ensure_stream(nc.jetstream(), events_stream(settings.stream))
         await publish(nc.jetstream(), early + late)
         async with DecideService(settings) as service:
             await service.wait_ready(DEADLINE_S)
-            yield RunningDecide(service, settings, nc, nats_server.url)
+            yield RunningDecide(service, settings, nc, nats_url)
+
+
+@pytest.fixture
+async def running(nats_server) -> AsyncIterator[RunningDecide]:
+    async with decide_on_the_scenario(nats_server.url, decide_settings(nats_server.url)) as running:
+        yield running
 
 
 async def open_client(transport: str, running: RunningDecide, **options) -> DecideClient:
@@ -320,21 +325,14 @@ def test_backoff_doubles_up_to_its_ceiling_and_jitter_only_shortens_it() -> None
 
 
 async def test_with_decide_http_token_set_the_http_client_needs_it_and_a_refusal_is_never_recorded(nats_server) -> None:
-    settings = attrs.evolve(decide_settings(nats_server.url), decide=attrs.evolve(
-        decide_settings(nats_server.url).decide, http_token="router-secret"))
-    early, late = scenario()
-    async with await nats.connect(nats_server.url) as nc:
-        await ensure_stream(nc.jetstream(), events_stream(settings.stream))
-        await publish(nc.jetstream(), early + late)
-        async with DecideService(settings) as service:
-            await service.wait_ready(DEADLINE_S)
-            running = RunningDecide(service, settings, nc, nats_server.url)
-            url = f"http://127.0.0.1:{service.http_port}"
-            for token in (None, "guess"):
-                async with DecideClient.http(url, token=token, retry=RetryPolicy(attempts=3)) as client:
-                    with pytest.raises(DecideError, match="HTTP 401"):
-                        await client.decide(typed_request(f"refused-{token}"))
-            async with DecideClient.http(url, token="router-secret") as client:
-                answer = await client.decide(typed_request("allowed"))
-            assert answer.request_id == "allowed" and answer.target == "target"
-            assert await running.records() == 1  # the refused ones never reached KV_DECISIONS
+    settings = decide_settings(nats_server.url)
+    settings = attrs.evolve(settings, decide=attrs.evolve(settings.decide, http_token="router-secret"))
+    async with decide_on_the_scenario(nats_server.url, settings) as running:
+        for token in (None, "guess"):
+            async with DecideClient.http(running.http_url, token=token, retry=RetryPolicy(attempts=3)) as client:
+                with pytest.raises(DecideError, match="HTTP 401"):
+                    await client.decide(typed_request(f"refused-{token}"))
+        async with DecideClient.http(running.http_url, token="router-secret") as client:
+            answer = await client.decide(typed_request("allowed"))
+        assert answer.request_id == "allowed" and answer.target == "target"
+        assert await running.records() == 1  # the refused ones never reached KV_DECISIONS
