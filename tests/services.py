@@ -306,22 +306,33 @@ class NatsService(ManagedService):
 class LocalNatsServer(NatsService):
     """nats-server run from a local binary, with its store and log in a temporary folder."""
 
-    def __init__(self, binary: str) -> None:
+    def __init__(self, binary: str, *, config_text: str | None = None, env: Mapping[str, str] | None = None) -> None:
+        """`config_text`: a nats-server configuration to run with; `{store_dir}` in it becomes this server's store."""
         self.binary = binary
         self.root = Path(tempfile.mkdtemp(prefix="kvledger-nats-"))
         self.store_dir = self.root / "jetstream"
         self.log_path = self.root / "nats-server.log"
         self.port, self.monitor_port = free_ports(2)
         self.url = f"nats://127.0.0.1:{self.port}"
+        self._env = None if env is None else {**os.environ, **env}
+        self._config: Path | None = None
+        if config_text is not None:
+            # nats-server refuses -sd beside a configuration's own store_dir, so the file names it.
+            self._config = self.root / "nats-server.conf"
+            self._config.write_text(config_text.replace("{store_dir}", str(self.store_dir)))
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> LocalNatsServer:
         """Start the server and return once its health endpoint says it is ready."""
-        command = nats_server_command(self.binary, store_dir=self.store_dir, port=self.port, monitor_port=self.monitor_port)
+        if self._config is None:
+            command = nats_server_command(self.binary, store_dir=self.store_dir, port=self.port, monitor_port=self.monitor_port)
+        else:
+            command = [self.binary, "-c", str(self._config), "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor_port)]
         try:
             with self.log_path.open("ab") as log:
                 self._process = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+                    command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                    env=self._env,
                 )
             # The full /healthz (not js-enabled-only) also waits for streams recovered from
             # the store after a restart, so a test reading them back never races recovery.

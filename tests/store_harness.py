@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import random
-from collections.abc import Callable, Iterable
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 import attrs
 import nats
@@ -285,3 +290,49 @@ def content_digest(url: str) -> tuple[dict[str, int], str]:
             for row in rows:
                 digest.update(repr(tuple(bytes(v) if isinstance(v, memoryview) else v for v in row)).encode())
     return counts, digest.hexdigest()
+
+
+class StoreProcess:
+    """`kvledger store` as a child process (so a test can SIGKILL it), its output in a log file.
+
+    The environment is the test's without any KVLEDGER_ variable, plus `environment`; `args`
+    follow `--nats` and `--db` (e.g. `--shard K/N`).
+    """
+
+    def __init__(
+        self, nats_url: str, db_url: str, log_path: Path, *, args: Sequence[str] = (),
+        environment: Mapping[str, str] | None = None,
+    ) -> None:
+        env = {name: value for name, value in os.environ.items() if not name.startswith("KVLEDGER_")}
+        env.update({"KVLEDGER_STORE_HTTP_PORT": "0", **(environment or {})})
+        self.log_path = log_path
+        with log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "kvledger.app.cli", "store", "--nats", nats_url, "--db", db_url, *args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            )  # fmt: skip
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def terminate(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=30)
+
+    async def stop(self) -> None:
+        """SIGTERM, unless it already ended; it must have exited cleanly."""
+        if self.alive():
+            await asyncio.to_thread(self.terminate)
+        assert self.process.returncode == 0, f"store exited with {self.process.returncode}:\n{self.log()}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def warnings(self) -> list[str]:
+        """What store warned about (rebinding a consumer, rewinding to the checkpoint), without timestamps."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return [line.split(" WARNING ", 1)[1] for line in lines if " WARNING " in line]

@@ -14,10 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Literal
@@ -39,6 +35,7 @@ from kvledger.sim.workload import DEMO_BLOCK_SIZE, Request, request_tokens, synt
 from pipeline import IngestProcess, Pipeline, pipeline_settings, truth_inventory
 from store import database
 from store.projector import EVENTS_DURABLE
+from store_harness import StoreProcess
 
 pytestmark = pytest.mark.service
 
@@ -52,37 +49,6 @@ AFTER_RESTART = 60  # batches sent after the node is back
 FAILOVER_S = 30.0  # how long the test waits for the cluster to carry on without the killed node
 SETTLE_S = 45.0
 DECIDE_CHECKS = 9
-
-
-class StoreProcess:
-    """`kvledger store` (the projector) as a child process at the settings' replica count, its output in a log."""
-
-    def __init__(self, settings, log_path: Path) -> None:
-        environment = {name: value for name, value in os.environ.items() if not name.startswith("KVLEDGER_")}
-        environment.update({
-            "KVLEDGER_STREAM_REPLICAS": str(settings.stream.replicas), "KVLEDGER_STORE_HTTP_PORT": "0",
-            "KVLEDGER_STORE_SNAPSHOT_EVERY_EVENTS": str(settings.store.snapshot_every_events),
-        })  # fmt: skip
-        self.log_path = log_path
-        with log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvledger.app.cli", "store", "--nats", settings.nats.url, "--db", settings.db.url],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment,
-            )  # fmt: skip
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def warnings(self) -> list[str]:
-        """What store warned about (rebinding a consumer, rewinding to the checkpoint), without timestamps."""
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return [line.split(" WARNING ", 1)[1] for line in lines if " WARNING " in line]
-
-    async def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            await asyncio.to_thread(self.process.wait, 30)
-        assert self.process.returncode == 0, f"store exited with {self.process.returncode}:\n{self.log()}"
 
 
 class ClusterPipeline(Pipeline):
@@ -100,7 +66,12 @@ class ClusterPipeline(Pipeline):
         try:
             self.ingest = IngestProcess(self.settings, self.fleet)
             await self.ingest.start()
-            self.store_process = StoreProcess(self.settings, self.log_dir / "store.log")
+            self.store_process = StoreProcess(
+                self.settings.nats.url, self.settings.db.url, self.log_dir / "store.log", environment={
+                    "KVLEDGER_STREAM_REPLICAS": str(self.settings.stream.replicas),
+                    "KVLEDGER_STORE_SNAPSHOT_EVERY_EVENTS": str(self.settings.store.snapshot_every_events),
+                },
+            )  # fmt: skip
             self.decide = await DecideService(self.settings).__aenter__()
             self.nc = await nats.connect(**connect_options(self.settings.nats, name="kvledger-test"),
                                          max_reconnect_attempts=-1, reconnect_time_wait=0.2)

@@ -13,7 +13,7 @@ import time
 import nats
 import pytest
 
-from engines import wait_until
+from engines import http_get, wait_until
 from kvledger.runtime.http import HttpFront, HttpLimits, Request, Response, Route, health_routes
 from kvledger.runtime.streams import DECISIONS_SUBJECT
 from services import free_ports
@@ -136,10 +136,6 @@ def _start_decide(nats_url: str, http_port: int) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-async def _get(port: int, path: str) -> int:
-    return status_of(await exchange(port, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()))
-
-
 async def _decide(port: int, request_id: str, token: str | None) -> tuple[int, bytes]:
     body = json.dumps({"request_id": request_id, "local_hashes": ["1", "2"], "block_size": 16}).encode()
     auth = f"Authorization: Bearer {token}\r\n".encode() if token else b""
@@ -159,7 +155,7 @@ async def test_ten_thousand_half_open_connections_stop_neither_health_nor_decisi
             if process.poll() is not None:
                 raise AssertionError(f"decide exited: {process.stderr.read().decode()[-2000:]}")
             try:
-                return await _get(port, "/readyz") == 200
+                return (await http_get(port, "/readyz"))[0] == 200
             except OSError:
                 return False
 
@@ -175,7 +171,7 @@ async def test_ten_thousand_half_open_connections_stop_neither_health_nor_decisi
         assert len(opened) == HALF_OPEN
 
         # Beside them, the front still answers health and real decisions, and refuses a bad token.
-        assert await _get(port, "/healthz") == 200
+        assert (await http_get(port, "/healthz"))[0] == 200
         status, answer = await _decide(port, "through-the-crowd", TOKEN)
         assert status == 200 and json.loads(answer)["request_id"] == "through-the-crowd"
         status, _ = await _decide(port, "no-token", None)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import nats
@@ -24,7 +22,7 @@ from kvledger.runtime.streams import DECIDE_SUBJECT
 from kvledger.settings import load_settings
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockStored
-from services import _await_ready, _die_with_parent, _http_ok, _stop_process, free_ports
+from services import LocalNatsServer, free_ports
 from store import database
 from store.projector import StoreService
 
@@ -35,24 +33,12 @@ PASSWORDS = {"ingest": "ingest-pw", "store": "store-pw", "decide": "decide-pw", 
 
 
 @pytest.fixture
-def locked_down_nats(tmp_path):
-    """nats-server started with docker/nats-server.conf (port, monitor port and store folder overridden)."""
-    binary = cluster_binary()
-    port, monitor_port = free_ports(2)
-    env = {**os.environ, **{f"KVLEDGER_NATS_{user.upper()}_PASSWORD": password for user, password in PASSWORDS.items()}}
-    log_path = tmp_path / "nats-server.log"
-    # The file as shipped, its store folder moved here (nats-server refuses -sd beside a store_dir).
-    conf = tmp_path / "nats-server.conf"
-    conf.write_text(CONF.read_text().replace("store_dir: /data", f"store_dir: {tmp_path / 'js'}"))
-    command = [binary, "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor_port)]
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-    try:
-        _await_ready("nats-server with docker/nats-server.conf", lambda: _http_ok(f"http://127.0.0.1:{monitor_port}/healthz"),
-                     process=process, log_path=log_path)
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        _stop_process(process, 15)
+def locked_down_nats():
+    """nats-server started with docker/nats-server.conf as shipped, only its store folder moved here."""
+    config = CONF.read_text().replace("store_dir: /data", "store_dir: {store_dir}")
+    env = {f"KVLEDGER_NATS_{user.upper()}_PASSWORD": password for user, password in PASSWORDS.items()}
+    with LocalNatsServer(cluster_binary(), config_text=config, env=env).start() as server:
+        yield server.url
 
 
 def settings_as(user: str, url: str, db_url: str, **overrides):

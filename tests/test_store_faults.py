@@ -7,17 +7,13 @@ clean run's.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from services import free_ports
-from store_harness import checkpoint, content_digest, poll, project, publish, recorded_stream, store_settings
+from store_harness import StoreProcess, checkpoint, content_digest, poll, project, publish, recorded_stream, store_settings
 
 pytestmark = pytest.mark.service
 
@@ -26,33 +22,10 @@ STREAM_BATCHES = 6000
 TRANSACTION_MESSAGES = 8
 
 
-class ProjectorProcess:
-    """`kvledger store` as a child process, its output in a log file."""
-
-    def __init__(self, nats_url: str, db_url: str, log_path: Path, http_port: int = 0) -> None:
-        environment = {name: value for name, value in os.environ.items() if not name.startswith("KVLEDGER_")}
-        environment["KVLEDGER_STORE_BATCH_SIZE"] = str(TRANSACTION_MESSAGES)
-        environment["KVLEDGER_STORE_HTTP_PORT"] = str(http_port)
-        self.log_path = log_path
-        with log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvledger.app.cli", "store", "--nats", nats_url, "--db", db_url],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment,
-            )  # fmt: skip
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-
-    def terminate(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=30)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+def projector_process(nats_url: str, db_url: str, log_path: Path, http_port: int = 0) -> StoreProcess:
+    """`kvledger store` as a child process, projecting TRANSACTION_MESSAGES messages per transaction."""
+    return StoreProcess(nats_url, db_url, log_path, environment={
+        "KVLEDGER_STORE_BATCH_SIZE": str(TRANSACTION_MESSAGES), "KVLEDGER_STORE_HTTP_PORT": str(http_port)})
 
 
 def _writers_of(url: str) -> list[int]:
@@ -71,7 +44,7 @@ def _writers_of(url: str) -> list[int]:
     return found
 
 
-def _past(url: str, seq: int, process: ProjectorProcess):
+def _past(url: str, seq: int, process: StoreProcess):
     def condition() -> bool:
         if not process.alive():
             raise AssertionError(f"projector exited with {process.process.returncode}:\n{process.log()}")
@@ -86,7 +59,7 @@ async def test_kill_9_of_the_projector_mid_run_loses_and_duplicates_nothing(nats
     last = await publish(nats_server.url, stream)
     await project(store_settings(nats_server.url, clean, batch_size=TRANSACTION_MESSAGES * 16), last)
 
-    first = ProjectorProcess(nats_server.url, faulty, tmp_path / "projector-1.log")
+    first = projector_process(nats_server.url, faulty, tmp_path / "projector-1.log")
     try:
         await poll(_past(faulty, last // 4, first), "a quarter of the stream")
         assert _writers_of(faulty), "the projector's SQL writer child should be running"
@@ -97,7 +70,7 @@ async def test_kill_9_of_the_projector_mid_run_loses_and_duplicates_nothing(nats
     at_kill = checkpoint(faulty)
     assert 0 < at_kill < last, "the projector finished before it could be killed; make the stream longer"
 
-    second = ProjectorProcess(nats_server.url, faulty, tmp_path / "projector-2.log")
+    second = projector_process(nats_server.url, faulty, tmp_path / "projector-2.log")
     try:
         await poll(_past(faulty, last, second), "the whole stream after the restart")
     finally:
@@ -116,7 +89,7 @@ async def test_kill_9_of_postgres_under_the_projector_recovers_by_itself(
     await project(store_settings(nats_server.url, clean, batch_size=TRANSACTION_MESSAGES * 16), last)
 
     (port,) = free_ports(1)
-    projector = ProjectorProcess(nats_server.url, faulty, tmp_path / "projector.log", http_port=port)
+    projector = projector_process(nats_server.url, faulty, tmp_path / "projector.log", http_port=port)
 
     def database_errors() -> float:
         try:

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from kvledger.events import EventBatch, decode_batch, encode_batch
+from kvledger.events import EventBatch, RecordError, decode_batch, encode_batch
 from kvledger.fold import InventoryFold
 from store import database
 from store.changes import ChangeBuilder
@@ -38,7 +38,7 @@ def record_without_nats(url: str, stream: list[EventBatch | bytes], per_transact
                     data = encode_batch(item) if isinstance(item, EventBatch) else item
                     try:
                         batch = decode_batch(data)
-                    except Exception as error:  # a bad record becomes a dead letter, as in the projector
+                    except RecordError as error:  # a bad record becomes a dead letter, as in the projector
                         builder.add_dead_letter(changes, seq, "kv.ev.bad.0", str(error), data)
                         fold.inventory_seq = seq
                         continue

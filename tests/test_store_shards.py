@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import attrs
@@ -28,8 +25,9 @@ from kvledger.runtime.streams import DECISIONS_SUBJECT, decisions_stream, ensure
 from store import database
 from store.recorder import load_fold
 from store.sharding import Shard, ShardError, parse_shard
-from test_store_faults import TRANSACTION_MESSAGES, ProjectorProcess, _writers_of
+from test_store_faults import TRANSACTION_MESSAGES, _writers_of
 from store_harness import (
+    StoreProcess,
     RunningStore,
     checkpoint,
     fold_rows,
@@ -154,20 +152,13 @@ async def test_two_shards_write_what_one_store_writes_and_project_decisions_once
     assert not rows[0] & rows[1] and rows[0] | rows[1] == fold_rows(expected)
 
 
-class ShardProcess(ProjectorProcess):
-    """`kvledger store --shard K/N` as a child process, with ProjectorProcess's environment and controls."""
+class ShardProcess(StoreProcess):
+    """`kvledger store --shard K/N` as a child process, projecting TRANSACTION_MESSAGES messages per transaction."""
 
     def __init__(self, nats_url: str, db_url: str, log_path: Path, shard: Shard) -> None:
+        super().__init__(nats_url, db_url, log_path, args=("--shard", str(shard)),
+                         environment={"KVLEDGER_STORE_BATCH_SIZE": str(TRANSACTION_MESSAGES)})
         self.shard = shard
-        environment = {name: value for name, value in os.environ.items() if not name.startswith("KVLEDGER_")}
-        environment["KVLEDGER_STORE_BATCH_SIZE"] = str(TRANSACTION_MESSAGES)
-        environment["KVLEDGER_STORE_HTTP_PORT"] = "0"
-        self.log_path = log_path
-        with log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvledger.app.cli", "store", "--nats", nats_url, "--db", db_url, "--shard", str(shard)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment,
-            )  # fmt: skip
 
 
 def writers_of_shard(url: str, shard: Shard) -> list[int]:
