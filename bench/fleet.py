@@ -84,7 +84,7 @@ from kvledger.sim.engine import SimulatedEngine  # noqa: E402
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored  # noqa: E402
 from kvledger.client import DecideClient, DecideError, DecideRequest  # noqa: E402
 from kvledger.events import Gap, Removed, Stored, decode_batch  # noqa: E402
-from kvledger.runtime.lifetime import cancel_and_wait  # noqa: E402
+from kvledger.runtime.lifetime import cancel_and_wait, stop_process  # noqa: E402
 from kvledger.settings import load_settings  # noqa: E402
 from kvledger.runtime.streams import EVENTS_SUBJECT_PREFIX, ensure_stream, events_stream  # noqa: E402
 from store import database  # noqa: E402
@@ -242,13 +242,7 @@ class StageProcess:
             await asyncio.sleep(0.1)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, timeout_s=30)
 
     def __enter__(self) -> StageProcess:
         return self

@@ -38,6 +38,7 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from kvledger.runtime.embedded import locate_nats_server, nats_server_command
+from kvledger.runtime.lifetime import stop_process
 
 NATS_URL_VARIABLE = "KVLEDGER_TEST_NATS_URL"
 POSTGRES_URL_VARIABLE = "KVLEDGER_TEST_POSTGRES_URL"
@@ -257,14 +258,7 @@ def _http_ok(url: str) -> bool:
 
 def _stop_process(process: subprocess.Popen[bytes], stop_signal: int) -> None:
     """Ask a server to shut down with `stop_signal`, and SIGKILL it if it takes too long."""
-    if process.poll() is not None:
-        return
-    process.send_signal(stop_signal)
-    try:
-        process.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    stop_process(process, timeout_s=STOP_TIMEOUT_S, stop_signal=stop_signal)
 
 
 # --- NATS --------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from kvledger.runtime.lifetime import stop_process
+
 READY_LINE = "Server is ready"
 
 
@@ -107,11 +109,5 @@ class EmbeddedNats:
     def stop(self) -> None:
         if self._process is None:
             return
-        if self._process.poll() is None:
-            self._process.send_signal(signal.SIGTERM)
-            try:
-                self._process.wait(10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        stop_process(self._process, timeout_s=10)
         self._process = None

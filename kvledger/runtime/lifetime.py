@@ -1,8 +1,10 @@
-"""`async with` for long-lived things that have an async `start()` and `close()`."""
+"""`async with` for long-lived things that have an async `start()` and `close()`, and stopping child processes."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
 from collections.abc import Iterable
 from typing import Self
 
@@ -48,3 +50,15 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task]) -> None:
     for task in tasks:
         if task.done() and not task.cancelled():
             task.exception()  # retrieved: no "exception was never retrieved" at garbage collection
+
+
+def stop_process(process: subprocess.Popen, *, timeout_s: float, stop_signal: int = signal.SIGTERM) -> None:
+    """Ask a child process to stop with `stop_signal`; SIGKILL it if it has not exited within `timeout_s`."""
+    if process.poll() is not None:
+        return
+    process.send_signal(stop_signal)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
