@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
+from kvledger.decision_codec import MAX_RELIED_BLOCKS
 from kvledger.events import Tier, WorkerId
 from kvledger.reuse import Candidate, Decision, Overlap, Reason, ReuseRequest, enabled_source_tiers
 from kvledger.settings import ReuseSettings, settings_digest
@@ -312,6 +313,45 @@ class AnswerBatch:
                 settings_digest=self.settings_digest,
             ))
         return decisions
+
+    def relied_prefix_lengths(self) -> np.ndarray:
+        """Per answer, how many of the request's first blocks it relies on: the chosen source's
+        prefix, or the target's credited prefix (native on any local tier), whichever is longer."""
+        ranked, count = self.ranked, len(self.requests)
+        lengths = np.zeros(count, dtype=np.int64)
+        bounds = ranked.candidate_bounds
+        chosen = np.flatnonzero(bounds[1:] > bounds[:-1])
+        if chosen.size:
+            lengths[chosen] = ranked.candidate_prefix[bounds[chosen]]
+        owner = np.repeat(np.arange(count), np.diff(ranked.overlap_bounds))
+        is_target = ranked.overlap_slot == ranked.target[owner]
+        if is_target.any():
+            credited = np.zeros(count, dtype=np.int64)
+            credited[owner[is_target]] = ranked.overlap_lengths[is_target, PREFIX_ANY]
+            np.maximum(lengths, credited, out=lengths)
+        return lengths
+
+    def relied_prefixes(self) -> list[bytes]:
+        """Per answer, the sequence hashes of the blocks it relies on (`relied_prefix_lengths`) as
+        little-endian u64 in hex (`kvledger.decision_codec.RELIED_PREFIX_HEADER`), b"" when none: what store needs to tell later whether the
+        chosen source and the target still held them (the quality audit)."""
+        lengths = np.minimum(self.relied_prefix_lengths(), MAX_RELIED_BLOCKS)
+        relying = np.flatnonzero(lengths).tolist()
+        if not relying:
+            return [b""] * len(self.requests)
+        kept = lengths[relying]
+        offsets = np.zeros(len(relying) + 1, dtype=np.int64)
+        np.cumsum(kept, out=offsets[1:])
+        local = np.fromiter(
+            itertools.chain.from_iterable(self.requests[position].local_hashes[:length]
+                                          for position, length in zip(relying, kept.tolist())),
+            dtype=np.uint64, count=int(offsets[-1]))
+        hashes = chain_hashes(local, offsets).astype("<u8", copy=False)
+        prefixes = [b""] * len(self.requests)
+        edges = offsets.tolist()
+        for number, position in enumerate(relying):
+            prefixes[position] = hashes[edges[number]:edges[number + 1]].tobytes().hex().encode()
+        return prefixes
 
     def encoded(self) -> list[bytes]:
         """Every answer as JSON bytes: `json.dumps(decision_to_json(d), separators=(",", ":"))`, byte for byte,

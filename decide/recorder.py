@@ -18,7 +18,18 @@ import attrs
 import nats
 from nats.aio.msg import Msg
 
+from kvledger.decision_codec import RELIED_PREFIX_HEADER
 from kvledger.runtime.jetstream_ack import AckError, read_ack
+
+
+@attrs.frozen
+class Record:
+    """One answer as KV_DECISIONS keeps it: the reply's bytes, keyed by request id, and the
+    hashes of the blocks it relies on (`decide.ranked.AnswerBatch.relied_prefixes`)."""
+
+    request_id: str
+    answer: bytes
+    relied_prefix: bytes = b""
 
 
 class DecisionsNotRecorded(RuntimeError):
@@ -27,13 +38,13 @@ class DecisionsNotRecorded(RuntimeError):
 
 @attrs.define
 class _PendingAcks:
-    answers: Sequence[tuple[str, bytes]]  # (request id, answer) by position
+    answers: Sequence[Record]  # by position
     waiting: set[int]
     done: asyncio.Future
 
 
 class DecisionRecorder:
-    """`await recorder.record([(request_id, answer_json), …])` returns once every answer is acknowledged."""
+    """`await recorder.record([Record(…), …])` returns once every answer is acknowledged."""
 
     def __init__(self, nc: nats.NATS, subject: str, stream: str, *, timeout_s: float = 5.0) -> None:
         self._nc = nc
@@ -48,7 +59,7 @@ class DecisionRecorder:
     async def start(self) -> None:
         self.subscription = await self._nc.subscribe(self._prefix + "*.*", cb=self._on_ack)
 
-    async def record(self, answers: Sequence[tuple[str, bytes]]) -> None:
+    async def record(self, answers: Sequence[Record]) -> None:
         if not answers:
             return
         token = str(next(self._tokens))
@@ -56,9 +67,11 @@ class DecisionRecorder:
         self._batches[token] = pending
         reply = f"{self._prefix}{token}."
         try:
-            for number, (request_id, payload) in enumerate(answers):
-                await self._nc.publish(self._subject, payload, reply=f"{reply}{number}",
-                                       headers={"Nats-Msg-Id": request_id, "Nats-Expected-Stream": self._stream})
+            for number, record in enumerate(answers):
+                headers = {"Nats-Msg-Id": record.request_id, "Nats-Expected-Stream": self._stream}
+                if record.relied_prefix:
+                    headers[RELIED_PREFIX_HEADER] = record.relied_prefix.decode()
+                await self._nc.publish(self._subject, record.answer, reply=f"{reply}{number}", headers=headers)
             # A large batch gets more time: its acks come back one by one.
             timeout = self._timeout_s + len(answers) / 10_000
             try:
@@ -81,7 +94,7 @@ class DecisionRecorder:
             read_ack(headers.get("Status"), headers.get("Description", ""), msg.data)
         except AckError as error:
             pending.done.set_exception(DecisionsNotRecorded(
-                f"{self._stream} refused the answer to request {pending.answers[number][0]!r}: {error}"))
+                f"{self._stream} refused the answer to request {pending.answers[number].request_id!r}: {error}"))
             return
         pending.waiting.discard(number)
         if not pending.waiting:

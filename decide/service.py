@@ -57,7 +57,7 @@ from decide.media import (
 )
 from decide.metrics import DecideMetrics
 from decide.ranked import AnswerBatch
-from decide.recorder import DecisionRecorder
+from decide.recorder import DecisionRecorder, Record
 from decide.startup import StartupError, newest_snapshot, seconds_since_process_start, settle_subscriptions
 
 log = logging.getLogger("kvledger.decide")
@@ -262,18 +262,19 @@ class DecideService(AsyncLifetime):
                 parts[position] = json_bytes(error.as_json(body.get("request_id") if isinstance(body, dict) else None))
                 refused.add(position)
         # Answers go from the ranked arrays straight to JSON, the same bytes that are recorded.
-        encoded = self.decide_many([request for _, request in valid]).encoded() if valid else []
-        payloads = []
-        for (position, request), payload in zip(valid, encoded):
-            parts[position] = payload
-            payloads.append((request.request_id, payload))
-        await self._record(payloads)
+        records = []
+        if valid:
+            answers = self.decide_many([request for _, request in valid])
+            for (position, request), payload, relied in zip(valid, answers.encoded(), answers.relied_prefixes()):
+                parts[position] = payload
+                records.append(Record(request.request_id, payload, relied))
+        await self._record(records)
         return EncodedAnswers(tuple(parts), frozenset(refused))
 
-    async def _record(self, payloads: list[tuple[str, bytes]]) -> None:
+    async def _record(self, records: list[Record]) -> None:
         """Append answers to KV_DECISIONS and wait for the acks, so a client's answer is on record."""
         assert self._recorder is not None
-        await self._recorder.record(payloads)
+        await self._recorder.record(records)
 
     async def _on_single(self, msg: Msg) -> None:
         # nats-py awaits one callback at a time per subscription: answering here would

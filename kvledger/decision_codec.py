@@ -6,6 +6,7 @@ KV_DECISIONS with it. Validation happens here, once; errors name the offending f
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,6 +117,24 @@ def request_from_json(body: object) -> ReuseRequest:
     if len(local) > MAX_REQUEST_BLOCKS:
         raise RequestError("token_ids" if has_tokens else "local_hashes", f"more than {MAX_REQUEST_BLOCKS} blocks")
     return ReuseRequest(request_id, tuple(local), block_size, target, lora_name)
+
+
+# A KV_DECISIONS record carries, beside the answer, the sequence hashes of the blocks the
+# answer relies on (the chosen source's prefix, the target's credited prefix), so store can
+# later tell whether they were still held. Little-endian u64 in hex; at most
+# MAX_RELIED_BLOCKS of them, which keeps the record well inside NATS's default payload limit.
+RELIED_PREFIX_HEADER = "Kvledger-Relied-Prefix"
+MAX_RELIED_BLOCKS = 16384
+
+
+def relied_prefix_from_header(text: str | None) -> list[int]:
+    """The hashes a record's `RELIED_PREFIX_HEADER` names (none when absent)."""
+    if not text:
+        return []
+    data = bytes.fromhex(text)
+    if len(data) % 8:
+        raise ValueError(f"{RELIED_PREFIX_HEADER}: {len(data)} bytes is not a whole number of u64 hashes")
+    return list(struct.unpack(f"<{len(data) // 8}Q", data))
 
 
 _converter = cattrs.Converter()

@@ -262,6 +262,15 @@ class StoreSettings:
         5000, "Stream seqs of history removed per pruning transaction (bounds how long one holds the database).",
         rule=_at_least(1),
     )
+    quality_horizon_s: float = _setting(
+        0.5, "Horizon of the decision-quality metrics, in seconds of stream time: a decision counts as stale when "
+        "its chosen source no longer holds the transferred blocks just before the first event ingested this long "
+        "after it (`kvledger audit quality` takes any horizon).", rule=_positive(),
+    )
+    quality_max_pending: int = _setting(
+        100000, "Decisions the quality metrics keep waiting for their horizon; beyond this, new ones are counted "
+        "as not judged (kvledger_store_decision_quality_unjudged{reason=\"too_many_pending\"}).", rule=_at_least(1),
+    )
     http_port: int = _setting(
         9102, "Port of store's metrics and health endpoint (0 = any free port).", rule=_PORT
     )

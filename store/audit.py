@@ -8,6 +8,7 @@ does in psql. Hashes in the tables are signed 64-bit; results here are converted
 
 from __future__ import annotations
 
+import decimal
 import json
 from collections.abc import Mapping, Sequence
 
@@ -148,9 +149,119 @@ ORDER BY name;""",
     (),
 )
 
+# The quality audit: a decision is judged at its horizon, the stream seq just before the
+# first event ingested at or after decided_ts + :horizon_s (none yet: still pending). A
+# relied-on block is held there when some native stay of it on that worker (source: the
+# chosen tier; target: any local tier) is open at the horizon seq.
+_JUDGED = """WITH judged AS (
+  SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.reason, d.target,
+         d.chosen_source, d.chosen_dp_rank, d.chosen_tier,
+         (SELECT MIN(e.stream_seq) FROM event_log e WHERE e.ingest_ts >= d.decided_ts + :horizon_s) - 1 AS horizon_seq
+  FROM decisions d
+),
+blocks AS (
+  SELECT v.stream_seq, v.role, v.position,
+         MAX(CASE WHEN v.stored_seq <= j.horizon_seq AND (v.removed_seq IS NULL OR v.removed_seq > j.horizon_seq)
+                  THEN 1 ELSE 0 END) AS held,
+         MIN(CASE WHEN v.stored_seq <= v.inventory_seq AND v.removed_seq > v.inventory_seq
+                   AND v.removed_seq <= j.horizon_seq THEN v.removed_ts END) AS first_removed_ts,
+         MAX(CASE WHEN v.removed_seq > v.inventory_seq AND v.removed_seq <= j.horizon_seq
+                  THEN v.removed_ts END) AS last_removed_ts
+  FROM decision_block_stays v JOIN judged j ON j.stream_seq = v.stream_seq
+  WHERE j.horizon_seq IS NOT NULL
+  GROUP BY v.stream_seq, v.role, v.position
+),
+quality AS (
+  SELECT j.stream_seq, j.request_id, j.decided_ts, j.reason, j.target, j.chosen_source, j.chosen_dp_rank,
+         j.chosen_tier, j.inventory_seq, j.horizon_seq,
+         SUM(CASE WHEN b.role = 'source' THEN 1 ELSE 0 END) AS source_blocks,
+         SUM(CASE WHEN b.role = 'source' AND b.held = 0 THEN 1 ELSE 0 END) AS source_gone,
+         (MIN(CASE WHEN b.role = 'source' AND b.held = 0 THEN b.last_removed_ts END) - j.decided_ts) * 1000
+           AS source_gone_after_ms,
+         (MIN(CASE WHEN b.role = 'source' THEN b.first_removed_ts END) - j.decided_ts) * 1000 AS first_eviction_ms,
+         SUM(CASE WHEN b.role = 'target' THEN 1 ELSE 0 END) AS target_blocks,
+         SUM(CASE WHEN b.role = 'target' AND b.held = 0 THEN 1 ELSE 0 END) AS target_gone,
+         (MIN(CASE WHEN b.role = 'target' AND b.held = 0 THEN b.last_removed_ts END) - j.decided_ts) * 1000
+           AS target_gone_after_ms
+  FROM judged j LEFT JOIN blocks b ON b.stream_seq = j.stream_seq
+  GROUP BY j.stream_seq, j.request_id, j.decided_ts, j.reason, j.target, j.chosen_source, j.chosen_dp_rank,
+           j.chosen_tier, j.inventory_seq, j.horizon_seq
+),
+judged_quality AS (
+  SELECT q.*,
+         CASE WHEN q.horizon_seq IS NULL OR q.source_blocks = 0 THEN NULL
+              WHEN q.source_gone > 0 THEN 1 ELSE 0 END AS stale,
+         CASE WHEN q.horizon_seq IS NULL OR q.target_blocks = 0 THEN NULL
+              WHEN q.target_gone > 0 THEN 1 ELSE 0 END AS lost_credit
+  FROM quality q
+)"""
+
+DECISION_QUALITY = Query(
+    "decision_quality",
+    "Whether each decision was still true at its horizon: the chosen source's transferred blocks, the target's credited ones",
+    _JUDGED + """
+SELECT stream_seq, request_id, decided_ts, reason, target, chosen_source, chosen_dp_rank, chosen_tier,
+       inventory_seq, horizon_seq, stale, source_blocks, source_gone, source_gone_after_ms, first_eviction_ms,
+       lost_credit, target_blocks, target_gone, target_gone_after_ms
+FROM judged_quality
+ORDER BY stream_seq;""",
+    ("horizon_s",),
+)
+
+DECISION_QUALITY_SUMMARY = Query(
+    "decision_quality_summary",
+    "Stale-hint and lost-credit rates at a horizon, per worker, tier, reason and hour, with the median time to a chosen block's first eviction",
+    _JUDGED + """,
+keyed AS (
+  SELECT 'worker' AS dimension,
+         CASE WHEN chosen_dp_rank = 0 THEN chosen_source
+              ELSE chosen_source || '/' || CAST(chosen_dp_rank AS VARCHAR(12)) END AS key,
+         1 AS hint, stale, first_eviction_ms, 0 AS credited, 0 AS lost
+  FROM judged_quality WHERE stale IS NOT NULL
+  UNION ALL
+  SELECT 'worker', target, 0, 0, NULL, 1, lost_credit FROM judged_quality WHERE lost_credit IS NOT NULL
+  UNION ALL
+  SELECT 'tier', COALESCE(chosen_tier, 'none'),
+         CASE WHEN stale IS NULL THEN 0 ELSE 1 END, COALESCE(stale, 0), first_eviction_ms,
+         CASE WHEN lost_credit IS NULL THEN 0 ELSE 1 END, COALESCE(lost_credit, 0)
+  FROM judged_quality WHERE stale IS NOT NULL OR lost_credit IS NOT NULL
+  UNION ALL
+  SELECT 'reason', reason,
+         CASE WHEN stale IS NULL THEN 0 ELSE 1 END, COALESCE(stale, 0), first_eviction_ms,
+         CASE WHEN lost_credit IS NULL THEN 0 ELSE 1 END, COALESCE(lost_credit, 0)
+  FROM judged_quality WHERE stale IS NOT NULL OR lost_credit IS NOT NULL
+  UNION ALL
+  SELECT 'hour',
+         CAST((CAST(decided_ts / 3600 AS BIGINT)
+               - CASE WHEN CAST(decided_ts / 3600 AS BIGINT) > decided_ts / 3600 THEN 1 ELSE 0 END) * 3600
+              AS VARCHAR(20)),
+         CASE WHEN stale IS NULL THEN 0 ELSE 1 END, COALESCE(stale, 0), first_eviction_ms,
+         CASE WHEN lost_credit IS NULL THEN 0 ELSE 1 END, COALESCE(lost_credit, 0)
+  FROM judged_quality WHERE stale IS NOT NULL OR lost_credit IS NOT NULL
+),
+ranked AS (
+  SELECT k.*,
+         ROW_NUMBER() OVER (PARTITION BY dimension, key
+                            ORDER BY CASE WHEN first_eviction_ms IS NULL THEN 1 ELSE 0 END, first_eviction_ms) AS n,
+         COUNT(first_eviction_ms) OVER (PARTITION BY dimension, key) AS evictions
+  FROM keyed k
+)
+SELECT dimension, key, SUM(hint) AS hints, SUM(stale) AS stale_hints,
+       CAST(SUM(stale) AS DOUBLE PRECISION) / NULLIF(SUM(hint), 0) AS stale_hint_rate,
+       SUM(credited) AS credited, SUM(lost) AS lost_credit,
+       CAST(SUM(lost) AS DOUBLE PRECISION) / NULLIF(SUM(credited), 0) AS lost_credit_rate,
+       MAX(evictions) AS evictions,
+       AVG(CASE WHEN first_eviction_ms IS NOT NULL AND n IN ((evictions + 1) / 2, (evictions + 2) / 2)
+                THEN first_eviction_ms END) AS median_first_eviction_ms
+FROM ranked
+GROUP BY dimension, key
+ORDER BY dimension, key;""",
+    ("horizon_s",),
+)
+
 QUERIES: tuple[Query, ...] = (
     SEQ_AT_TIME, INVENTORY_AT_SEQ, INVENTORY_SUMMARY_AT_SEQ, BLOCK_HISTORY, DECISION, GAPS,
-    UNCERTAIN_PERIODS, WORKERS, DEAD_LETTERS, CHECKPOINTS,
+    UNCERTAIN_PERIODS, WORKERS, DEAD_LETTERS, CHECKPOINTS, DECISION_QUALITY, DECISION_QUALITY_SUMMARY,
 )  # fmt: skip
 
 
@@ -241,6 +352,26 @@ class Audit:
 
     def dead_letters(self, limit: int = 100) -> list[dict]:
         return run(self.connection, DEAD_LETTERS, limit=limit)
+
+    def decision_quality(self, horizon_s: float) -> list[dict]:
+        """Each decision judged at its horizon; `stale` / `lost_credit` are None while pending or when it relied on nothing."""
+        return run(self.connection, DECISION_QUALITY, horizon_s=horizon_s)
+
+    def decisions_not_judged(self, horizon_s: float) -> int:
+        """Decisions no event has been ingested `horizon_s` after yet: the rates leave them out."""
+        return self.connection.execute(sa.text(
+            "SELECT COUNT(*) FROM decisions WHERE decided_ts + :horizon_s > "
+            "(SELECT COALESCE(MAX(ingest_ts), 0) FROM event_log)"), {"horizon_s": horizon_s}).scalar_one()
+
+    def decision_quality_summary(self, horizon_s: float) -> list[dict]:
+        """The rates per (dimension, key): dimension worker, tier, reason or hour (its start, epoch seconds)."""
+        return [_plain_numbers(row) for row in run(self.connection, DECISION_QUALITY_SUMMARY, horizon_s=horizon_s)]
+
+
+def _plain_numbers(row: dict) -> dict:
+    """PostgreSQL sums integers as numeric (Decimal); the same answer as SQLite's, in ints and floats."""
+    return {name: (float(value) if name.endswith(("_rate", "_ms")) else int(value))
+            if isinstance(value, decimal.Decimal) else value for name, value in row.items()}
 
 
 def _for_worker(rows: list[Mapping], worker: WorkerId | None) -> list[dict]:

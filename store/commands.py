@@ -254,6 +254,41 @@ def audit_workers(settings: Settings, as_json: bool) -> int:
     return 0
 
 
+_QUALITY_COLUMNS = ("dimension", "key", "hints", "stale_hints", "stale_hint_rate", "credited", "lost_credit",
+                    "lost_credit_rate", "median_first_eviction_ms")
+_DECISION_QUALITY_COLUMNS = ("stream_seq", "request_id", "reason", "target", "chosen_source", "chosen_dp_rank",
+                             "chosen_tier", "inventory_seq", "horizon_seq", "stale", "source_blocks", "source_gone",
+                             "source_gone_after_ms", "first_eviction_ms", "lost_credit", "target_blocks",
+                             "target_gone", "target_gone_after_ms")
+
+
+@_refusing_old_schemas
+def audit_quality(settings: Settings, horizon_ms: float, by: Sequence[str] | None, per_decision: bool,
+                  as_json: bool) -> int:
+    if not horizon_ms >= 0:
+        print(f"kvledger audit quality: --horizon-ms must be 0 or more, got {horizon_ms}", file=sys.stderr)
+        return 2
+    engine, audit, connection = _audit(settings)
+    try:
+        if per_decision:
+            _emit(audit.decision_quality(horizon_ms / 1000), as_json, _DECISION_QUALITY_COLUMNS)
+            return 0
+        rows = [row for row in audit.decision_quality_summary(horizon_ms / 1000) if not by or row["dimension"] in by]
+        if not as_json:
+            for row in rows:
+                if row["dimension"] == "hour":  # the hour's start, as people read it
+                    row["key"] = datetime.datetime.fromtimestamp(int(row["key"]), datetime.timezone.utc).strftime(
+                        "%Y-%m-%dT%H:00Z")
+        _emit(rows, as_json, _QUALITY_COLUMNS)
+        pending = audit.decisions_not_judged(horizon_ms / 1000)
+        if pending and not as_json:
+            print(f"({pending} decisions not judged yet: no event ingested {horizon_ms:g} ms after them)")
+        return 0
+    finally:
+        connection.close()
+        engine.dispose()
+
+
 def ledger_counts(url: str) -> dict[str, int]:
     """Headline counts for the demo summary: batches and events logged, blocks held, decisions."""
     queries = {

@@ -26,8 +26,8 @@ import sqlalchemy.exc
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvledger.decision_codec import decision_from_json
-from kvledger.events import RecordError, decode_batch, decode_dead_letter
+from kvledger.decision_codec import RELIED_PREFIX_HEADER, decision_from_json, relied_prefix_from_header
+from kvledger.events import RecordError, WorkerId, decode_batch, decode_dead_letter
 from kvledger.fold import InventoryFold
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.http import HttpFront, health_routes
@@ -42,6 +42,7 @@ from store.jetstream import ConsumerWatch, SkippedMessagesError, bind_consumer, 
 from store.recorder import SQL_CHECKPOINT, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError, encode_changes
 from store.pruning import HistoryPruner
+from store.quality import QualityMetrics, QualityTracker
 from store.sharding import parse_shard
 from store.snapshots import SnapshotWriter
 
@@ -132,10 +133,12 @@ class EventsProjector:
     shard's fold would hold only its workers, and decide would take it for the whole.
     """
 
-    def __init__(self, settings: Settings, engine: sa.Engine, metrics: StoreMetrics) -> None:
+    def __init__(self, settings: Settings, engine: sa.Engine, metrics: StoreMetrics,
+                 quality: QualityTracker | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
+        self.quality = quality  # told about every applied batch, to judge decisions at their horizon
         self.stream = settings.stream.events_stream
         self.shard = parse_shard(settings.store.shard)
         self.durable = self.shard.durable(EVENTS_DURABLE)
@@ -181,6 +184,7 @@ class EventsProjector:
         # the fold away; it is rebuilt from SQL, which holds exactly what was committed.
         fold, builder = self.fold, ChangeBuilder(self.index)
         owns = None if self.shard.single else self.shard.owns
+        quality = self.quality
         batch_size = self.settings.store.batch_size
         writing: asyncio.Task | None = None
         # The next fetch is requested before this batch is folded, so the server's reply
@@ -226,7 +230,13 @@ class EventsProjector:
                         fold.inventory_seq = seq
                         self.metrics.dead_letters.labels(self.stream).inc()
                         continue
-                    builder.add_batch(changes, batch, seq, fold.apply(batch, seq), fold)
+                    if quality is None:
+                        builder.add_batch(changes, batch, seq, fold.apply(batch, seq), fold)
+                        continue
+                    quality.before_event(batch.ingest_ts, fold)
+                    facts = fold.apply(batch, seq)
+                    quality.after_event(facts, seq, batch.ingest_ts)
+                    builder.add_batch(changes, batch, seq, facts, fold)
                 encoded = None
                 if others:
                     self.metrics.other_shards.labels(self.stream).inc(others)
@@ -291,15 +301,22 @@ class EventsProjector:
 
 # --- the small projectors: decisions and ingest's dead letters -------------------------
 
-RowMaker = Callable[[object], dict]
+TableRow = tuple[sa.Table, dict]
+RowMaker = Callable[[object], list[TableRow]]  # a message → its rows, each with its table
+Committed = Callable[[list[TableRow]], None]
 
 
-def decision_row(message) -> dict:
+def decision_rows(message) -> list[TableRow]:
+    """A KV_DECISIONS record: its `decisions` row, and a `decision_blocks` row per block it relies on."""
     body = json.loads(message.data)
     decision = decision_from_json(body)
+    seq = message.metadata.sequence.stream
     chosen = decision.chosen
-    return {
-        "stream_seq": message.metadata.sequence.stream,
+    target = WorkerId.parse(decision.target) if decision.target else None
+    target_prefix = decision.overlaps[decision.target].any if decision.target in decision.overlaps else 0
+    relied = relied_prefix_from_header((message.headers or {}).get(RELIED_PREFIX_HEADER))
+    row = {
+        "stream_seq": seq,
         "request_id": decision.request_id,
         "inventory_seq": decision.inventory_seq,
         "target": decision.target,
@@ -317,20 +334,37 @@ def decision_row(message) -> dict:
         "candidates": json.dumps(body["candidates"]),
         "worker_overlaps": json.dumps(body["overlaps"], sort_keys=True),
         "decided_ts": message.metadata.timestamp.timestamp() if message.metadata.timestamp else time.time(),
+        "target_publisher": target.publisher if target else None,
+        "target_dp_rank": target.dp_rank if target else None,
+        "target_prefix_blocks": min(target_prefix, len(relied)),
+        "chosen_prefix_blocks": chosen.prefix_blocks if chosen else None,
     }
+    rows = [(tables.decisions, row)]
+    if chosen is not None:
+        rows += _relied_rows(seq, "source", relied, decision.baseline_blocks, chosen.prefix_blocks)
+    rows += _relied_rows(seq, "target", relied, 0, target_prefix)
+    return rows
 
 
-def ingest_dead_letter_row(message) -> dict:
+def _relied_rows(seq: int, role: str, relied: list[int], first: int, end: int) -> list[TableRow]:
+    return [
+        (tables.decision_blocks, {"stream_seq": seq, "role": role, "position": position,
+                                  "sequence_hash": tables.to_signed(relied[position])})
+        for position in range(first, min(end, len(relied)))
+    ]
+
+
+def ingest_dead_letter_row(message) -> list[TableRow]:
     seq = message.metadata.sequence.stream
     try:
         letter = decode_dead_letter(message.data)
     except RecordError as error:
-        return _undecodable_row("ingest", seq, message, str(error))
-    return {
+        return [(tables.dead_letters, _undecodable_row("ingest", seq, message, str(error)))]
+    return [(tables.dead_letters, {
         "source": "ingest", "stream_seq": seq, "subject": message.subject, "publisher": letter.publisher,
         "dp_rank": letter.dp_rank, "endpoint": letter.endpoint or None, "reason": letter.reason,
         "frames": len(letter.frames), "raw": message.data, "ingest_ts": letter.ingest_ts, "recorded_ts": time.time(),
-    }  # fmt: skip
+    })]  # fmt: skip
 
 
 def _undecodable_row(source: str, seq: int, message, reason: str) -> dict:
@@ -342,16 +376,16 @@ def _undecodable_row(source: str, seq: int, message, reason: str) -> dict:
 
 @attrs.define
 class RowProjector:
-    """One stream → one table, a row per message, checkpointed in the same transaction."""
+    """One stream → its rows (a few per message), checkpointed in the same transaction."""
 
     name: str  # checkpoint name
     stream: str
     durable: str
-    table: sa.Table
-    make_row: RowMaker
+    make_rows: RowMaker
     engine: sa.Engine
     metrics: StoreMetrics
     batch_size: int
+    committed: Committed | None = None  # told each transaction's rows once they are committed
     ready: bool = False
 
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
@@ -383,35 +417,38 @@ class RowProjector:
             if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                 continue
             await _refuse_skips(watch, messages, checkpoint, self.metrics, self.stream)
-            rows = []
+            rows: list[TableRow] = []
+            fresh = 0
             for message in messages:
                 seq = message.metadata.sequence.stream
                 if seq <= checkpoint:
                     self.metrics.skipped.labels(self.stream).inc()
                     continue
+                fresh += 1
                 try:
-                    rows.append(self.make_row(message))
+                    rows += self.make_rows(message)
                 except (ValueError, KeyError, TypeError, cattrs.BaseValidationError) as error:
                     # An unreadable decision is kept as a dead letter rather than stopping the stream.
                     self.metrics.dead_letters.labels(self.stream).inc()
-                    rows.append(("dead", _undecodable_row(self.name, seq, message, f"unreadable: {error}")))
+                    rows.append((tables.dead_letters, _undecodable_row(self.name, seq, message, f"unreadable: {error}")))
                 checkpoint = seq
-            if rows:
+            if fresh:
                 await asyncio.to_thread(self._write, rows, checkpoint)
                 self.metrics.transactions.labels(self.stream).inc()
-                self.metrics.messages.labels(self.stream).inc(len(rows))
+                self.metrics.messages.labels(self.stream).inc(fresh)
                 self.metrics.checkpoint.labels(self.stream).set(checkpoint)
+                if self.committed is not None:
+                    self.committed(rows)
             self.metrics.pending.labels(self.stream).set(messages[-1].metadata.num_pending)
             await messages[-1].ack()
 
-    def _write(self, rows: list, checkpoint: int) -> None:
-        own = [row for row in rows if not isinstance(row, tuple)]
-        dead = [row[1] for row in rows if isinstance(row, tuple)]
+    def _write(self, rows: list[TableRow], checkpoint: int) -> None:
+        by_table: dict[sa.Table, list[dict]] = {}
+        for table, row in rows:
+            by_table.setdefault(table, []).append(row)
         with self.engine.begin() as connection:
-            if own:
-                connection.execute(self.table.insert(), own)
-            if dead:
-                connection.execute(tables.dead_letters.insert(), dead)
+            for table, table_rows in by_table.items():
+                connection.execute(table.insert(), table_rows)
             _save_checkpoint(connection, self.name, self.stream, checkpoint)
 
 
@@ -434,14 +471,18 @@ class StoreService:
         self.settings = settings
         self.metrics = StoreMetrics()
         self.engine = create_engine(settings.db.url)
-        self.events = EventsProjector(settings, self.engine, self.metrics)
+        # The quality metrics need the whole inventory in one fold: one store, not shards.
+        self.quality = QualityTracker(
+            QualityMetrics(self.metrics.registry), settings.store.quality_horizon_s, settings.store.quality_max_pending,
+        ) if parse_shard(settings.store.shard).single else None
+        self.events = EventsProjector(settings, self.engine, self.metrics, self.quality)
         batch = settings.store.batch_size
         self.decisions = RowProjector(
-            "decisions", settings.stream.decisions_stream, DECISIONS_DURABLE, tables.decisions, decision_row,
-            self.engine, self.metrics, batch,
+            "decisions", settings.stream.decisions_stream, DECISIONS_DURABLE, decision_rows,
+            self.engine, self.metrics, batch, self.quality.decisions_committed if self.quality else None,
         )  # fmt: skip
         self.dead_letters = RowProjector(
-            "dead_letters", dead_letters_stream(settings.stream).name, DEAD_LETTERS_DURABLE, tables.dead_letters,
+            "dead_letters", dead_letters_stream(settings.stream).name, DEAD_LETTERS_DURABLE,
             ingest_dead_letter_row, self.engine, self.metrics, batch,
         )  # fmt: skip
         self.leads = self.events.shard.index == 0

@@ -108,6 +108,8 @@ def prune_once(engine: sa.Engine, settings: StoreSettings, *, events_stream: str
         with engine.begin() as connection:
             removed["decisions"] += connection.execute(tables.decisions.delete().where(
                 decision_c.stream_seq > decisions_done, decision_c.stream_seq <= upto)).rowcount
+            connection.execute(tables.decision_blocks.delete().where(
+                tables.decision_blocks.c.stream_seq > decisions_done, tables.decision_blocks.c.stream_seq <= upto))
             _save(connection, DECISIONS_PRUNED, decisions_stream, upto, now)
         decisions_done = upto
     return PruneResult(done, decisions_done, removed)

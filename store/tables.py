@@ -112,6 +112,7 @@ block_residency = sa.Table(
     sa.Index("ix_residency_worker_removed", "publisher", "dp_rank", "tier", "removed_seq"),
     sa.Index("ix_residency_engine_hash", "engine_hash"),
     sa.Index("ix_residency_removed_seq", "removed_seq"),  # history pruning walks closed stays by seq
+    sa.Index("ix_residency_sequence_hash", "sequence_hash"),  # the quality audit finds a decision's blocks
     # Clustered on (stored_seq, slot) in SQLite: one B-tree fewer to insert into per block.
     sqlite_with_rowid=False,
 )
@@ -173,8 +174,26 @@ decisions = sa.Table(
     sa.Column("candidates", sa.Text, nullable=False),  # JSON list, ranked
     sa.Column("worker_overlaps", sa.Text, nullable=False),  # JSON object
     sa.Column("decided_ts", _TS, nullable=False),
+    # What the quality audit joins on: the target as a worker, the target's credited prefix
+    # (blocks held natively on any local tier) and the chosen source's prefix.
+    sa.Column("target_publisher", _PUBLISHER),
+    sa.Column("target_dp_rank", sa.Integer),
+    sa.Column("target_prefix_blocks", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("chosen_prefix_blocks", sa.Integer),
     sa.Index("ix_decisions_request_id", "request_id"),
     sa.Index("ix_decisions_decided_ts", "decided_ts"),  # history pruning finds old decisions by time
+)
+
+# One row per block a decision relies on: role `source` for the chosen source's transferred
+# blocks (positions baseline_blocks .. chosen_prefix_blocks - 1), role `target` for the
+# target's credited ones (0 .. target_prefix_blocks - 1), from the record's relied-prefix header.
+decision_blocks = sa.Table(
+    "decision_blocks",
+    metadata,
+    sa.Column("stream_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("role", _NAME, primary_key=True),  # source | target
+    sa.Column("position", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("sequence_hash", _HASH, nullable=False),
 )
 
 # One row per consumer: the last stream seq whose effects are committed.

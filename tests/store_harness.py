@@ -38,6 +38,7 @@ from kvledger.runtime.streams import events_stream
 from store import audit, database
 from kvledger.runtime.streams import ensure_stream
 from store.projector import StoreService
+from services import libpq_url
 
 DEADLINE_S = 60.0
 BAD_RECORD = b"\x93not a kvledger record"
@@ -336,3 +337,28 @@ class StoreProcess:
         """What store warned about (rebinding a consumer, rewinding to the checkpoint), without timestamps."""
         lines = self.log_path.read_text(errors="replace").splitlines()
         return [line.split(" WARNING ", 1)[1] for line in lines if " WARNING " in line]
+
+
+def run_in_shell(db_url: str, query: audit.Query, values: Mapping[str, object]) -> list[str]:
+    """An audit query as an auditor runs it: pasted into sqlite3 or psql with its parameters set; the output lines."""
+    if db_url.startswith("sqlite"):
+        commands = [f".parameter set :{name} {_sqlite_literal(values[name])}" for name in query.params]
+        script = "\n".join([".mode list", ".bail on", *commands, query.sql]) + "\n"
+        done = subprocess.run(["sqlite3", sa.make_url(db_url).database], input=script, capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode == 0 and "Error" not in done.stderr, done.stderr
+    else:
+        commands = [f"\\set {name} {_psql_literal(values[name])}" for name in query.params]
+        script = "\n".join(["\\set ON_ERROR_STOP on", *commands, query.sql]) + "\n"
+        done = subprocess.run(["psql", "-X", "-q", "-A", "-t", libpq_url(db_url)], input=script, capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+    return [line for line in done.stdout.splitlines() if line]
+
+
+def _sqlite_literal(value: object) -> str:
+    return f"\"'{value}'\"" if isinstance(value, str) else str(value)
+
+
+def _psql_literal(value: object) -> str:
+    return f"'''{value}'''" if isinstance(value, str) else str(value)

@@ -6,6 +6,8 @@ cuda runs where a GPU answers and is skipped, with the reason, everywhere else.
 
 from __future__ import annotations
 
+import struct
+
 import itertools
 import json
 import random
@@ -57,6 +59,14 @@ def service_json(decision) -> bytes:
     return json.dumps(decision_to_json(decision), separators=(",", ":")).encode()
 
 
+def relied_prefix(request, answer) -> bytes:
+    """What a record's relied-prefix header must name: the longer of the chosen prefix and the target's credited one."""
+    chosen = answer.chosen.prefix_blocks if answer.chosen else 0
+    credited = answer.overlaps[answer.target].any if answer.target is not None else 0
+    hashes = request.sequence_hashes[:max(chosen, credited)]
+    return struct.pack(f"<{len(hashes)}Q", *hashes).hex().encode()
+
+
 def _fold_and_index(stream) -> tuple[InventoryFold, InventoryIndex]:
     fold, index = InventoryFold(), InventoryIndex()
     for batch, stream_seq in stream:
@@ -77,6 +87,7 @@ def test_every_answer_equals_the_reference_model(backend_name: str, stream, aske
     # The service's path: straight from the arrays to JSON, byte for byte the codec's.
     answers = backend.answer_batch(asked, reuse)
     assert answers.encoded() == [service_json(answer) for answer in expected]
+    assert answers.relied_prefixes() == [relied_prefix(request, answer) for request, answer in zip(asked, expected)]
     for answer in expected:
         event(f"reason {answer.reason}")
         event(f"uncertain workers: {bool(answer.uncertain_workers)}; credit {answer.credited_blocks > 0}")

@@ -464,6 +464,21 @@ def _audit_workers(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     return audit_workers(loaded.settings, args.json)
 
 
+def _audit_quality_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--horizon-ms", type=float, default=500.0, metavar="MS",
+                        help="judge each decision this long after it, in stream time (default 500)")
+    parser.add_argument("--by", choices=("worker", "tier", "reason", "hour"), action="append",
+                        help="only these groupings (repeatable; default: all four)")
+    parser.add_argument("--decisions", action="store_true", help="one row per decision instead of the rates")
+    _json_flag(parser)
+
+
+def _audit_quality(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    from store.commands import audit_quality
+
+    return audit_quality(loaded.settings, args.horizon_ms, args.by, args.decisions, args.json)
+
+
 @attrs.frozen
 class Command:
     """A subcommand: its words (`("config", "show")`), what it does, and its own arguments."""
@@ -493,6 +508,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("audit", "dead-letters"), _audit_dead_letters, "records that could not be used",
             _audit_dead_letters_arguments),
     Command(("audit", "workers"), _audit_workers, "every worker and where its stream stands", _json_flag),
+    Command(("audit", "quality"), _audit_quality, "whether decisions were still true at a horizon: stale hints, "
+            "lost credit", _audit_quality_arguments),
     Command(
         ("config", "show"),
         _config_show,

@@ -1,0 +1,180 @@
+"""Decision quality: was each decision still true at its horizon? (store/audit.py, store/quality.py)
+
+A scripted workload whose truth is known, through a real nats-server, decide and store:
+the source holds 8 blocks, the targets 3 and 2. Three decisions in one batch: one chooses
+the source for `target`, one finds nothing to transfer (it counts only for its target),
+one chooses the source for `target2`. 100 ms after the decisions the source evicts its
+last three blocks and `target2` its second; 700 ms after them another worker stores a
+block. Ingest times are written into the batches, so the horizons fall exactly where the
+script puts them. At a 500 ms horizon the two hints are stale and target2's credit is
+lost; at 50 ms everything still held. SQL (SQLite and PostgreSQL) and store's metrics
+must both say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import attrs
+import nats
+import pytest
+import sqlalchemy as sa
+
+from kvledger.app.cli import main
+from kvledger.events import WorkerId, encode_batch
+from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
+from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
+from engines import wait_until
+from store import database
+from store.audit import Audit
+from kvledger.settings import load_settings
+from store import audit as audit_queries
+from store_harness import RunningStore, checkpoint, run_in_shell, store_settings
+
+from decide.service import DecideService
+
+pytestmark = pytest.mark.service
+
+SOURCE, TARGET, TARGET2, OTHER = WorkerId("source", 1), WorkerId("target"), WorkerId("target2"), WorkerId("other")
+HIGH = 1 << 63  # the source's engine hashes are >= 2^63
+DEADLINE_S = 20.0
+
+
+def decide_settings(url: str):
+    return load_settings(environ={}, overrides={
+        "nats.url": url, "decide.http_port": 0, "decide.backend": "cpu",
+        "reuse.enable_decode_to_prefill_gpu_reuse": True, "reuse.transfer_source_prefill_token_us": 1000.0,
+    }).settings
+
+
+def request(request_id: str, target: WorkerId, blocks: list[int]) -> dict:
+    return {"request_id": request_id, "target": target.name, "block_size": BLOCK_SIZE,
+            "local_hashes": [str(h) for h in local_hashes(blocks)]}
+
+
+async def publish(js, batches) -> None:
+    for batch, _ in batches:
+        await js.publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id})
+
+
+def at(batch_and_seq, ingest_ts: float):
+    batch, seq = batch_and_seq
+    return attrs.evolve(batch, ingest_ts=ingest_ts, engine_ts=ingest_ts), seq
+
+
+def sample(service, name: str, **labels: str) -> float:
+    value = service.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def test_a_source_evicting_100_ms_after_the_decision_is_stale_at_500_ms_and_fresh_at_50_ms(nats_server, db_url) -> None:
+    settings = decide_settings(nats_server.url)
+    stream = Stream()
+    early = [
+        at(stream.batch(SOURCE, stored(list(range(1, 9)), engine_offset=HIGH)), 1000.0),
+        at(stream.batch(TARGET, stored([1, 2, 3])), 1000.0),
+        at(stream.batch(TARGET2, stored([1, 2])), 1000.0),
+    ]
+    async with await nats.connect(nats_server.url) as nc:
+        js = nc.jetstream()
+        await ensure_stream(js, events_stream(settings.stream))
+        await publish(js, early)
+        async with RunningStore(store_settings(nats_server.url, db_url, quality_horizon_s=0.5)) as running, \
+                DecideService(settings) as decide:
+            await decide.wait_ready(DEADLINE_S)
+            await wait_until(lambda: decide.index.inventory_seq >= 3, DEADLINE_S, "decide at seq 3")
+            asked = [request("hint", TARGET, list(range(1, 13))), request("credit-only", TARGET, [1, 2, 3, 40, 41]),
+                     request("hint2", TARGET2, list(range(1, 13)))]
+            reply = await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(asked).encode(), timeout=10)
+            answers = json.loads(reply.data)
+            assert [answer["reason"] for answer in answers] == ["chosen", "no_candidates", "chosen"]
+            assert answers[0]["chosen"]["prefix_blocks"] == 8 and answers[0]["baseline_blocks"] == 3
+            quality = running.service.quality
+            await running.until(lambda: checkpoint(db_url, "decisions") >= 3, "the decisions in SQL")
+            await wait_until(lambda: quality.waiting == 3, DEADLINE_S, "the three decisions waiting for their horizon")
+            with database.opened(db_url) as engine, engine.connect() as connection:
+                decided = max(connection.execute(sa.text("SELECT decided_ts FROM decisions")).scalars())
+
+            evicted = decided + 0.1
+            late = [
+                at(stream.batch(SOURCE, removed([6 + HIGH, 7 + HIGH, 8 + HIGH])), evicted),
+                at(stream.batch(TARGET2, removed([2])), evicted),
+                at(stream.batch(OTHER, stored([50])), decided + 0.7),
+            ]
+            await publish(js, late)
+            await running.until(lambda: checkpoint(db_url) >= 6, "the evictions in SQL")
+            await wait_until(lambda: quality.waiting == 0, DEADLINE_S, "the decisions judged")
+
+            service = running.service
+            assert sample(service, "kvledger_store_decision_hints_total", worker="source/1", tier="device") == 2
+            assert sample(service, "kvledger_store_decision_stale_hints_total", worker="source/1", tier="device") == 2
+            assert sample(service, "kvledger_store_decision_credits_total", worker="target", reason="chosen") == 1
+            assert sample(service, "kvledger_store_decision_credits_total", worker="target", reason="no_candidates") == 1
+            assert sample(service, "kvledger_store_decision_lost_credits_total", worker="target", reason="chosen") == 0
+            assert sample(service, "kvledger_store_decision_lost_credits_total", worker="target2", reason="chosen") == 1
+            assert sample(service, "kvledger_store_decision_first_eviction_seconds_count", tier="device") == 2
+            assert sample(service, "kvledger_store_decision_first_eviction_seconds_bucket", tier="device", le="0.25") == 2
+            assert sample(service, "kvledger_store_decision_first_eviction_seconds_bucket", tier="device", le="0.05") == 0
+
+    with database.opened(db_url) as engine, engine.connect() as connection:
+        audit = Audit(connection)
+        judged = {row["request_id"]: row for row in audit.decision_quality(0.5)}
+        hint, credit_only, hint2 = judged["hint"], judged["credit-only"], judged["hint2"]
+        assert (hint["stale"], hint["source_blocks"], hint["source_gone"]) == (1, 5, 3)
+        assert (hint["lost_credit"], hint["target_blocks"], hint["target_gone"]) == (0, 3, 0)
+        assert hint["first_eviction_ms"] == pytest.approx((evicted - decided_ts(connection, "hint")) * 1000, abs=1e-3)
+        assert hint["source_gone_after_ms"] == pytest.approx(hint["first_eviction_ms"], abs=1e-3)
+        assert (credit_only["stale"], credit_only["source_blocks"], credit_only["lost_credit"]) == (None, 0, 0)
+        assert (hint2["stale"], hint2["lost_credit"], hint2["target_blocks"], hint2["target_gone"]) == (1, 1, 2, 1)
+
+        fresh = {row["request_id"]: row for row in audit.decision_quality(0.05)}
+        assert [(fresh[r]["stale"], fresh[r]["lost_credit"]) for r in ("hint", "credit-only", "hint2")] == \
+            [(0, 0), (None, 0), (0, 0)]
+        assert fresh["hint"]["first_eviction_ms"] is None and fresh["hint"]["source_gone"] == 0
+
+        summary = {(row["dimension"], row["key"]): row for row in audit.decision_quality_summary(0.5)}
+        source = summary["worker", "source/1"]
+        assert (source["hints"], source["stale_hints"], source["stale_hint_rate"]) == (2, 2, 1.0)
+        assert source["median_first_eviction_ms"] == pytest.approx(
+            sorted([hint["first_eviction_ms"], hint2["first_eviction_ms"]])[0] / 2
+            + sorted([hint["first_eviction_ms"], hint2["first_eviction_ms"]])[1] / 2, abs=1e-3)
+        target = summary["worker", "target"]
+        assert (target["hints"], target["credited"], target["lost_credit"], target["lost_credit_rate"]) == (0, 2, 0, 0.0)
+        assert (summary["worker", "target2"]["lost_credit_rate"], summary["tier", "device"]["hints"]) == (1.0, 2)
+        assert (summary["tier", "none"]["hints"], summary["tier", "none"]["credited"]) == (0, 1)
+        assert summary["reason", "chosen"]["stale_hint_rate"] == 1.0
+        assert summary["reason", "no_candidates"]["lost_credit_rate"] == 0.0
+        [hour] = [row for (dimension, _), row in summary.items() if dimension == "hour"]
+        assert (hour["hints"], hour["stale_hints"], hour["credited"], hour["lost_credit"]) == (2, 2, 3, 1)
+        assert int(hour["key"]) == int(decided // 3600 * 3600)
+        # The same answers as an auditor gets pasting the documented statements into sqlite3 or psql.
+        for query, rows in ((audit_queries.DECISION_QUALITY, audit.decision_quality(0.5)),
+                            (audit_queries.DECISION_QUALITY_SUMMARY, audit.decision_quality_summary(0.5))):
+            lines = run_in_shell(db_url, query, {"horizon_s": 0.5})
+            assert len(lines) == len(rows), query.name
+            for line, row in zip(lines, rows):
+                cells = dict(zip(row, line.split("|")))
+                for column in ("request_id", "stale", "source_gone", "lost_credit", "target_gone", "dimension", "key",
+                               "hints", "stale_hints", "credited"):
+                    if column in row:
+                        assert cells[column] == ("" if row[column] is None else str(row[column])), (query.name, column)
+        fresh_summary = {(row["dimension"], row["key"]): row for row in audit.decision_quality_summary(0.05)}
+        assert fresh_summary["worker", "source/1"]["stale_hint_rate"] == 0.0
+        assert fresh_summary["worker", "source/1"]["median_first_eviction_ms"] is None
+
+
+def decided_ts(connection: sa.Connection, request_id: str) -> float:
+    return connection.execute(sa.text("SELECT decided_ts FROM decisions WHERE request_id = :r"),
+                              {"r": request_id}).scalar_one()
+
+
+def test_the_quality_command_on_an_empty_ledger_and_a_bad_horizon(sqlite_url, capsys) -> None:
+    with database.opened(sqlite_url) as engine:
+        database.upgrade(engine)
+    assert main(["audit", "quality", "--db", sqlite_url]) == 0
+    assert "(no rows)" in capsys.readouterr().out
+    assert main(["audit", "quality", "--db", sqlite_url, "--decisions", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    assert main(["audit", "quality", "--db", sqlite_url, "--horizon-ms", "-1"]) == 2
+    assert "--horizon-ms must be 0 or more" in capsys.readouterr().err
