@@ -289,6 +289,18 @@ def audit_quality(settings: Settings, horizon_ms: float, by: Sequence[str] | Non
         engine.dispose()
 
 
+def quality_totals(url: str, horizon_s: float) -> dict[str, int]:
+    """Hints, stale hints, credited and lost-credit decisions over the whole ledger at one horizon."""
+    engine = database.create_engine(url)
+    try:
+        with engine.connect() as connection:
+            rows = Audit(connection).decision_quality_summary(horizon_s)
+    finally:
+        engine.dispose()
+    by_reason = [row for row in rows if row["dimension"] == "reason"]  # every judged decision once
+    return {name: sum(row[name] or 0 for row in by_reason) for name in ("hints", "stale_hints", "credited", "lost_credit")}
+
+
 def ledger_counts(url: str) -> dict[str, int]:
     """Headline counts for the demo summary: batches and events logged, blocks held, decisions."""
     queries = {

@@ -100,6 +100,7 @@ class StoreMetrics:
         self.transaction_seconds = Histogram(
             "kvledger_store_transaction_seconds", "Time to write one transaction", ["stream"], registry=r
         )
+        self.quality = QualityMetrics(r)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
@@ -473,7 +474,7 @@ class StoreService:
         self.engine = create_engine(settings.db.url)
         # The quality metrics need the whole inventory in one fold: one store, not shards.
         self.quality = QualityTracker(
-            QualityMetrics(self.metrics.registry), settings.store.quality_horizon_s, settings.store.quality_max_pending,
+            self.metrics.quality, settings.store.quality_horizon_s, settings.store.quality_max_pending,
         ) if parse_shard(settings.store.shard).single else None
         self.events = EventsProjector(settings, self.engine, self.metrics, self.quality)
         batch = settings.store.batch_size

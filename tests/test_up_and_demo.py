@@ -25,7 +25,8 @@ def test_the_demo_runs_end_to_end_and_prints_a_summary(tmp_path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     for line in ("batches bridged (in SQL)", "decisions recorded", "prefix hit rate with kvledger",
-                 "prefix hit rate round-robin", "kvledger audit workers --db sqlite:///.kvledger/demo/ledger.db"):
+                 "prefix hit rate round-robin", "stale-hint rate at 500 ms", "lost-credit rate at 500 ms",
+                 "kvledger audit workers --db sqlite:///.kvledger/demo/ledger.db"):
         assert line in out
     assert (tmp_path / ".kvledger" / "demo" / "ledger.db").is_file()
     workers = subprocess.run(

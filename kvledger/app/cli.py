@@ -254,7 +254,7 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
     from kvledger.runtime.nats_options import connect_options
     from kvledger.runtime.system import run_services
     from kvledger.sim.workload import DEMO_BLOCK_SIZE, mooncake_requests, synthetic_requests
-    from store.commands import ledger_counts
+    from store.commands import ledger_counts, quality_totals
 
     console = Console()
     requests = mooncake_requests(args.trace) if args.trace else synthetic_requests(100_000)
@@ -296,6 +296,8 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
         await run_services({**services, "demo": driver}, stop)
 
     counts = ledger_counts(settings.db.url)
+    quality = quality_totals(settings.db.url, settings.store.quality_horizon_s)
+    horizon_ms = settings.store.quality_horizon_s * 1000
     bridged, events, inventory, decisions = counts["batches"], counts["events"], counts["blocks_held"], counts["decisions"]
     summary = Table(title="kvledger demo", show_header=False, min_width=72)
     summary.add_column(style="bold")
@@ -317,6 +319,8 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
         ("estimated TTFT saved by reuse transfers", f"{score.reuse_saving_ms / 1000:.1f} s"),
         ("prefix hit rate with kvledger", f"{score.hit_rate:.1%}"),
         ("prefix hit rate round-robin", f"{score.baseline_hit_rate:.1%}"),
+        (f"stale-hint rate at {horizon_ms:g} ms", _rate(quality["stale_hints"], quality["hints"], "hints")),
+        (f"lost-credit rate at {horizon_ms:g} ms", _rate(quality["lost_credit"], quality["credited"], "credited decisions")),
     ]
     for name, value in rows:
         summary.add_row(name, value)
@@ -327,7 +331,12 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
     print(f"  kvledger audit workers --db {db}")
     print(f"  kvledger audit inventory --worker {first} --tier device --db {db}")
     print(f"  kvledger audit gaps --db {db}")
+    print(f"  kvledger audit quality --db {db}")
     return 0
+
+
+def _rate(part: int, whole: int, of: str) -> str:
+    return f"{part / whole:.1%} of {whole} {of}" if whole else f"n/a (no {of} judged)"
 
 
 async def _wait_decide_ready(nc) -> None:
