@@ -319,6 +319,8 @@ class AnswerBatch:
         prefix, or the target's credited prefix (native on any local tier), whichever is longer."""
         ranked, count = self.ranked, len(self.requests)
         lengths = np.zeros(count, dtype=np.int64)
+        if not ranked.overlap_bounds[-1]:  # nobody holds any of it: nothing chosen, nothing credited
+            return lengths
         bounds = ranked.candidate_bounds
         chosen = np.flatnonzero(bounds[1:] > bounds[:-1])
         if chosen.size:
