@@ -335,8 +335,8 @@ class AnswerBatch:
 
     def relied_prefixes(self) -> list[bytes]:
         """Per answer, the sequence hashes of the blocks it relies on (`relied_prefix_lengths`) as
-        little-endian u64 in hex (`kvledger.decision_codec.RELIED_PREFIX_HEADER`), b"" when none: what store needs to tell later whether the
-        chosen source and the target still held them (the quality audit)."""
+        little-endian u64 in hex (`kvledger.decision_codec.RELIED_PREFIX_HEADER`), b"" when none:
+        what store needs to tell later whether the chosen source and the target still held them."""
         lengths = np.minimum(self.relied_prefix_lengths(), MAX_RELIED_BLOCKS)
         relying = np.flatnonzero(lengths).tolist()
         if not relying:

@@ -39,7 +39,7 @@ from store.database import create_engine, require_current
 from store.gc_policy import young_collections_deferred
 from kvledger.runtime.system import install_stop_signals
 from store.jetstream import ConsumerWatch, SkippedMessagesError, bind_consumer, connect
-from store.recorder import SQL_CHECKPOINT, load_fold, read_checkpoint
+from store.recorder import SQL_CHECKPOINT, last_ingest_ts, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError, encode_changes
 from store.pruning import HistoryPruner
 from store.quality import QualityMetrics, QualityTracker
@@ -162,6 +162,8 @@ class EventsProjector:
                 if self.fold is None:
                     self.fold, self.index = await asyncio.to_thread(load_fold, self.engine, self.shard)
                     log.info("fold rebuilt from SQL at stream seq %d", self.fold.inventory_seq)
+                    if self.quality is not None:
+                        self.quality.resume_at(await asyncio.to_thread(last_ingest_ts, self.engine))
                 subscription = await bind_consumer(
                     js, self.stream, self.durable, self.fold.inventory_seq, batch_size=self.settings.store.batch_size
                 )
@@ -231,12 +233,11 @@ class EventsProjector:
                         fold.inventory_seq = seq
                         self.metrics.dead_letters.labels(self.stream).inc()
                         continue
-                    if quality is None:
-                        builder.add_batch(changes, batch, seq, fold.apply(batch, seq), fold)
-                        continue
-                    quality.before_event(batch.ingest_ts, fold)
+                    if quality is not None:
+                        quality.before_event(batch.ingest_ts, fold)
                     facts = fold.apply(batch, seq)
-                    quality.after_event(facts, seq, batch.ingest_ts)
+                    if quality is not None:
+                        quality.after_event(facts, seq, batch.ingest_ts)
                     builder.add_batch(changes, batch, seq, facts, fold)
                 encoded = None
                 if others:

@@ -12,8 +12,9 @@ on the way give the time from the decision to the first eviction.
 
 The fold answers with the residency rule of `kvledger/residency.py`; the SQL audit counts a
 block held while any KV-cache group holds it, so for hybrid models the two can differ.
-Decisions that reach store after their horizon has passed in the fold are counted as not
-judged (`late`); the SQL audit judges them all.
+Decisions that reach store after their horizon has passed in the fold (as after a restart,
+when the fold is rebuilt from SQL past them) are counted as not judged (`late`); the SQL
+audit judges them all.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class QualityMetrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
         self.unjudged = Counter("kvledger_store_decision_quality_unjudged",
                                 "Decisions the quality metrics could not judge, by why", ["reason"], registry=r)
-        self.pending = Counter("kvledger_store_decision_quality_watched",
+        self.watched = Counter("kvledger_store_decision_quality_watched",
                                "Decisions taken in to wait for their horizon", registry=r)
 
 
@@ -134,7 +135,7 @@ class QualityTracker:
                 self._watchers[source, pending.source_tier, sequence_hash].append(pending)
             self._replay_recent(pending)
         heapq.heappush(self._due, (deadline, next(self._order), pending))
-        self.metrics.pending.inc()
+        self.metrics.watched.inc()
 
     def _replay_recent(self, pending: _Pending) -> None:
         """Removals the events projector applied after the decision's inventory seq, before the decision arrived."""
@@ -150,6 +151,15 @@ class QualityTracker:
                 return
 
     # the events side
+
+    def resume_at(self, ingest_ts: float | None) -> None:
+        """The events fold was (re)built from SQL, as of an event ingested at `ingest_ts` (None: no
+        event yet). Decisions whose horizon lies at or before it can no longer be judged on it."""
+        self.stream_ts = ingest_ts
+        while ingest_ts is not None and self._due and self._due[0][0] <= ingest_ts:
+            _, _, pending = heapq.heappop(self._due)
+            self._unwatch(pending)
+            self.metrics.unjudged.labels("late").inc()
 
     def before_event(self, ingest_ts: float, fold: InventoryFold) -> None:
         """Judge every decision whose horizon this event reaches, on the fold as of the seq before it."""
@@ -196,15 +206,19 @@ class QualityTracker:
                 metrics.stale_hints.labels(worker, tier).inc()
             if pending.first_eviction_ts is not None:
                 metrics.first_eviction.labels(tier).observe(max(pending.first_eviction_ts - pending.decided_ts, 0.0))
-            for sequence_hash in pending.source_hashes:
-                watchers = self._watchers.get((pending.source, pending.source_tier, sequence_hash))
-                if watchers is not None:
-                    watchers.remove(pending)
-                    if not watchers:
-                        del self._watchers[pending.source, pending.source_tier, sequence_hash]
+            self._unwatch(pending)
         if pending.target is not None:
             worker = pending.target.name
             metrics.credits.labels(worker, pending.reason).inc()
             if not all(any(fold.holds(pending.target, NATIVE, tier, h) for tier in LOCAL_TIERS)
                        for h in pending.target_hashes):
                 metrics.lost_credits.labels(worker, pending.reason).inc()
+
+    def _unwatch(self, pending: _Pending) -> None:
+        for sequence_hash in pending.source_hashes:
+            block = (pending.source, pending.source_tier, sequence_hash)
+            watchers = self._watchers.get(block)
+            if watchers is not None:
+                watchers.remove(pending)
+                if not watchers:
+                    del self._watchers[block]

@@ -208,6 +208,12 @@ def read_checkpoint(connection: sa.Connection, name: str) -> int:
     return seq or 0
 
 
+def last_ingest_ts(engine: sa.Engine) -> float | None:
+    """Ingest time of the newest event SQL holds (None: none yet): where a fold rebuilt from SQL stands in stream time."""
+    with engine.connect() as connection:
+        return connection.execute(sa.select(sa.func.max(tables.workers.c.last_ingest_ts))).scalar_one()
+
+
 def load_fold(engine: sa.Engine, shard: Shard = SINGLE) -> tuple[InventoryFold, ResidencyIndex]:
     """Rebuild the fold as it was at the shard's events checkpoint, from its open residency rows and workers.
 

@@ -13,7 +13,6 @@ must both say so.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import attrs
@@ -27,7 +26,11 @@ from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events
 from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
 from engines import wait_until
 from store import database
+from prometheus_client import CollectorRegistry
+
+from store import tables
 from store.audit import Audit
+from store.quality import QualityMetrics, QualityTracker
 from kvledger.settings import load_settings
 from store import audit as audit_queries
 from store_harness import RunningStore, checkpoint, run_in_shell, store_settings
@@ -162,6 +165,25 @@ async def test_a_source_evicting_100_ms_after_the_decision_is_stale_at_500_ms_an
         fresh_summary = {(row["dimension"], row["key"]): row for row in audit.decision_quality_summary(0.05)}
         assert fresh_summary["worker", "source/1"]["stale_hint_rate"] == 0.0
         assert fresh_summary["worker", "source/1"]["median_first_eviction_ms"] is None
+
+
+def test_a_fold_rebuilt_past_a_decision_s_horizon_does_not_judge_it() -> None:
+    # A store restarting with its events checkpoint ahead of its decisions: the rebuilt fold
+    # already stands after the horizon, so it cannot say what was held there.
+    registry = CollectorRegistry()
+    metrics = QualityMetrics(registry)
+    tracker = QualityTracker(metrics, horizon_s=0.5, max_pending=10)
+    row = {"stream_seq": 1, "decided_ts": 100.0, "inventory_seq": 3, "reason": "chosen", "chosen_source": "source",
+           "chosen_dp_rank": 1, "chosen_tier": "device", "target_publisher": "target", "target_dp_rank": 0}
+    blocks = [(tables.decision_blocks, {"stream_seq": 1, "role": "source", "position": 0, "sequence_hash": -5})]
+    tracker.decisions_committed([(tables.decisions, row), *blocks])
+    assert tracker.waiting == 1
+    tracker.resume_at(100.4)  # before the horizon: it still waits
+    assert tracker.waiting == 1
+    tracker.resume_at(100.5)
+    assert tracker.waiting == 0
+    assert registry.get_sample_value("kvledger_store_decision_quality_unjudged_total", {"reason": "late"}) == 1
+    assert registry.get_sample_value("kvledger_store_decision_hints_total", {"worker": "source/1", "tier": "device"}) is None
 
 
 def decided_ts(connection: sa.Connection, request_id: str) -> float:
