@@ -23,7 +23,7 @@ from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client import generate_latest
 
-from kvledger.decision_codec import RequestError, request_from_json
+from kvledger.decision_codec import RequestError, error_reply
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
 from kvledger.runtime.http import HttpFront, HttpLimits, Request, Response, Route, health_routes
 from kvledger.runtime.lifetime import AsyncLifetime
@@ -49,11 +49,11 @@ from decide.index import InventoryIndex
 from decide.media import (
     MEDIA_TYPES,
     EncodedAnswers,
-    batch_problem,
+    Parsed,
+    parse_batch,
+    parse_single,
     encoded_response,
     json_bytes,
-    parse_json,
-    parse_msgpack,
 )
 from decide.metrics import DecideMetrics
 from decide.ranked import AnswerBatch
@@ -249,18 +249,22 @@ class DecideService(AsyncLifetime):
                 self.metrics.budget_exhausted.inc(number)
         return answers
 
-    async def answer(self, bodies: Sequence[object]) -> EncodedAnswers:
-        """The JSON of each body's answer (or of an error object naming the field), answers recorded in KV_DECISIONS."""
-        parts: list[bytes] = [b""] * len(bodies)
+    def refuse(self, error: RequestError) -> dict:
+        """Count a refused request; its error reply."""
+        self.metrics.malformed.labels(error.top_field).inc()
+        return error.as_json()
+
+    async def answer(self, items: Sequence[Parsed]) -> EncodedAnswers:
+        """The JSON of each request's answer (or of the error naming its field), answers recorded in KV_DECISIONS."""
+        parts: list[bytes] = [b""] * len(items)
         refused: set[int] = set()
         valid: list[tuple[int, ReuseRequest]] = []
-        for position, body in enumerate(bodies):
-            try:
-                valid.append((position, request_from_json(body)))
-            except RequestError as error:
-                self.metrics.malformed.labels(error.field).inc()
-                parts[position] = json_bytes(error.as_json(body.get("request_id") if isinstance(body, dict) else None))
+        for position, item in enumerate(items):
+            if isinstance(item, RequestError):
+                parts[position] = json_bytes(self.refuse(item))
                 refused.add(position)
+            else:
+                valid.append((position, item))
         # Answers go from the ranked arrays straight to JSON, the same bytes that are recorded.
         records = []
         if valid:
@@ -287,22 +291,18 @@ class DecideService(AsyncLifetime):
         await self._reply(msg, batch=True)
 
     async def _reply(self, msg: Msg, *, batch: bool) -> None:
-        body, error = parse_json(msg.data)
-        if error is None and batch:
-            error = batch_problem(body)
-        if error is not None:
-            self.metrics.malformed.labels(error.field).inc()
-            await msg.respond(json_bytes(error.as_json()))
+        parsed = parse_batch(msg.data) if batch else parse_single(msg.data)
+        if isinstance(parsed, RequestError):
+            await msg.respond(json_bytes(self.refuse(parsed)))
             return
         try:
             if batch:
-                reply = (await self.answer(body)).as_list()
+                reply = (await self.answer(parsed)).as_list()
             else:
-                reply, _ = await self._batcher.submit(body)
+                reply, _ = await self._batcher.submit(parsed)
         except Exception as failure:  # e.g. KV_DECISIONS unreachable: say so rather than let the client time out
             log.exception("decide: request failed")
-            await msg.respond(json_bytes({"request_id": None, "error": {
-                "field": None, "message": f"internal error: {type(failure).__name__}: {failure}"}}))
+            await msg.respond(json_bytes(error_reply(None, f"internal error: {type(failure).__name__}: {failure}")))
             return
         await msg.respond(reply)
 
@@ -327,18 +327,12 @@ class DecideService(AsyncLifetime):
             return Response.json(self.settings.decide.reject_media_status_code, RequestError(
                 "content-type", f"expected application/json or application/msgpack, got {media_type or 'none'!r}",
             ).as_json())
-        if media_type == "application/msgpack":
-            body, error = parse_msgpack(request.body)
-        else:
-            body, error = parse_json(request.body)
-        if error is None and batch:
-            error = batch_problem(body)
-        if error is not None:
-            self.metrics.malformed.labels(error.field).inc()
-            return encoded_response(400, error.as_json(), media_type)
+        parsed = parse_batch(request.body, media_type) if batch else parse_single(request.body, media_type)
+        if isinstance(parsed, RequestError):
+            return encoded_response(400, self.refuse(parsed), media_type)
         if batch:
-            return encoded_response(200, (await self.answer(body)).as_list(), media_type)
-        part, refused = await self._batcher.submit(body)
+            return encoded_response(200, (await self.answer(parsed)).as_list(), media_type)
+        part, refused = await self._batcher.submit(parsed)
         return encoded_response(400 if refused else 200, part, media_type)
 
 

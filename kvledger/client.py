@@ -19,7 +19,6 @@ import asyncio
 import logging
 import random
 import threading
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any, Self, TypeVar
@@ -30,6 +29,8 @@ import msgspec
 import nats
 import nats.errors
 
+# The values on the wire are the decision API's one schema.
+from kvledger.decision_codec import Answer, Candidate, DecideRequest, ErrorReply, Overlap, new_request_id
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT
 
 log = logging.getLogger("kvledger.client")
@@ -39,83 +40,6 @@ T = TypeVar("T")
 JSON = "application/json"
 MSGPACK = "application/msgpack"
 DEFAULT_TIMEOUT = timedelta(seconds=2)
-
-
-# --- the values on the wire -------------------------------------------------------------------
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
-class DecideRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One request about to be prefilled, as decide's request object (docs/decide.md, Request fields).
-
-    Give exactly one of `token_ids` (hashed by decide as the engine hashed its blocks) or
-    `local_hashes`. `target` is a worker's name as answers write it: `publisher` for
-    dp_rank 0, else `publisher/dp_rank`. The service validates; what it refuses comes back
-    as `RequestRefused` naming the field.
-    """
-
-    request_id: str = msgspec.field(default_factory=new_request_id)
-    block_size: int
-    token_ids: Sequence[int] | None = None
-    local_hashes: Sequence[int] | None = None
-    target: str | None = None
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    extra_keys: Sequence[Any] | None = None  # vLLM's per-block list, as its BlockStored.extra_keys
-    lookahead: int = 0
-
-
-class Overlap(msgspec.Struct, frozen=True):
-    """Contiguous prefix lengths, in blocks, one worker holds of the request."""
-
-    device: int
-    host: int
-    disk: int
-    any: int
-    retained_device: int
-
-
-class Candidate(msgspec.Struct, frozen=True):
-    """A worker whose prefix could be transferred to the target instead of recomputed."""
-
-    source: str
-    dp_rank: int
-    tier: str  # "device", "host" or "disk"
-    prefix_blocks: int
-    transfer_blocks: int
-    recompute_ms: float
-    transfer_ms: float
-    saving_ms: float
-
-
-class Answer(msgspec.Struct, frozen=True):
-    """decide's answer (docs/decide.md's answer, with `settings_digest`), field for field as `decision_to_json` writes it."""
-
-    request_id: str
-    inventory_seq: int
-    target: str | None
-    credited_blocks: float
-    baseline_blocks: int
-    overlaps: dict[str, Overlap]
-    candidates: tuple[Candidate, ...]
-    chosen: Candidate | None
-    reason: str
-    uncertain_workers: tuple[str, ...]
-    backend: str
-    settings_digest: str
-
-
-class _ErrorBody(msgspec.Struct, frozen=True):
-    field: str | None
-    message: str
-
-
-class _ErrorReply(msgspec.Struct, frozen=True):
-    error: _ErrorBody
-    request_id: str | None = None
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -256,7 +180,7 @@ class _HttpTransport:
 def _error_text(body: bytes) -> str:
     """The message of decide's error object, or the start of whatever else the body is."""
     try:
-        return msgspec.json.decode(body, type=_ErrorReply).error.message
+        return msgspec.json.decode(body, type=ErrorReply).error.message
     except msgspec.DecodeError:
         return body[:300].decode(errors="replace")
 
@@ -270,24 +194,24 @@ class _Codec:
 
     encode: Callable[[object], bytes]
     answer: Any  # a msgspec Decoder of Answer
-    error: Any  # a msgspec Decoder of _ErrorReply
-    batch: Any  # a msgspec Decoder of a list of raw elements, or a batch-wide _ErrorReply
+    error: Any  # a msgspec Decoder of ErrorReply
+    batch: Any  # a msgspec Decoder of a list of raw elements, or a batch-wide ErrorReply
 
     @classmethod
     def for_json(cls) -> _Codec:
-        return cls(msgspec.json.Encoder().encode, msgspec.json.Decoder(Answer), msgspec.json.Decoder(_ErrorReply),
-                   msgspec.json.Decoder(list[msgspec.Raw] | _ErrorReply))
+        return cls(msgspec.json.Encoder().encode, msgspec.json.Decoder(Answer), msgspec.json.Decoder(ErrorReply),
+                   msgspec.json.Decoder(list[msgspec.Raw] | ErrorReply))
 
     @classmethod
     def for_msgpack(cls) -> _Codec:
         return cls(msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(Answer),
-                   msgspec.msgpack.Decoder(_ErrorReply), msgspec.msgpack.Decoder(list[msgspec.Raw] | _ErrorReply))
+                   msgspec.msgpack.Decoder(ErrorReply), msgspec.msgpack.Decoder(list[msgspec.Raw] | ErrorReply))
 
 
 _CODECS = {JSON: _Codec.for_json(), MSGPACK: _Codec.for_msgpack()}
 
 
-def _refusal_or_failure(reply: _ErrorReply, request_id: str | None) -> RequestRefused:
+def _refusal_or_failure(reply: ErrorReply, request_id: str | None) -> RequestRefused:
     # decide names a field for every refusal; a failure on its side (KV_DECISIONS
     # unreachable, say) has none, and another attempt may well succeed.
     if reply.error.field is None:
@@ -314,7 +238,7 @@ def _read_batch(codec: _Codec, data: bytes, request_ids: list[str]) -> list[Answ
         elements = codec.batch.decode(data)
     except msgspec.DecodeError as error:
         raise DecideError(f"unreadable batch answer: {error}: {data[:200]!r}") from None
-    if isinstance(elements, _ErrorReply):
+    if isinstance(elements, ErrorReply):
         raise _refusal_or_failure(elements, None)
     if len(elements) != len(request_ids):
         raise DecideError(f"asked {len(request_ids)} requests, got {len(elements)} answers")

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import sqlite3
 import time
 from collections.abc import Callable
 
 import attrs
-import cattrs
+import msgspec
 import nats.errors
 import psycopg
 import sqlalchemy as sa
@@ -26,7 +25,7 @@ import sqlalchemy.exc
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvledger.decision_codec import RELIED_PREFIX_HEADER, decision_from_json, relied_prefix_from_header
+from kvledger.decision_codec import ANSWER_DECODER, RELIED_PREFIX_HEADER, relied_prefix_from_header
 from kvledger.events import RecordError, WorkerId, decode_batch, decode_dead_letter
 from kvledger.fold import InventoryFold
 from kvledger.runtime.backoff import Backoff
@@ -310,8 +309,7 @@ Committed = Callable[[list[TableRow]], None]
 
 def decision_rows(message) -> list[TableRow]:
     """A KV_DECISIONS record: its `decisions` row, and a `decision_blocks` row per block it relies on."""
-    body = json.loads(message.data)
-    decision = decision_from_json(body)
+    decision = ANSWER_DECODER.decode(message.data)
     seq = message.metadata.sequence.stream
     chosen = decision.chosen
     target = WorkerId.parse(decision.target) if decision.target else None
@@ -326,15 +324,15 @@ def decision_rows(message) -> list[TableRow]:
         "baseline_blocks": decision.baseline_blocks,
         "chosen_source": chosen.source if chosen else None,
         "chosen_dp_rank": chosen.dp_rank if chosen else None,
-        "chosen_tier": chosen.tier.value if chosen else None,
+        "chosen_tier": chosen.tier if chosen else None,
         "chosen_transfer_blocks": chosen.transfer_blocks if chosen else None,
         "chosen_saving_ms": chosen.saving_ms if chosen else None,
         "reason": decision.reason,
         "backend": decision.backend,
         "settings_digest": decision.settings_digest,
-        "uncertain_workers": json.dumps(list(decision.uncertain_workers)),
-        "candidates": json.dumps(body["candidates"]),
-        "worker_overlaps": json.dumps(body["overlaps"], sort_keys=True),
+        "uncertain_workers": _json_text(decision.uncertain_workers),
+        "candidates": _json_text(decision.candidates),
+        "worker_overlaps": _json_text(decision.overlaps),
         "decided_ts": message.metadata.timestamp.timestamp() if message.metadata.timestamp else time.time(),
         "target_publisher": target.publisher if target else None,
         "target_dp_rank": target.dp_rank if target else None,
@@ -346,6 +344,11 @@ def decision_rows(message) -> list[TableRow]:
         rows += _relied_rows(seq, "source", relied, decision.baseline_blocks, chosen.prefix_blocks)
     rows += _relied_rows(seq, "target", relied, 0, target_prefix)
     return rows
+
+
+def _json_text(value: object) -> str:
+    # Object keys sorted, so one worker set always reads as the same text in SQL.
+    return msgspec.json.encode(value, order="deterministic").decode()
 
 
 def _relied_rows(seq: int, role: str, relied: list[int], first: int, end: int) -> list[TableRow]:
@@ -429,7 +432,7 @@ class RowProjector:
                 fresh += 1
                 try:
                     rows += self.make_rows(message)
-                except (ValueError, KeyError, TypeError, cattrs.BaseValidationError) as error:
+                except (ValueError, KeyError, TypeError) as error:  # msgspec.ValidationError is a ValueError
                     # An unreadable decision is kept as a dead letter rather than stopping the stream.
                     self.metrics.dead_letters.labels(self.stream).inc()
                     rows.append((tables.dead_letters, _undecodable_row(self.name, seq, message, f"unreadable: {error}")))

@@ -14,7 +14,7 @@ import nats
 import pytest
 
 from engines import wait_until
-from kvledger.decision_codec import decision_from_json, decision_to_json
+from kvledger.decision_codec import ANSWER_DECODER, answer_of, decision_to_json, request_from_json
 from kvledger.events import WorkerId, encode_batch
 from kvledger.fold import InventoryFold
 from kvledger.reuse import ReuseRequest, decide
@@ -118,7 +118,7 @@ async def test_answers_equal_the_reference_and_are_recorded_once_in_kv_decisions
 
             record = await js.get_last_msg(settings.stream.decisions_stream, DECISIONS_SUBJECT)
             assert record.headers["Nats-Msg-Id"] == "r-1"
-            assert decision_from_json(json.loads(record.data)) == expected
+            assert ANSWER_DECODER.decode(record.data) == answer_of(expected)
             before = (await js.stream_info(settings.stream.decisions_stream)).state.messages
             assert await ask(nc, DECIDE_SUBJECT, request_body("r-1")) == answer  # a retry
             assert (await js.stream_info(settings.stream.decisions_stream)).state.messages == before
@@ -393,6 +393,7 @@ async def test_two_replicas_give_byte_identical_answers_at_the_same_inventory_se
                 assert time.monotonic() < deadline, "the replicas did not both reach inventory_seq 5"
                 await asyncio.sleep(0.01)
             bodies = [request_body("same-1"), request_body("same-2", target=None), request_body("same-3", blocks=4)]
-            answers = [(await first.answer(bodies)).parts, (await second.answer(bodies)).parts]
+            requests = [request_from_json(body) for body in bodies]
+            answers = [(await first.answer(requests)).parts, (await second.answer(requests)).parts]
     assert answers[0] == answers[1]
     assert [json.loads(part)["inventory_seq"] for part in answers[0]] == [5, 5, 5]

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 import attrs
+import msgspec
 import pytest
 
-from kvledger.decision_codec import RequestError, decision_from_json, decision_to_json, request_from_json
+from kvledger.decision_codec import (
+    ANSWER_DECODER, RequestError, answer_of, decision_to_json, decode_request, request_from_json,
+)
 from kvledger.events import Tier, WorkerId
 from kvledger.fold import InventoryFold
 from kvledger.hashing import local_block_hashes
@@ -61,6 +64,28 @@ def test_malformed_requests_name_the_field(body: object, field: str) -> None:
     assert caught.value.as_json("r")["error"]["field"] == field
 
 
+@pytest.mark.parametrize(("data", "field", "top_field", "request_id"), [
+    (b'{"request_id":"q","block_size":16,"token_ids":[1,2,-3]}', "token_ids[2]", "token_ids", "q"),
+    (b'{"request_id":"q","block_size":16,"extra_keys":[["a",[1]]],"token_ids":[1]}', "extra_keys", "extra_keys", "q"),
+    (b'{"request_id":"q","block_size":16,"token_ids":[],"x-custom-1":1}', "x-custom-1", "unknown", "q"),
+    (b'{"request_id":7,"block_size":16,"token_ids":[]}', "request_id", "request_id", None),
+    (b'{"request_id":"q",', "request", "request", None),
+])
+def test_encoded_requests_decode_typed_and_errors_carry_the_path_and_the_id(
+    data: bytes, field: str, top_field: str, request_id: str | None,
+) -> None:
+    with pytest.raises(RequestError) as caught:
+        decode_request(data)
+    assert (caught.value.field, caught.value.top_field, caught.value.request_id) == (field, top_field, request_id)
+    assert caught.value.as_json()["request_id"] == request_id
+
+
+def test_json_and_msgpack_requests_decode_to_the_same_request() -> None:
+    body = {"request_id": "m", "block_size": BLOCK_SIZE, "token_ids": tokens_for([1, 2]), "target": "w/1"}
+    from_json = decode_request(json.dumps(body).encode())
+    assert decode_request(msgspec.msgpack.encode(body), msgpack=True) == from_json == request_from_json(body)
+
+
 def test_a_decision_round_trips_through_json() -> None:
     stream = Stream()
     fold = InventoryFold()
@@ -80,5 +105,5 @@ def test_a_decision_round_trips_through_json() -> None:
         "request_id", "inventory_seq", "target", "credited_blocks", "baseline_blocks", "overlaps",
         "candidates", "chosen", "reason", "uncertain_workers", "backend",
     }
-    assert decision_from_json(body) == decision
-    assert decision_from_json(body) == attrs.evolve(decision)
+    assert ANSWER_DECODER.decode(json.dumps(body)) == answer_of(decision)
+    assert ANSWER_DECODER.decode(json.dumps(body)) == answer_of(attrs.evolve(decision))
