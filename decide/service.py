@@ -21,7 +21,6 @@ import nats.js
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from prometheus_client import generate_latest
 
 from kvledger.decision_codec import RequestError, error_reply
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
@@ -73,7 +72,7 @@ class DecideService(AsyncLifetime):
 
     def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.perf_counter) -> None:
         self.settings = settings
-        self.metrics = DecideMetrics.create()
+        self.metrics = DecideMetrics()
         self.index = InventoryIndex()
         self.backend: RankingBackend | None = None
         self.backend_line = ""
@@ -310,7 +309,7 @@ class DecideService(AsyncLifetime):
 
     def _routes(self) -> dict[tuple[str, str], Route]:
         settings = self.settings.decide
-        routes = health_routes(lambda: self.ready, lambda: generate_latest(self.metrics.registry),
+        routes = health_routes(lambda: self.ready, self.metrics.text,
                                metrics_need_token=settings.http_token_for_metrics)
         # With a token set, a request without it is refused before its body is read: it never reaches the audit log.
         routes[("POST", "/v1/decide")] = Route(

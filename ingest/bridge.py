@@ -9,10 +9,7 @@ lost last message is noticed too. All publishing goes through one ordered publis
 from __future__ import annotations
 
 import asyncio
-import bisect
-import collections
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable
@@ -22,11 +19,9 @@ import nats
 import nats.js.errors
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
 
 from ingest.endpoints import StreamSource
+from ingest.metrics import IngestMetrics
 from ingest.publisher import JetStreamPublisher
 from ingest.replay import ReplayClient
 from ingest.sequence import Emit, SequenceTracker
@@ -50,103 +45,8 @@ BURST_LIMIT = 128  # most engine batches handled between yields (and at most hal
 DEAD_LETTER_LIMIT = 256 * 1024  # raw bytes kept per dead letter: it must fit in one NATS message
 
 
-class LatencyHistogram:
-    """A histogram that costs one bisect per observation; Prometheus reads it at scrape time.
-
-    (prometheus_client's Histogram takes a lock and walks every bucket, twice per batch.)
-    """
-
-    def __init__(self, name: str, help_text: str, bounds: tuple[float, ...]) -> None:
-        self.name = name
-        self.help_text = help_text
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # `le` buckets include their bound
-        self.sum += value
-
-    def family(self) -> HistogramMetricFamily:
-        cumulative, buckets = 0, []
-        for bound, count in zip((*self.bounds, math.inf), self.counts):
-            cumulative += count
-            buckets.append((floatToGoString(bound), cumulative))
-        return HistogramMetricFamily(self.name, self.help_text, buckets=buckets, sum_value=self.sum)
-
-
-class IngestMetrics:
-    """Counters are plain ints on the hot path, turned into Prometheus families at scrape time."""
-
-    def __init__(self) -> None:
-        self.batches_in: collections.Counter[str] = collections.Counter()  # per publisher
-        self.events: collections.Counter[str] = collections.Counter()  # per event kind
-        self.gaps: collections.Counter[str] = collections.Counter()  # per reason
-        self.dead_letters: collections.Counter[str] = collections.Counter()  # per publisher
-        self.remote_skipped = 0
-        self.rejected_events: collections.Counter[str] = collections.Counter()  # per event type tag
-        self.unaligned_tokens = 0
-        self.streams: list[EngineStream] = []
-        self.publisher: JetStreamPublisher | None = None
-        self.publish_latency = LatencyHistogram(
-            "kvledger_ingest_publish_latency_seconds", "from queueing to JetStream ack",
-            (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-        )
-        self.engine_to_ack = LatencyHistogram(
-            "kvledger_ingest_engine_to_ack_seconds", "from the engine's batch timestamp to the JetStream ack "
-            "(includes clock skew between hosts)",
-            (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60),
-        )
-        self.registry = CollectorRegistry()
-        self.registry.register(self)
-
-    def collect(self):
-        """The prometheus_client collector protocol: current values as metric families."""
-
-        def family(name: str, help_text: str, label: str | None, values) -> CounterMetricFamily:
-            metric = CounterMetricFamily(name, help_text, labels=[label] if label else None)
-            for key, value in (values.items() if label else [((), values)]):
-                metric.add_metric([key] if label else [], value)
-            return metric
-
-        trackers = [stream.tracker for stream in self.streams if stream.tracker is not None]
-        yield family("kvledger_ingest_batches_in", "engine batches received (SUB and replay)", "publisher", self.batches_in)
-        yield family("kvledger_ingest_events", "canonical events published", "kind", self.events)
-        yield family("kvledger_ingest_gaps", "Gap events synthesised", "reason", self.gaps)
-        yield family("kvledger_ingest_dead_letters", "malformed inputs dead-lettered", "publisher", self.dead_letters)
-        yield family("kvledger_ingest_remote_events_skipped", "events about REMOTE blocks kept out", None, self.remote_skipped)
-        yield family("kvledger_ingest_rejected_events", "single events dead-lettered while the rest of their batch applied",
-                     "type", self.rejected_events)
-        yield family("kvledger_ingest_unaligned_token_stores", "stores whose token ids do not line up with their hashes "
-                     "(null blocks): hashed from the worker's other groups", None, self.unaligned_tokens)
-        yield family("kvledger_ingest_replays", "replay requests sent to engines", None, sum(t.counters.replays for t in trackers))
-        yield family("kvledger_ingest_duplicates", "engine batches dropped as already published", None,
-                     sum(t.counters.duplicates for t in trackers))
-        yield family("kvledger_ingest_engine_restarts", "engine restarts detected", None, sum(t.counters.restarts for t in trackers))
-        yield family("kvledger_ingest_replayed_batches", "engine batches received from replay sockets", None,
-                     sum(t.counters.replayed_batches for t in trackers))
-        replays = [stream.replay for stream in self.streams if stream.replay is not None]
-        yield family("kvledger_ingest_replays_incomplete", "replays that timed out before the end marker", None,
-                     sum(r.incomplete_replays for r in replays))
-        yield family("kvledger_ingest_replay_malformed_replies", "replay replies with unreadable framing, skipped", None,
-                     sum(r.malformed_replies for r in replays))
-        yield self.publish_latency.family()
-        yield self.engine_to_ack.family()
-        ready = GaugeMetricFamily("kvledger_ingest_ready_streams", "engine streams subscribed and caught up")
-        ready.add_metric([], sum(stream.ready.is_set() for stream in self.streams))
-        yield ready
-        if self.publisher is not None:
-            counters = self.publisher.counters
-            yield family("kvledger_ingest_batches_out", "canonical batches acknowledged by JetStream", None, counters.published)
-            yield family("kvledger_ingest_publish_retries", "publishes sent again after a failure", None, counters.retries)
-            yield family("kvledger_ingest_nats_reconnects", "NATS connections re-established", None, counters.reconnects)
-            for name, help_text, value in (
-                ("kvledger_ingest_in_flight", "publishes awaiting an ack", self.publisher.in_flight),
-                ("kvledger_ingest_buffered", "batches buffered until acknowledged", self.publisher.buffered),
-            ):
-                gauge = GaugeMetricFamily(name, help_text)
-                gauge.add_metric([], value)
-                yield gauge
+def _kind_of(event: object) -> str:
+    return type(event).__name__
 
 
 class EngineStream:
@@ -230,7 +130,7 @@ class EngineStream:
         makes the worker uncertain (`RejectedEvent.loses_state`).
         """
         for rejected in decoded.rejected:
-            self._bridge.metrics.rejected_events[rejected.tag or "untagged"] += 1
+            self._bridge.metrics.rejected_events.labels(rejected.tag or "untagged").inc()
             await self._bridge.dead_letter(
                 self.source, f"event {rejected.position} ({rejected.tag or 'untagged'}): {rejected.reason}",
                 [rejected.raw], emit, position=rejected.position,
@@ -243,7 +143,7 @@ class EngineStream:
         """Decode, count, encode and queue one batch (the hot path: one call per engine batch)."""
         metrics = self._bridge.metrics
         source = self.source
-        metrics.batches_in[source.worker.publisher] += 1
+        metrics.batches_in.labels(source.worker.publisher).inc()
         engine_ts = 0.0
         try:
             decoded = decode_payload(emit.payload, max_bytes=self._max_batch_bytes, engine=source.engine)
@@ -258,13 +158,13 @@ class EngineStream:
             if decoded.rejected:
                 gaps = await self._reject_events(decoded, emit)
             events = (*gaps, *decoded.events) if gaps else decoded.events
-            metrics.remote_skipped += decoded.skipped_remote
-            metrics.unaligned_tokens += decoded.unaligned_tokens
-        kinds = metrics.events
-        for event in events:
-            kinds[type(event).__name__] += 1
-        for gap in gaps:
-            metrics.gaps[gap.reason.value] += 1
+            if decoded.skipped_remote:
+                metrics.remote_skipped.inc(decoded.skipped_remote)
+            if decoded.unaligned_tokens:
+                metrics.unaligned_tokens.inc(decoded.unaligned_tokens)
+        metrics.events.inc_each(map(_kind_of, events))
+        if gaps:
+            metrics.gaps.inc_each(gap.reason.value for gap in gaps)
         batch = EventBatch(source.worker, emit.epoch, emit.seq, engine_ts, time.time(), source.provenance, events)
         record = encode_batch(batch)
         publisher = self._bridge.publisher
@@ -276,7 +176,7 @@ class EngineStream:
                 f"{publisher.max_payload} less its {publisher.max_payload - largest}-byte header", [emit.payload], emit,
             )
             batch = attrs.evolve(batch, events=(*emit.gaps, Gap(emit.seq, emit.seq + 1, GapReason.MISSED)))
-            metrics.gaps[GapReason.MISSED.value] += 1
+            metrics.gaps.labels(GapReason.MISSED.value).inc()
             record = encode_batch(batch)
         await publisher.publish(self._subject, record, batch.msg_id, engine_ts if engine_ts > 0 else None)
 
@@ -318,7 +218,7 @@ class Bridge(AsyncLifetime):
         await self.publisher.__aenter__()
         await self.publisher.wait_connected(timeout=self.settings.nats.connect_timeout_s * 3)
         self._reader = await nats.connect(**connect_options(self.settings.nats, name="kvledger-ingest-reader"))
-        router = health_routes(self.is_ready, lambda: generate_latest(self.metrics.registry))
+        router = health_routes(self.is_ready, self.metrics.text)
         self._http = await HttpFront(router, self.settings.ingest.http_host, self._http_port).start()
         self.http_port = self._http.port
         self._tasks = [asyncio.create_task(self._supervise(stream), name=f"stream-{stream.name}") for stream in self.streams]
@@ -398,7 +298,7 @@ class Bridge(AsyncLifetime):
     ) -> None:
         worker = source.worker
         log.warning("%s: dead-lettered: %s", worker.name, reason)
-        self.metrics.dead_letters[worker.publisher] += 1
+        self.metrics.dead_letters.labels(worker.publisher).inc()
         kept, room = [], DEAD_LETTER_LIMIT
         for frame in frames:
             kept.append(bytes(frame[:room]))

@@ -23,13 +23,13 @@ import psycopg
 import sqlalchemy as sa
 import sqlalchemy.exc
 from nats.js import JetStreamContext
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvledger.decision_codec import ANSWER_DECODER, RELIED_PREFIX_HEADER, relied_prefix_from_header
 from kvledger.events import RecordError, WorkerId, decode_batch, decode_dead_letter
 from kvledger.fold import InventoryFold
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.http import HttpFront, health_routes
+from kvledger.runtime.metrics import MetricSet
 from kvledger.settings import Settings
 from kvledger.runtime.streams import dead_letters_stream, decisions_stream, ensure_stream, events_stream
 from store import tables
@@ -58,51 +58,47 @@ DATABASE_ERRORS = (sa.exc.SQLAlchemyError, psycopg.Error, sqlite3.Error, WriterE
 NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError)
 
 
-class StoreMetrics:
+class StoreMetrics(MetricSet):
     """The projector's Prometheus metrics, in a registry of its own."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.messages = Counter("kvledger_store_messages", "Stream messages projected", ["stream"], registry=r)
-        self.skipped = Counter(
-            "kvledger_store_skipped_messages", "Redelivered messages at or below the checkpoint", ["stream"], registry=r
+        super().__init__()
+        self.messages = self.counter("kvledger_store_messages", "Stream messages projected", ["stream"])
+        self.skipped = self.counter(
+            "kvledger_store_skipped_messages", "Redelivered messages at or below the checkpoint", ["stream"]
         )
-        self.other_shards = Counter(
+        self.other_shards = self.counter(
             "kvledger_store_other_shards_messages", "Messages passed over as another store shard's (store.shard)",
-            ["stream"], registry=r,
+            ["stream"],
         )
-        self.blocks = Counter("kvledger_store_block_changes", "Block stores and removals written", registry=r)
-        self.dead_letters = Counter("kvledger_store_dead_letters", "Records that could not be decoded", ["stream"], registry=r)
-        self.transactions = Counter("kvledger_store_transactions", "Committed transactions", ["stream"], registry=r)
-        self.database_errors = Counter("kvledger_store_database_errors", "Failed database transactions", registry=r)
-        self.nats_errors = Counter("kvledger_store_nats_errors", "NATS errors that restarted a consumer", registry=r)
-        self.rewinds = Counter(
+        self.blocks = self.counter("kvledger_store_block_changes", "Block stores and removals written")
+        self.dead_letters = self.counter("kvledger_store_dead_letters", "Records that could not be decoded", ["stream"])
+        self.transactions = self.counter("kvledger_store_transactions", "Committed transactions", ["stream"])
+        self.database_errors = self.counter("kvledger_store_database_errors", "Failed database transactions")
+        self.nats_errors = self.counter("kvledger_store_nats_errors", "NATS errors that restarted a consumer")
+        self.rewinds = self.counter(
             "kvledger_store_consumer_rewinds", "Consumers rebound at the checkpoint after delivering past held messages",
-            ["stream"], registry=r,
+            ["stream"],
         )
-        self.snapshots = Counter("kvledger_store_snapshots", "Inventory snapshots written", registry=r)
-        self.pruned = Counter(
-            "kvledger_store_pruned_rows", "History rows removed by the retention window", ["table"], registry=r
+        self.snapshots = self.counter("kvledger_store_snapshots", "Inventory snapshots written")
+        self.pruned = self.counter(
+            "kvledger_store_pruned_rows", "History rows removed by the retention window", ["table"]
         )
-        self.history_horizon = Gauge(
-            "kvledger_store_history_horizon_seq", "KV_EVENTS seq at or before which history was removed", registry=r
+        self.history_horizon = self.gauge(
+            "kvledger_store_history_horizon_seq", "KV_EVENTS seq at or before which history was removed"
         )
-        self.checkpoint = Gauge("kvledger_store_checkpoint_seq", "Last committed stream seq", ["stream"], registry=r)
-        self.pending = Gauge(
+        self.checkpoint = self.gauge("kvledger_store_checkpoint_seq", "Last committed stream seq", ["stream"])
+        self.pending = self.gauge(
             "kvledger_store_pending_messages", "Messages the stream holds past the last one committed (store's lag)",
-            ["stream"], registry=r,
+            ["stream"],
         )
-        self.uncertain_workers = Gauge(
-            "kvledger_store_uncertain_workers", "Workers whose inventory is uncertain (a hole, a lost replay)", registry=r
+        self.uncertain_workers = self.gauge(
+            "kvledger_store_uncertain_workers", "Workers whose inventory is uncertain (a hole, a lost replay)"
         )
-        self.transaction_seconds = Histogram(
-            "kvledger_store_transaction_seconds", "Time to write one transaction", ["stream"], registry=r
+        self.transaction_seconds = self.histogram(
+            "kvledger_store_transaction_seconds", "Time to write one transaction", ["stream"]
         )
-        self.quality = QualityMetrics(r)
-
-    def text(self) -> bytes:
-        return generate_latest(self.registry)
+        self.quality = QualityMetrics(self)
 
 
 async def _refuse_skips(watch: ConsumerWatch, messages: list, checkpoint: int, metrics: StoreMetrics, stream: str) -> None:

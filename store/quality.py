@@ -25,11 +25,11 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 import attrs
-from prometheus_client import Counter, Histogram
 
 from kvledger.events import Provenance, Tier, WorkerId
 from kvledger.fold import BlockRemovedFact, InventoryClearedFact, InventoryFold
 from kvledger.reuse import LOCAL_TIERS
+from kvledger.runtime.metrics import MetricSet
 from store import tables
 
 NATIVE = Provenance.NATIVE
@@ -40,29 +40,29 @@ _REMEMBER_EXTRA_S = 1.0
 
 
 class QualityMetrics:
-    """The decision-quality families, registered in store's registry."""
+    """The decision-quality families, declared on store's metrics."""
 
-    def __init__(self, registry) -> None:
-        r = registry
-        self.hints = Counter("kvledger_store_decision_hints", "Decisions with a chosen source, judged at the quality horizon",
-                             ["worker", "tier"], registry=r)
-        self.stale_hints = Counter(
+    def __init__(self, metrics: MetricSet) -> None:
+        self.hints = metrics.counter(
+            "kvledger_store_decision_hints", "Decisions with a chosen source, judged at the quality horizon",
+            ["worker", "tier"])
+        self.stale_hints = metrics.counter(
             "kvledger_store_decision_stale_hints",
-            "Judged hints whose source no longer held every transferred block at the horizon", ["worker", "tier"], registry=r)
-        self.credits = Counter("kvledger_store_decision_credits",
-                               "Decisions whose target held a credited prefix, judged at the horizon", ["worker", "reason"],
-                               registry=r)
-        self.lost_credits = Counter(
+            "Judged hints whose source no longer held every transferred block at the horizon", ["worker", "tier"])
+        self.credits = metrics.counter(
+            "kvledger_store_decision_credits", "Decisions whose target held a credited prefix, judged at the horizon",
+            ["worker", "reason"])
+        self.lost_credits = metrics.counter(
             "kvledger_store_decision_lost_credits",
-            "Judged credits whose target no longer held every credited block at the horizon", ["worker", "reason"], registry=r)
-        self.first_eviction = Histogram(
+            "Judged credits whose target no longer held every credited block at the horizon", ["worker", "reason"])
+        self.first_eviction = metrics.histogram(
             "kvledger_store_decision_first_eviction_seconds",
-            "Time from a decision to the first eviction of a chosen block, within the horizon", ["tier"], registry=r,
+            "Time from a decision to the first eviction of a chosen block, within the horizon", ["tier"],
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
-        self.unjudged = Counter("kvledger_store_decision_quality_unjudged",
-                                "Decisions the quality metrics could not judge, by why", ["reason"], registry=r)
-        self.watched = Counter("kvledger_store_decision_quality_watched",
-                               "Decisions taken in to wait for their horizon", registry=r)
+        self.unjudged = metrics.counter(
+            "kvledger_store_decision_quality_unjudged", "Decisions the quality metrics could not judge, by why", ["reason"])
+        self.watched = metrics.counter(
+            "kvledger_store_decision_quality_watched", "Decisions taken in to wait for their horizon")
 
 
 @attrs.define(eq=False)

@@ -11,7 +11,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from decide.metrics import DecideMetrics
-from ingest.bridge import IngestMetrics
+from ingest.metrics import IngestMetrics
 from ingest.publisher import JetStreamPublisher
 from kvledger.settings import NatsSettings
 from store.projector import StoreMetrics
@@ -27,7 +27,7 @@ def exported_samples() -> set[str]:
     names = set()
     ingest = IngestMetrics()
     ingest.publisher = JetStreamPublisher(NatsSettings(), [])  # its families appear once ingest publishes
-    for registry in (ingest.registry, StoreMetrics().registry, DecideMetrics.create().registry):
+    for registry in (ingest.registry, StoreMetrics().registry, DecideMetrics().registry):
         for line in generate_latest(registry).decode().splitlines():
             if line.startswith("# TYPE "):
                 _, _, name, kind = line.split(" ", 3)

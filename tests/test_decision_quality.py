@@ -23,10 +23,10 @@ import sqlalchemy as sa
 from kvledger.app.cli import main
 from kvledger.events import WorkerId, encode_batch
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
+from kvledger.runtime.metrics import MetricSet
 from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
 from engines import wait_until
 from store import database
-from prometheus_client import CollectorRegistry
 
 from store import tables
 from store.audit import Audit
@@ -170,8 +170,9 @@ async def test_a_source_evicting_100_ms_after_the_decision_is_stale_at_500_ms_an
 def test_a_fold_rebuilt_past_a_decision_s_horizon_does_not_judge_it() -> None:
     # A store restarting with its events checkpoint ahead of its decisions: the rebuilt fold
     # already stands after the horizon, so it cannot say what was held there.
-    registry = CollectorRegistry()
-    metrics = QualityMetrics(registry)
+    metric_set = MetricSet()
+    registry = metric_set.registry
+    metrics = QualityMetrics(metric_set)
     tracker = QualityTracker(metrics, horizon_s=0.5, max_pending=10)
     row = {"stream_seq": 1, "decided_ts": 100.0, "inventory_seq": 3, "reason": "chosen", "chosen_source": "source",
            "chosen_dp_rank": 1, "chosen_tier": "device", "target_publisher": "target", "target_dp_rank": 0}

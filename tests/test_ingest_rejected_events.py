@@ -182,7 +182,7 @@ async def test_a_batch_replayed_to_two_ingests_is_dead_lettered_once_per_bad_eve
             await engine.publish_payload(payload([GOOD_2, TAPE_REMOVAL, 42]), send=False)  # lost on the wire
             await engine.publish([one_block(3)])  # reveals the gap: both replay seq 1
             bridges = [first, second]
-            await wait_until(lambda: all(b.metrics.dead_letters["w"] == 2 for b in bridges), 15, "both dead-lettering")
+            await wait_until(lambda: all(b.metrics.dead_letters.labels("w").value == 2 for b in bridges), 15, "both dead-lettering")
             await settled(nats_server.url, bridges, 3)
             assert all(b.streams[0].tracker.counters.replayed_batches >= 2 for b in bridges)
     batches = await read_batches(nats_server.url)

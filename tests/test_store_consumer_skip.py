@@ -75,7 +75,7 @@ async def test_a_consumer_resuming_past_held_messages_is_rewound_and_nothing_is_
         last = await publish(nats_server.url, batches(100, 50), settings)
         await running.until(lambda: checkpoint(sqlite_url) >= last, f"checkpoint {last}")
         assert ledger(sqlite_url) == (150, 0)  # every event once, the worker never uncertain
-        assert running.service.metrics.rewinds.labels(settings.stream.events_stream)._value.get() >= 1
+        assert running.service.metrics.rewinds.labels(settings.stream.events_stream).value >= 1
 
 
 async def test_a_message_the_stream_no_longer_holds_is_a_real_gap(nats_server, sqlite_url) -> None:
@@ -90,6 +90,6 @@ async def test_a_message_the_stream_no_longer_holds_is_a_real_gap(nats_server, s
         await connection.close()
     async with RunningStore(settings) as running:
         await running.until(lambda: checkpoint(sqlite_url) >= last, f"checkpoint {last}")
-        rewinds = running.service.metrics.rewinds.labels(settings.stream.events_stream)._value.get()
+        rewinds = running.service.metrics.rewinds.labels(settings.stream.events_stream).value
     assert rewinds == 0
     assert ledger(sqlite_url) == (19, 1)  # the fold reports the hole: that batch is lost

@@ -129,7 +129,7 @@ async def test_health_metrics_and_redelivery_after_restart_change_nothing(nats_s
         watch = ConsumerWatch(js, "KV_EVENTS", "redelivery-test")
         consuming = asyncio.create_task(projector._consume(subscription, watch, recorder, stop))
         skipped = service.metrics.skipped.labels("KV_EVENTS")
-        await poll(lambda: skipped._value.get() >= last, "every message redelivered", watch=consuming)
+        await poll(lambda: skipped.value >= last, "every message redelivered", watch=consuming)
         stop.set()
         await consuming
     finally:

@@ -85,7 +85,7 @@ async def test_history_older_than_the_window_is_removed_and_nothing_newer_change
                               prune_batch_seqs=7)
     async with RunningStore(retained) as running:
         await running.until(lambda: _pruned(db_url) == (OLD_BATCHES, 2), "history pruned to the window")
-        assert running.service.metrics.pruned.labels("event_log")._value.get() == OLD_BATCHES
+        assert running.service.metrics.pruned.labels("event_log").value == OLD_BATCHES
 
     after = snapshot(db_url)
     assert after["live"] == before["live"]  # the live inventory is untouched

@@ -129,7 +129,7 @@ async def test_two_shards_write_what_one_store_writes_and_project_decisions_once
         await stores[1].until(lambda: all(store.service.is_ready() for store in stores), "both shards ready")
         folded = [set(store.service.events.fold.workers()) for store in stores]
         passed_over = [
-            store.service.metrics.other_shards.labels("KV_EVENTS")._value.get() for store in stores
+            store.service.metrics.other_shards.labels("KV_EVENTS").value for store in stores
         ]
 
     assert ledger_digest(sharded) == ledger_digest(single)

@@ -1,0 +1,72 @@
+"""ingest's Prometheus metrics, in a registry of their own per bridge.
+
+Counts on the hot path (per engine batch, per event) are plain additions; what the engine
+streams and the publisher count themselves is read from them at scrape time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvledger.runtime.metrics import MetricSet
+
+if TYPE_CHECKING:
+    from ingest.bridge import EngineStream
+    from ingest.publisher import JetStreamPublisher
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class IngestMetrics(MetricSet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams: list[EngineStream] = []
+        self.publisher: JetStreamPublisher | None = None
+        self.batches_in = self.counter("kvledger_ingest_batches_in", "engine batches received (SUB and replay)",
+                                       ["publisher"])
+        self.events = self.counter("kvledger_ingest_events", "canonical events published", ["kind"])
+        self.gaps = self.counter("kvledger_ingest_gaps", "Gap events synthesised", ["reason"])
+        self.dead_letters = self.counter("kvledger_ingest_dead_letters", "malformed inputs dead-lettered", ["publisher"])
+        self.remote_skipped = self.counter("kvledger_ingest_remote_events_skipped", "events about REMOTE blocks kept out")
+        self.rejected_events = self.counter(
+            "kvledger_ingest_rejected_events", "single events dead-lettered while the rest of their batch applied", ["type"])
+        self.unaligned_tokens = self.counter(
+            "kvledger_ingest_unaligned_token_stores",
+            "stores whose token ids do not line up with their hashes (null blocks): hashed from the worker's other groups")
+        self.counter("kvledger_ingest_replays", "replay requests sent to engines", read=lambda: self._trackers("replays"))
+        self.counter("kvledger_ingest_duplicates", "engine batches dropped as already published",
+                     read=lambda: self._trackers("duplicates"))
+        self.counter("kvledger_ingest_engine_restarts", "engine restarts detected", read=lambda: self._trackers("restarts"))
+        self.counter("kvledger_ingest_replayed_batches", "engine batches received from replay sockets",
+                     read=lambda: self._trackers("replayed_batches"))
+        self.counter("kvledger_ingest_replays_incomplete", "replays that timed out before the end marker",
+                     read=lambda: self._replays("incomplete_replays"))
+        self.counter("kvledger_ingest_replay_malformed_replies", "replay replies with unreadable framing, skipped",
+                     read=lambda: self._replays("malformed_replies"))
+        self.publish_latency = self.histogram(
+            "kvledger_ingest_publish_latency_seconds", "from queueing to JetStream ack", buckets=_LATENCY_BUCKETS)
+        self.engine_to_ack = self.histogram(
+            "kvledger_ingest_engine_to_ack_seconds",
+            "from the engine's batch timestamp to the JetStream ack (includes clock skew between hosts)",
+            buckets=(*_LATENCY_BUCKETS, 60))
+        self.gauge("kvledger_ingest_ready_streams", "engine streams subscribed and caught up",
+                   read=lambda: sum(stream.ready.is_set() for stream in self.streams))
+        self.counter("kvledger_ingest_batches_out", "canonical batches acknowledged by JetStream",
+                     read=lambda: self._publisher("published"))
+        self.counter("kvledger_ingest_publish_retries", "publishes sent again after a failure",
+                     read=lambda: self._publisher("retries"))
+        self.counter("kvledger_ingest_nats_reconnects", "NATS connections re-established",
+                     read=lambda: self._publisher("reconnects"))
+        self.gauge("kvledger_ingest_in_flight", "publishes awaiting an ack",
+                   read=lambda: self.publisher.in_flight if self.publisher else 0)
+        self.gauge("kvledger_ingest_buffered", "batches buffered until acknowledged",
+                   read=lambda: self.publisher.buffered if self.publisher else 0)
+
+    def _trackers(self, counter: str) -> int:
+        return sum(getattr(stream.tracker.counters, counter) for stream in self.streams if stream.tracker is not None)
+
+    def _replays(self, counter: str) -> int:
+        return sum(getattr(stream.replay, counter) for stream in self.streams if stream.replay is not None)
+
+    def _publisher(self, counter: str) -> int:
+        return getattr(self.publisher.counters, counter) if self.publisher is not None else 0
