@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import timedelta
@@ -31,6 +30,7 @@ import nats.errors
 
 # The values on the wire are the decision API's one schema.
 from kvledger.decision_codec import Answer, Candidate, DecideRequest, ErrorReply, Overlap, new_request_id
+from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT
 
 log = logging.getLogger("kvledger.client")
@@ -89,10 +89,12 @@ class RetryPolicy:
     max_backoff: timedelta = attrs.field(default=timedelta(seconds=1), validator=_positive)
     jitter: float = attrs.field(default=0.5, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
 
+    def backoff(self) -> Backoff:
+        return Backoff(self.first_backoff.total_seconds(), self.max_backoff.total_seconds(), self.jitter)
+
     def backoff_s(self, failed_attempts: int) -> float:
         """Seconds to wait after the `failed_attempts`-th failure (1 for the first)."""
-        base = min(self.first_backoff.total_seconds() * 2 ** (failed_attempts - 1), self.max_backoff.total_seconds())
-        return base * (1.0 - self.jitter * random.random())
+        return self.backoff().delay_after(failed_attempts)
 
 
 NO_RETRIES = RetryPolicy(attempts=1)
@@ -322,6 +324,7 @@ class DecideClient:
         if self._closed:
             raise DecideError("the client is closed")
         timeout_s = self.timeout.total_seconds()
+        backoff = self.retry.backoff()
         for attempt in range(1, self.retry.attempts + 1):
             try:
                 data, media_type = await self._transport.exchange(payload, batch=batch, timeout_s=timeout_s)
@@ -331,10 +334,9 @@ class DecideClient:
                     raise DecideUnavailable(
                         f"{what}: no answer after {attempt} attempt(s); the last: {failure}"
                     ) from (failure.__cause__ or failure)
-                delay = self.retry.backoff_s(attempt)
-                log.info("%s: attempt %d failed (%s); again in %.0f ms, same request id", what, attempt, failure,
-                         delay * 1000)
-                await asyncio.sleep(delay)
+                log.info("%s: attempt %d failed (%s); again in at most %.0f ms, same request id", what, attempt,
+                         failure, backoff.delay_s * 1000)
+                await backoff.wait()
         raise AssertionError("unreachable: RetryPolicy.attempts is at least 1")
 
     async def close(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 
 import attrs
 
@@ -14,14 +15,25 @@ class Backoff:
 
     first_s: float = 0.05
     limit_s: float = 2.0
-    delay_s: float = attrs.field(init=False)  # the next wait
+    # Each wait is shortened by up to this fraction, at random, so that many callers failing
+    # together (clients of one restarted service) do not all come back at the same instant.
+    jitter: float = 0.0
+    failures: int = attrs.field(init=False, default=0)
 
-    def __attrs_post_init__(self) -> None:
-        self.delay_s = self.first_s
+    def delay_after(self, failures: int) -> float:
+        """The wait after the `failures`-th failure in a row (1 for the first)."""
+        base = min(self.first_s * 2 ** (failures - 1), self.limit_s)
+        return base * (1.0 - self.jitter * random.random()) if self.jitter else base
+
+    @property
+    def delay_s(self) -> float:
+        """The next wait, before its jitter."""
+        return min(self.first_s * 2 ** self.failures, self.limit_s)
 
     async def wait(self, stop: asyncio.Event | None = None) -> None:
-        """Sleep the next delay (or until `stop` is set), then double it up to the limit."""
-        delay, self.delay_s = self.delay_s, min(self.delay_s * 2, self.limit_s)
+        """Sleep the next delay (or until `stop` is set)."""
+        self.failures += 1
+        delay = self.delay_after(self.failures)
         if stop is None:
             await asyncio.sleep(delay)
             return
@@ -29,4 +41,4 @@ class Backoff:
             await asyncio.wait_for(stop.wait(), delay)
 
     def reset(self) -> None:
-        self.delay_s = self.first_s
+        self.failures = 0
