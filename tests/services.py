@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NoReturn, Self
+from typing import Any, Literal, NoReturn, Self
 
 import psycopg
 import pytest
@@ -363,7 +363,27 @@ class LocalNatsServer(NatsService):
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-class ContainerNatsServer(NatsService):
+class _InContainer:
+    """Kill, stop and remove a service that runs in a testcontainers container (`self._container`)."""
+
+    _container: Any
+
+    def kill(self) -> None:
+        container = self._container.get_wrapped_container()
+        container.kill()
+        container.wait()
+
+    def stop(self) -> None:
+        container = self._container.get_wrapped_container()
+        container.reload()
+        if container.status == "running":
+            container.stop(timeout=int(STOP_TIMEOUT_S))
+
+    def close(self) -> None:
+        self._container.stop()  # removes the container and its volumes
+
+
+class ContainerNatsServer(_InContainer, NatsService):
     """nats-server in a Docker container through testcontainers.
 
     Needs a Docker engine, so machines without one never run this path. Host ports are
@@ -404,27 +424,10 @@ class ContainerNatsServer(NatsService):
             log_path=None,
         )
 
-    def kill(self) -> None:
-        container = self._container.get_wrapped_container()
-        container.kill()
-        container.wait()
-
     def restart(self) -> None:
-        container = self._container.get_wrapped_container()
-        container.reload()
-        if container.status == "running":
-            container.stop(timeout=int(STOP_TIMEOUT_S))
-        container.start()
+        self.stop()
+        self._container.get_wrapped_container().start()
         self._await_healthy()
-
-    def stop(self) -> None:
-        container = self._container.get_wrapped_container()
-        container.reload()
-        if container.status == "running":
-            container.stop(timeout=int(STOP_TIMEOUT_S))
-
-    def close(self) -> None:
-        self._container.stop()  # removes the container and its volumes
 
 
 class ExternalNatsServer(NatsService):
@@ -650,7 +653,7 @@ class LocalPostgresCluster(PostgresService):
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-class ContainerPostgresServer(PostgresService):
+class ContainerPostgresServer(_InContainer, PostgresService):
     """PostgreSQL in a Docker container through testcontainers.
 
     Needs a Docker engine, so machines without one never run this path. The host port is
@@ -678,11 +681,6 @@ class ContainerPostgresServer(PostgresService):
         self.admin_url = self._container.get_connection_url()
         return self
 
-    def kill(self) -> None:
-        container = self._container.get_wrapped_container()
-        container.kill()
-        container.wait()
-
     def restart(self) -> None:
         self.stop()
         self._container.get_wrapped_container().start()
@@ -698,15 +696,6 @@ class ContainerPostgresServer(PostgresService):
         container.reload()
         if container.status != "running":
             self.restart()
-
-    def stop(self) -> None:
-        container = self._container.get_wrapped_container()
-        container.reload()
-        if container.status == "running":
-            container.stop(timeout=int(STOP_TIMEOUT_S))
-
-    def close(self) -> None:
-        self._container.stop()  # removes the container and its volumes
 
 
 class ExternalPostgresServer(PostgresService):
