@@ -295,7 +295,7 @@ def _stored(fields: dict[str, Any]) -> tuple[Stored, bool]:
         )
     except ValueError as error:
         raise WireError(str(error)) from None
-    return attrs.evolve(event, local_hashes=tuple(local)), False
+    return msgspec.structs.replace(event, local_hashes=tuple(local)), False
 
 
 def _is_remote(fields: dict[str, Any]) -> bool:

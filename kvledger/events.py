@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Union
 
 import attrs
 import msgspec
@@ -111,8 +111,15 @@ class WorkerId:
         return f"{EVENTS_SUBJECT_PREFIX}.{self.publisher}.{self.dp_rank}"
 
 
-@attrs.frozen
-class Stored:
+# The events are msgspec Structs: the same classes are the values the fold and ingest use and
+# the record's encoding (each a tagged array), so nothing is rebuilt between the two.
+# Hashes are u64; msgpack cannot carry integers above 2**64 - 1, so a lower bound is all
+# a decoded hash needs.
+_U64 = Annotated[int, msgspec.Meta(ge=0)]
+_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Stored(msgspec.Struct, array_like=True, tag="S", frozen=True, gc=False):
     """Blocks stored on a tier, in one KV-cache group and ownership.
 
     Local hashes are kvledger's token-content hashes (token ids are not kept); they are
@@ -121,45 +128,43 @@ class Stored:
     """
 
     tier: Tier
-    block_hashes: tuple[int, ...]
-    parent_hash: int | None
-    block_size: int
-    local_hashes: tuple[int, ...]
+    block_hashes: tuple[_U64, ...]
+    parent_hash: _U64 | None
+    block_size: _NonNegative
+    local_hashes: tuple[_U64, ...]
     lora_name: str | None = None
     cache_salt: str | None = None
-    group_idx: int = 0
+    group_idx: _NonNegative = 0
+    # Version 2 appended the fields from here on; a version-1 record's shorter array takes the defaults.
     ownership: str | None = None
     # The group's cache spec as the engine declares it (vLLM: "full_attention",
     # "sliding_window", "mamba", ...); kvledger.residency decides what it means for a prefix.
     spec_kind: str | None = None
-    sliding_window: int | None = None
+    sliding_window: _NonNegative | None = None
 
     @property
     def has_tokens(self) -> bool:
         return len(self.local_hashes) == len(self.block_hashes)
 
 
-@attrs.frozen
-class Removed:
+class Removed(msgspec.Struct, array_like=True, tag="R", frozen=True, gc=False):
     tier: Tier
-    block_hashes: tuple[int, ...]
-    group_idx: int = 0
+    block_hashes: tuple[_U64, ...]
+    group_idx: _NonNegative = 0
     ownership: str | None = None
 
 
-@attrs.frozen
-class Cleared:
+class Cleared(msgspec.Struct, array_like=True, tag="C", frozen=True, gc=False):
     """Every block of the worker's inventory on `tier` went away; None: on every tier."""
 
     tier: Tier | None = None
 
 
-@attrs.frozen
-class Gap:
+class Gap(msgspec.Struct, array_like=True, tag="G", frozen=True, gc=False):
     """Synthesised by ingest where the engine's sequence could not be followed."""
 
-    expected_seq: int
-    received_seq: int
+    expected_seq: _NonNegative
+    received_seq: _NonNegative
     reason: GapReason
 
 
@@ -208,45 +213,8 @@ def events_subject(worker: WorkerId, provenance: Provenance) -> str:
 
 
 # --- the record codec -----------------------------------------------------------------
-# msgspec validates the record layout in C (hash ranges included), then plain
-# constructors build the attrs values: validation once, where bytes enter.
-
-# msgpack cannot carry integers above 2**64 - 1, so a lower bound is all a u64 needs.
-_U64 = Annotated[int, msgspec.Meta(ge=0)]
-_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-_TierName = Literal["device", "host", "disk", "external"]
-
-
-class _StoredWire(msgspec.Struct, array_like=True, tag="S", frozen=True):
-    tier: _TierName
-    block_hashes: list[_U64]
-    parent_hash: _U64 | None
-    block_size: _NonNegative
-    local_hashes: list[_U64]
-    lora_name: str | None
-    cache_salt: str | None
-    group_idx: _NonNegative
-    # Version 2 appended these; a version-1 record's shorter array takes the defaults.
-    ownership: str | None = None
-    spec_kind: str | None = None
-    sliding_window: _NonNegative | None = None
-
-
-class _RemovedWire(msgspec.Struct, array_like=True, tag="R", frozen=True):
-    tier: _TierName
-    block_hashes: list[_U64]
-    group_idx: _NonNegative = 0
-    ownership: str | None = None
-
-
-class _ClearedWire(msgspec.Struct, array_like=True, tag="C", frozen=True):
-    tier: _TierName | None = None
-
-
-class _GapWire(msgspec.Struct, array_like=True, tag="G", frozen=True):
-    expected_seq: _NonNegative
-    received_seq: _NonNegative
-    reason: Literal["missed", "publisher_restart", "replay_incomplete"]
+# msgspec validates the record layout in C (hash ranges included) and builds the events
+# themselves: validation once, where bytes enter.
 
 
 class _RecordWire(msgspec.Struct, frozen=True):
@@ -257,8 +225,8 @@ class _RecordWire(msgspec.Struct, frozen=True):
     seq: _NonNegative
     engine_ts: float
     ingest_ts: float
-    provenance: Literal["native", "retained"]
-    events: list[Union[_StoredWire, _RemovedWire, _ClearedWire, _GapWire]]
+    provenance: Provenance
+    events: tuple[Union[Stored, Removed, Cleared, Gap], ...]
 
 
 class _VersionOnly(msgspec.Struct):
@@ -268,44 +236,6 @@ class _VersionOnly(msgspec.Struct):
 _encoder = msgspec.msgpack.Encoder()
 _record_decoder = msgspec.msgpack.Decoder(_RecordWire)
 _version_decoder = msgspec.msgpack.Decoder(_VersionOnly)
-_TIERS = {tier.value: tier for tier in Tier}
-_GAP_REASONS = {reason.value: reason for reason in GapReason}
-
-
-def _event_to_wire(event: Event) -> msgspec.Struct:
-    if type(event) is Stored:
-        return _StoredWire(
-            event.tier.value, list(event.block_hashes), event.parent_hash, event.block_size,
-            list(event.local_hashes), event.lora_name, event.cache_salt, event.group_idx,
-            event.ownership, event.spec_kind, event.sliding_window,
-        )
-    if type(event) is Removed:
-        return _RemovedWire(event.tier.value, list(event.block_hashes), event.group_idx, event.ownership)
-    if type(event) is Cleared:
-        return _ClearedWire(None if event.tier is None else event.tier.value)
-    if type(event) is Gap:
-        return _GapWire(event.expected_seq, event.received_seq, event.reason.value)
-    raise TypeError(f"not a canonical event: {event!r}")
-
-
-def _event_from_wire(wire: msgspec.Struct) -> Event:
-    kind = type(wire)
-    if kind is _StoredWire:
-        if wire.local_hashes and len(wire.block_hashes) != len(wire.local_hashes):
-            raise RecordError(
-                f"Stored event has {len(wire.block_hashes)} block hashes "
-                f"but {len(wire.local_hashes)} local hashes"
-            )
-        return Stored(
-            _TIERS[wire.tier], tuple(wire.block_hashes), wire.parent_hash, wire.block_size,
-            tuple(wire.local_hashes), wire.lora_name, wire.cache_salt, wire.group_idx,
-            wire.ownership, wire.spec_kind, wire.sliding_window,
-        )
-    if kind is _RemovedWire:
-        return Removed(_TIERS[wire.tier], tuple(wire.block_hashes), wire.group_idx, wire.ownership)
-    if kind is _ClearedWire:
-        return Cleared(None if wire.tier is None else _TIERS[wire.tier])
-    return Gap(wire.expected_seq, wire.received_seq, _GAP_REASONS[wire.reason])
 
 
 def encode_batch(batch: EventBatch) -> bytes:
@@ -313,8 +243,7 @@ def encode_batch(batch: EventBatch) -> bytes:
     return _encoder.encode(
         _RecordWire(
             SCHEMA_VERSION, batch.worker.publisher, batch.worker.dp_rank, batch.epoch, batch.seq,
-            batch.engine_ts, batch.ingest_ts, batch.provenance.value,
-            [_event_to_wire(event) for event in batch.events],
+            batch.engine_ts, batch.ingest_ts, batch.provenance, batch.events,
         )
     )
 
@@ -328,14 +257,16 @@ def decode_batch(data: bytes) -> EventBatch:
         raise RecordError(f"malformed kvledger record: {error}") from None
     if wire.v not in READABLE_VERSIONS:
         _raise_version_error(wire.v)
+    for event in wire.events:
+        if type(event) is Stored and event.local_hashes and len(event.block_hashes) != len(event.local_hashes):
+            raise RecordError(
+                f"Stored event has {len(event.block_hashes)} block hashes but {len(event.local_hashes)} local hashes"
+            )
     try:
         worker = WorkerId(wire.publisher, wire.dp_rank)
     except ValueError as error:
         raise RecordError(f"malformed kvledger record: {error}") from None
-    return EventBatch(
-        worker, wire.epoch, wire.seq, wire.engine_ts, wire.ingest_ts,
-        Provenance(wire.provenance), tuple(_event_from_wire(event) for event in wire.events),
-    )
+    return EventBatch(worker, wire.epoch, wire.seq, wire.engine_ts, wire.ingest_ts, wire.provenance, wire.events)
 
 
 def _raise_if_newer_version(data: bytes) -> None:
@@ -359,9 +290,11 @@ def _raise_version_error(version: int) -> None:
 # --- dead letters -------------------------------------------------------------------
 
 
-@attrs.frozen
-class DeadLetter:
-    """Input ingest could not turn into events, kept whole with the reason, on `kv.dlq.<publisher>`."""
+class DeadLetter(msgspec.Struct, frozen=True):
+    """Input ingest could not turn into events, kept whole with the reason, on `kv.dlq.<publisher>`.
+
+    The same Struct is the dead-letter record (a msgpack map, so fields are read by name).
+    """
 
     publisher: str
     dp_rank: int
@@ -369,33 +302,18 @@ class DeadLetter:
     frames: tuple[bytes, ...]
     ingest_ts: float
     endpoint: str = ""
+    v: int = SCHEMA_VERSION
 
 
-class _DeadLetterWire(msgspec.Struct, frozen=True):
-    v: int
-    publisher: str
-    dp_rank: int
-    reason: str
-    frames: list[bytes]
-    ingest_ts: float
-    endpoint: str = ""
-
-
-_dead_letter_decoder = msgspec.msgpack.Decoder(_DeadLetterWire)
+_dead_letter_decoder = msgspec.msgpack.Decoder(DeadLetter)
 
 
 def encode_dead_letter(letter: DeadLetter) -> bytes:
-    return _encoder.encode(
-        _DeadLetterWire(
-            SCHEMA_VERSION, letter.publisher, letter.dp_rank, letter.reason, list(letter.frames),
-            letter.ingest_ts, letter.endpoint,
-        )
-    )
+    return _encoder.encode(letter)
 
 
 def decode_dead_letter(data: bytes) -> DeadLetter:
     try:
-        wire = _dead_letter_decoder.decode(data)
+        return _dead_letter_decoder.decode(data)
     except msgspec.DecodeError as error:
         raise RecordError(f"malformed dead letter: {error}") from None
-    return DeadLetter(wire.publisher, wire.dp_rank, wire.reason, tuple(wire.frames), wire.ingest_ts, wire.endpoint)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
+import msgspec
 import nats
 import sqlalchemy as sa
 
@@ -84,7 +85,7 @@ def recorded_stream(seed: int, batches: int) -> list[EventBatch | bytes]:
             event = Stored(tier, hashes, parent, BLOCK_SIZE, local_hashes([i + 7919 * worker.dp_rank for i in ids]),
                            spec_kind="full_attention")
             # A hybrid model stores each block in its sliding-window group too, under the same hashes.
-            window = (attrs.evolve(event, group_idx=1, spec_kind="sliding_window", sliding_window=64),) if rng.random() < 0.3 else ()
+            window = (msgspec.structs.replace(event, group_idx=1, spec_kind="sliding_window", sliding_window=64),) if rng.random() < 0.3 else ()
             out.append(batch(worker, Provenance.NATIVE, event, *window))
             blocks.extend(hashes)
         elif roll < 0.75:
