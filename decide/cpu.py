@@ -118,4 +118,4 @@ def rank_batch(
         flat, offsets, target, named.view(np.uint8), block_sizes,
         index.table_keys, index.table_rows, index.table_bits, index.masks, index.slots_in_order, index.order_rank,
         scan, *_kernel_settings(settings),
-    ))
+    ), offsets)

@@ -364,4 +364,5 @@ class CudaBackend:
             overlap_bounds, overlap_slot, overlap_lengths,
             np.searchsorted(columns[0], np.arange(count + 1)).astype(np.int64),
             *columns[1:],
+            sequence=flat, sequence_offsets=offsets,
         )

@@ -232,6 +232,9 @@ def rank_requests(
     c_saving = np.empty(capacity, dtype=np.float64)
     any_tier = tier_enabled[0] or tier_enabled[1] or tier_enabled[2]
 
+    # The sequence hashes as far as each walk chained them (at least the walked blocks):
+    # the relied-on prefixes are read from here, not chained again.
+    sequence = np.zeros(local.size, dtype=np.uint64)
     alive = np.zeros((5, words), dtype=np.uint64)
     rows_ahead = np.empty(_ROWS_AHEAD, dtype=np.int64)
     lengths = np.zeros((5, max(workers, 1)), dtype=np.int32)  # per request, reset where written
@@ -249,6 +252,7 @@ def rank_requests(
         walked = 0
         if blocks > 0 and workers > 0:
             sequence_hash = local[start]
+            sequence[start] = sequence_hash
             rows_from, rows_until = 0, 0
             row = probe(table_keys, table_rows, table_bits, sequence_hash)
             for word in range(words):
@@ -301,6 +305,7 @@ def rank_requests(
                     rows_from, rows_until = walked, min(walked + _ROWS_AHEAD, blocks)
                     for ahead in range(rows_from, rows_until):
                         sequence_hash = chain_hash(sequence_hash, local[start + ahead])
+                        sequence[start + ahead] = sequence_hash
                         rows_ahead[ahead - rows_from] = probe(table_keys, table_rows, table_bits, sequence_hash)
                 row = rows_ahead[walked - rows_from]
                 for word in range(words):
@@ -437,7 +442,7 @@ def rank_requests(
         overlap_bounds, overlap_slot[:overlaps].copy(), overlap_lengths[:overlaps].copy(),
         candidate_bounds, c_slot[:candidates].copy(), c_tier[:candidates].copy(), c_prefix[:candidates].copy(),
         c_transfer[:candidates].copy(), c_recompute.copy(), c_transfer_ms.copy(), c_saving.copy(),
-        _repr_positions(credited, c_recompute, c_transfer_ms, c_saving),
+        _repr_positions(credited, c_recompute, c_transfer_ms, c_saving), sequence,
     )
 
 
@@ -801,3 +806,38 @@ def write_answers(
         position = _put_slice(out, position, endings, ending_bounds, reason[request])
         answer_bounds[request + 1] = position
     return out[:position], answer_bounds
+
+
+@_compiled
+def relied_prefix_texts(sequence, offsets, target, overlap_bounds, overlap_slot, overlap_lengths,
+                        candidate_bounds, c_prefix, max_blocks):
+    """Per answer, the sequence hashes it relies on as the hex of little-endian u64s, end to
+    end in one buffer, and where each answer's text starts.
+
+    An answer relies on the chosen source's prefix (its first candidate's) or the target's
+    credited prefix (native on any local tier), whichever is longer, at most `max_blocks`.
+    """
+    count = offsets.size - 1
+    lengths = np.zeros(count, dtype=np.int64)
+    for request in range(count):
+        length = 0
+        if candidate_bounds[request + 1] > candidate_bounds[request]:
+            length = c_prefix[candidate_bounds[request]]
+        for item in range(overlap_bounds[request], overlap_bounds[request + 1]):
+            if overlap_slot[item] == target[request] and overlap_lengths[item, _PREFIX_ANY] > length:
+                length = overlap_lengths[item, _PREFIX_ANY]
+        lengths[request] = min(length, max_blocks)
+    bounds = np.zeros(count + 1, dtype=np.int64)
+    for request in range(count):
+        bounds[request + 1] = bounds[request] + lengths[request] * 16
+    out = np.empty(bounds[count], dtype=np.uint8)
+    for request in range(count):
+        position = bounds[request]
+        for block in range(offsets[request], offsets[request] + lengths[request]):
+            value = sequence[block]
+            for byte in range(8):
+                octet = (value >> np.uint64(8 * byte)) & np.uint64(0xFF)
+                out[position] = _HEX_DIGITS[octet >> np.uint64(4)]
+                out[position + 1] = _HEX_DIGITS[octet & np.uint64(0xF)]
+                position += 2
+    return out, bounds

@@ -24,7 +24,7 @@ from kvledger.reuse import Candidate, Decision, Overlap, Reason, ReuseRequest, e
 from kvledger.settings import ReuseSettings, settings_digest
 
 from decide.index import InventoryIndex
-from decide.kernels import chain_hashes, needs_repr, write_answers
+from decide.kernels import chain_hashes, needs_repr, relied_prefix_texts, write_answers
 
 # Prefix classes reported per worker: the three native tiers alone, any native tier, and
 # native ∪ retained device (the target's baseline).
@@ -70,6 +70,10 @@ class RankedBatch:
     # Positions, in (credited, recompute, transfer, saving) order, of the floats the JSON
     # kernel cannot write as repr does; None: not known yet (`decide.kernels.needs_repr`).
     needs_repr: np.ndarray | None = None
+    # The requests' sequence hashes end to end, at least as far as each walk went, and where
+    # each request starts; None: not kept by the backend (they are chained again when needed).
+    sequence: np.ndarray | None = None
+    sequence_offsets: np.ndarray | None = None
 
 
 def overlaps_of(lengths: np.ndarray, target: np.ndarray, slots_in_order: np.ndarray,
@@ -314,46 +318,28 @@ class AnswerBatch:
             ))
         return decisions
 
-    def relied_prefix_lengths(self) -> np.ndarray:
-        """Per answer, how many of the request's first blocks it relies on: the chosen source's
-        prefix, or the target's credited prefix (native on any local tier), whichever is longer."""
-        ranked, count = self.ranked, len(self.requests)
-        lengths = np.zeros(count, dtype=np.int64)
-        if not ranked.overlap_bounds[-1]:  # nobody holds any of it: nothing chosen, nothing credited
-            return lengths
-        bounds = ranked.candidate_bounds
-        chosen = np.flatnonzero(bounds[1:] > bounds[:-1])
-        if chosen.size:
-            lengths[chosen] = ranked.candidate_prefix[bounds[chosen]]
-        owner = np.repeat(np.arange(count), np.diff(ranked.overlap_bounds))
-        is_target = ranked.overlap_slot == ranked.target[owner]
-        if is_target.any():
-            credited = np.zeros(count, dtype=np.int64)
-            credited[owner[is_target]] = ranked.overlap_lengths[is_target, PREFIX_ANY]
-            np.maximum(lengths, credited, out=lengths)
-        return lengths
-
     def relied_prefixes(self) -> list[bytes]:
-        """Per answer, the sequence hashes of the blocks it relies on (`relied_prefix_lengths`) as
-        little-endian u64 in hex (`kvledger.decision_codec.RELIED_PREFIX_HEADER`), b"" when none:
-        what store needs to tell later whether the chosen source and the target still held them."""
-        lengths = np.minimum(self.relied_prefix_lengths(), MAX_RELIED_BLOCKS)
-        relying = np.flatnonzero(lengths).tolist()
-        if not relying:
-            return [b""] * len(self.requests)
-        kept = lengths[relying]
-        offsets = np.zeros(len(relying) + 1, dtype=np.int64)
-        np.cumsum(kept, out=offsets[1:])
-        local = np.fromiter(
-            itertools.chain.from_iterable(self.requests[position].local_hashes[:length]
-                                          for position, length in zip(relying, kept.tolist())),
-            dtype=np.uint64, count=int(offsets[-1]))
-        hashes = chain_hashes(local, offsets).astype("<u8", copy=False)
-        prefixes = [b""] * len(self.requests)
-        edges = offsets.tolist()
-        for number, position in enumerate(relying):
-            prefixes[position] = hashes[edges[number]:edges[number + 1]].tobytes().hex().encode()
-        return prefixes
+        """Per answer, the sequence hashes of the blocks it relies on (the chosen source's prefix,
+        or the target's credited prefix, whichever is longer) as little-endian u64 in hex
+        (`kvledger.decision_codec.RELIED_PREFIX_HEADER`), b"" when none: what store needs to
+        tell later whether the chosen source and the target still held them."""
+        ranked, count = self.ranked, len(self.requests)
+        if not count:
+            return []
+        if not ranked.overlap_bounds[-1]:  # nobody holds any of it: nothing chosen, nothing credited
+            return [b""] * count
+        sequence, offsets = ranked.sequence, ranked.sequence_offsets
+        if sequence is None or offsets is None:
+            sequence, offsets = sequence_hashes_of(self.requests)
+        text, bounds = relied_prefix_texts(
+            sequence, offsets, ranked.target, ranked.overlap_bounds, ranked.overlap_slot, ranked.overlap_lengths,
+            ranked.candidate_bounds, ranked.candidate_prefix, MAX_RELIED_BLOCKS,
+        )
+        data = text.tobytes()
+        if count == 1:
+            return [data]
+        edges = bounds.tolist()
+        return [data[begin:end] for begin, end in zip(edges[:-1], edges[1:])]
 
     def encoded(self) -> list[bytes]:
         """Every answer as JSON bytes: `json.dumps(decision_to_json(d), separators=(",", ":"))`, byte for byte,
