@@ -88,8 +88,8 @@ class DecideService(AsyncLifetime):
         # Concurrent single requests (NATS and HTTP) are ranked and recorded together.
         self._batcher = MicroBatcher(
             self.answer, window_s=settings.decide.batch_window_us / 1e6, max_batch=settings.decide.max_batch,
+            failure_reply=_failure_reply,
         )
-        self._singles: set[asyncio.Task] = set()  # single NATS requests being answered
         self._http: HttpFront | None = None
         self._ready = asyncio.Event()
         self._warm_target = 0
@@ -159,8 +159,6 @@ class DecideService(AsyncLifetime):
         self._subscriptions.clear()
         # Requests already taken are answered (and recorded) before the connection drains.
         await self._batcher.close()
-        if self._singles:
-            await asyncio.gather(*self._singles, return_exceptions=True)
         if self._nc is not None and not self._nc.is_closed:
             await self._nc.drain()
         self._nc = None
@@ -281,28 +279,23 @@ class DecideService(AsyncLifetime):
 
     async def _on_single(self, msg: Msg) -> None:
         # nats-py awaits one callback at a time per subscription: answering here would
-        # serialise every client. The request joins the current micro-batch instead.
-        task = asyncio.get_running_loop().create_task(self._reply(msg, batch=False), name="decide-single")
-        self._singles.add(task)
-        task.add_done_callback(self._singles.discard)
+        # serialise every client. The request joins the current micro-batch, whose own task
+        # sends the reply once the answer is on record.
+        parsed = parse_single(msg.data)
+        if isinstance(parsed, RequestError):
+            await msg.respond(json_bytes(self.refuse(parsed)))
+            return
+        self._batcher.enqueue(parsed, msg.respond)
 
     async def _on_batch(self, msg: Msg) -> None:
-        await self._reply(msg, batch=True)
-
-    async def _reply(self, msg: Msg, *, batch: bool) -> None:
-        parsed = parse_batch(msg.data) if batch else parse_single(msg.data)
+        parsed = parse_batch(msg.data)
         if isinstance(parsed, RequestError):
             await msg.respond(json_bytes(self.refuse(parsed)))
             return
         try:
-            if batch:
-                reply = (await self.answer(parsed)).as_list()
-            else:
-                reply, _ = await self._batcher.submit(parsed)
+            reply = (await self.answer(parsed)).as_list()
         except Exception as failure:  # e.g. KV_DECISIONS unreachable: say so rather than let the client time out
-            log.exception("decide: request failed")
-            await msg.respond(json_bytes(error_reply(None, f"internal error: {type(failure).__name__}: {failure}")))
-            return
+            reply = _failure_reply(failure)
         await msg.respond(reply)
 
     # HTTP front
@@ -333,6 +326,12 @@ class DecideService(AsyncLifetime):
             return encoded_response(200, (await self.answer(parsed)).as_list(), media_type)
         part, refused = await self._batcher.submit(parsed)
         return encoded_response(400 if refused else 200, part, media_type)
+
+
+def _failure_reply(failure: Exception) -> bytes:
+    """The error reply to requests whose answers could not be given or recorded (called while handling `failure`)."""
+    log.exception("decide: request failed")
+    return json_bytes(error_reply(None, f"internal error: {type(failure).__name__}: {failure}"))
 
 
 # --- the command ---------------------------------------------------------------------------------
