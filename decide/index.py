@@ -39,6 +39,7 @@ CLASSES: tuple[tuple[Provenance, Tier], ...] = (
 )
 NATIVE_DEVICE, NATIVE_HOST, NATIVE_DISK, RETAINED_DEVICE = range(4)
 _CLASS_OF = {key: position for position, key in enumerate(CLASSES)}
+_CLASS_COUNT = len(CLASSES)
 
 # Fibonacci hashing: the slot is the top bits of key × 2^64/φ. Sequence hashes are XXH3
 # outputs already, but a request can carry arbitrary local hashes, so they are mixed once.
@@ -71,10 +72,9 @@ class InventoryIndex:
         self._row_hash: list[int] = [0]
         self._row_bits: list[int] = [0]  # bits set in each row, over every class and worker
         self._free_rows: list[int] = []
-        self.masks = np.zeros((1024, len(CLASSES), self.words), dtype=np.uint64)
+        self._set_masks(np.zeros((1024, len(CLASSES), self.words), dtype=np.uint64))
         self.table_bits = _MIN_TABLE_BITS
-        self.table_keys = np.zeros(1 << self.table_bits, dtype=np.uint64)
-        self.table_rows = np.full(1 << self.table_bits, EMPTY_ROW, dtype=np.int32)
+        self._set_table(_MIN_TABLE_BITS)
         # per (worker slot, class): the sequence hashes whose bit is set, so a Cleared
         # knows what to re-read without the fold having to list it
         self._held: list[list[set[int]]] = []
@@ -98,26 +98,34 @@ class InventoryIndex:
         self.inventory_seq = max(self.inventory_seq, stream_seq)
         if batch.worker not in self._slot_of_worker and self.fold.worker_state(batch.worker) is not None:
             self._add_worker(batch.worker)
-        touched: dict[tuple[int, int], None] = {}
+        # (slot, sequence hash, class) of each record the batch changed: a fact's record is of
+        # one class, and whether a worker holds a block in one class depends on that class's
+        # records alone (and the residency rules, handled below), so only that bit is re-read.
+        touched: dict[tuple[int, int, int], None] = {}
+        slot_of_worker = self._slot_of_worker
         for fact in facts:
             kind = type(fact)
             if kind is BlockStoredFact or kind is RetainedConflictFact or kind is BlockRemovedFact:
                 record = fact.record
-                touched[(self._slot_of_worker[record.worker], record.sequence_hash)] = None
+                position = _CLASS_OF.get((record.provenance, record.tier))
+                if position is not None:
+                    touched[(slot_of_worker[record.worker], record.sequence_hash, position)] = None
             elif kind is InventoryClearedFact:
-                slot = self._slot_of_worker[fact.worker]
+                slot = slot_of_worker[fact.worker]
                 for position, (provenance, _tier) in enumerate(CLASSES):
                     if provenance is fact.provenance:
                         for sequence_hash in self._held[slot][position]:
-                            touched[(slot, sequence_hash)] = None
+                            touched[(slot, sequence_hash, position)] = None
         if facts and self._residency_rules(batch.worker) != rules_before:
             # A group appeared on a tier or declared another kind: what its other blocks count
             # as changed too (kvledger.residency), so every record of the worker is re-read.
-            slot = self._slot_of_worker[batch.worker]
+            slot = slot_of_worker[batch.worker]
             for record in self.fold.iter_worker_records(batch.worker):
-                touched[(slot, record.sequence_hash)] = None
-        for slot, sequence_hash in touched:
-            self._refresh(slot, sequence_hash)
+                position = _CLASS_OF.get((record.provenance, record.tier))
+                if position is not None:
+                    touched[(slot, record.sequence_hash, position)] = None
+        for slot, sequence_hash, position in touched:
+            self._refresh(slot, sequence_hash, position)
         if facts:
             self._uncertain_cache = None
         return facts
@@ -132,30 +140,28 @@ class InventoryIndex:
         """A stream message that could not be decoded still moves the index past its seq."""
         self.inventory_seq = max(self.inventory_seq, stream_seq)
 
-    def _refresh(self, slot: int, sequence_hash: int) -> None:
-        wanted = self.fold.holds_each(self.workers[slot], sequence_hash, CLASSES)
-        held = self._held[slot]  # mirrors the row's bits for this slot: set lookups, not numpy scalars
-        changes = [position for position in range(len(CLASSES)) if wanted[position] != (sequence_hash in held[position])]
-        if not changes:
+    def _refresh(self, slot: int, sequence_hash: int, position: int) -> None:
+        provenance, tier = CLASSES[position]
+        wanted = self.fold.holds(self.workers[slot], provenance, tier, sequence_hash)
+        held = self._held[slot][position]  # mirrors the row's bit for this slot: a set lookup, not a numpy scalar
+        if wanted == (sequence_hash in held):
             return
         row = self._row_of.get(sequence_hash)
         if row is None:
             row = self._new_row(sequence_hash)
         word, bit = divmod(slot, 64)
-        flag = np.uint64(1 << bit)
-        masks, bits = self.masks, self._row_bits
-        for position in changes:
-            if wanted[position]:
-                masks[row, position, word] |= flag
-                held[position].add(sequence_hash)
-                bits[row] += 1
-            else:
-                masks[row, position, word] &= ~flag
-                held[position].discard(sequence_hash)
-                bits[row] -= 1
+        at = (row * _CLASS_COUNT + position) * self.words + word
+        if wanted:
+            self._mask_words[at] |= 1 << bit
+            held.add(sequence_hash)
+            self._row_bits[row] += 1
+        else:
+            self._mask_words[at] &= ~(1 << bit) & _U64
+            held.discard(sequence_hash)
+            self._row_bits[row] -= 1
         if self.track_dirty:
             self.dirty_rows.add(row)
-        if not bits[row]:
+        if not self._row_bits[row]:
             self._release_row(sequence_hash, row)
 
     def _index_all_records(self, records: Iterable[BlockRecord]) -> None:
@@ -174,7 +180,7 @@ class InventoryIndex:
             if record.sequence_hash in held:
                 continue  # the same block in another group
             word, bit = divmod(slot, 64)
-            self.masks[row, position, word] |= np.uint64(1 << bit)
+            self._mask_words[(row * _CLASS_COUNT + position) * self.words + word] |= 1 << bit
             held.add(record.sequence_hash)
             self._row_bits[row] += 1
         self.generation += 1
@@ -190,7 +196,8 @@ class InventoryIndex:
         if len(self.workers) > self.words * 64:
             grown = np.zeros((self.masks.shape[0], len(CLASSES), self.words * 2), dtype=np.uint64)
             grown[:, :, : self.words] = self.masks
-            self.masks, self.words = grown, self.words * 2
+            self.words *= 2
+            self._set_masks(grown)
             self.generation += 1
         ordered = sorted(range(len(self.workers)), key=self.workers.__getitem__)
         self.slots_in_order = np.array(ordered, dtype=np.int32)
@@ -230,7 +237,7 @@ class InventoryIndex:
             if row >= self.masks.shape[0]:
                 grown = np.zeros((self.masks.shape[0] * 2, len(CLASSES), self.words), dtype=np.uint64)
                 grown[: self.masks.shape[0]] = self.masks
-                self.masks = grown
+                self._set_masks(grown)
                 self.generation += 1
         self._row_of[sequence_hash] = row
         if len(self._row_of) + self._dead_slots > _MAX_LOAD * len(self.table_keys):
@@ -245,7 +252,7 @@ class InventoryIndex:
         del self._row_of[sequence_hash]
         self._free_rows.append(row)
         position = self._table_find(sequence_hash)
-        self.table_rows[position] = MISSING_ROW
+        self._table_row_items[position] = MISSING_ROW
         if self.track_dirty:
             self.dirty_table_slots.add(position)
         self._dead_slots += 1
@@ -254,33 +261,44 @@ class InventoryIndex:
 
     _dead_slots = 0
 
+    def _set_masks(self, masks: np.ndarray) -> None:
+        self.masks = masks
+        # The same memory as Python ints: one item costs far less than a numpy scalar.
+        self._mask_words = memoryview(masks).cast("B").cast("Q")
+
+    def _set_table(self, bits: int) -> None:
+        self.table_keys = np.zeros(1 << bits, dtype=np.uint64)
+        self.table_rows = np.full(1 << bits, EMPTY_ROW, dtype=np.int32)
+        self._table_key_items = memoryview(self.table_keys).cast("B").cast("Q")
+        self._table_row_items = memoryview(self.table_rows).cast("B").cast("i")
+
     def _table_find(self, key: int) -> int:
-        mask = len(self.table_keys) - 1
+        mask = len(self._table_key_items) - 1
         position = slot_of(key, self.table_bits)
-        keys, rows = self.table_keys, self.table_rows
+        keys, rows = self._table_key_items, self._table_row_items
         while True:
-            if rows[position] == EMPTY_ROW or int(keys[position]) == key:
+            if rows[position] == EMPTY_ROW or keys[position] == key:
                 return position
             position = (position + 1) & mask
 
     def _table_insert(self, key: int, row: int) -> None:
         position = self._table_find(key)
-        if self.table_rows[position] == MISSING_ROW and int(self.table_keys[position]) == key:
+        if self._table_row_items[position] == MISSING_ROW and self._table_key_items[position] == key:
             self._dead_slots -= 1
-        self.table_keys[position] = key
-        self.table_rows[position] = row
+        self._table_key_items[position] = key
+        self._table_row_items[position] = row
         if self.track_dirty:
             self.dirty_table_slots.add(position)
 
     def _rebuild_table(self, bits: int) -> None:
         self.table_bits = max(bits, _MIN_TABLE_BITS)
-        self.table_keys = np.zeros(1 << self.table_bits, dtype=np.uint64)
-        self.table_rows = np.full(1 << self.table_bits, EMPTY_ROW, dtype=np.int32)
+        self._set_table(self.table_bits)
         self._dead_slots = 0
+        keys, rows = self._table_key_items, self._table_row_items
         for key, row in self._row_of.items():
             position = self._table_find(key)
-            self.table_keys[position] = key
-            self.table_rows[position] = row
+            keys[position] = key
+            rows[position] = row
         self.generation += 1
         self.dirty_table_slots.clear()
 

@@ -85,7 +85,7 @@ def _check_dp_rank(_instance: object, _attribute: object, value: object) -> None
         raise ValueError(f"dp_rank must be a non-negative integer, got {value!r}")
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=True, cache_hash=True)
 class WorkerId:
     """One engine worker: a publisher and its data-parallel rank. Orders by (publisher, dp_rank)."""
 
