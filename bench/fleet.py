@@ -539,16 +539,22 @@ def lag_of(arrivals: Arrivals, seqs: range, arrival, window_s: float, start: flo
 
 
 def usage_lines(usage: dict[str, list[tuple[float, int, float]]]) -> list[str]:
-    """Per process tree: RSS first / last / max and its slope (least squares), and CPU over the samples."""
+    """Per process tree: RSS first / last / max, its slope (least squares) over all the samples
+    and over their second half (past the warm-up: what "flat" is judged by), and CPU."""
+
+    def slope_of(times: list[float], mib: list[float]) -> float:
+        return statistics.linear_regression(times, mib).slope * 60 if len(times) >= 3 else math.nan
+
     lines = []
     for name, samples in usage.items():
         if len(samples) < 2:
             continue
         times = [t for t, _, _ in samples]
         mib = [rss / MIB for _, rss, _ in samples]
-        slope = statistics.linear_regression(times, mib).slope * 60 if len(samples) >= 3 else math.nan
+        half = len(samples) // 2
         cpu = (samples[-1][2] - samples[0][2]) / (times[-1] - times[0]) * 100
-        lines.append(f"| {name} | {mib[0]:.1f} | {mib[-1]:.1f} | {max(mib):.1f} | {slope:+.2f} | {cpu:.0f} % |")
+        lines.append(f"| {name} | {mib[0]:.1f} | {mib[-1]:.1f} | {max(mib):.1f} | {slope_of(times, mib):+.2f} | "
+                     f"{slope_of(times[half:], mib[half:]):+.2f} | {cpu:.0f} % |")
     return lines
 
 
@@ -757,8 +763,8 @@ class Pipeline:
                                           (f"decide -> index (poll {args.poll_ms:g} ms)", indexed)), rates):
             print(f"| {stage} | {through:,.0f} | {lag.text()} | {lag.windows_text()} |")
         print(f"processes over the paced phase ({len(next(iter(usage.values()), []))} samples 1 s apart):")
-        print("| process tree | RSS MiB first | last | max | slope MiB/min | CPU (of one core) |")
-        print("|---|---|---|---|---|---|")
+        print("| process tree | RSS MiB first | last | max | slope MiB/min | second half | CPU (of one core) |")
+        print("|---|---|---|---|---|---|---|")
         for line in usage_lines(usage):
             print(line)
         ours = sum(samples[-1][2] - samples[0][2] for samples in usage.values() if len(samples) > 1)

@@ -654,7 +654,7 @@ def _holds(own: _ProvenanceState, tier: Tier, sequence_hash: int) -> bool:
     rule = own.rule(tier)
     if len(rule.groups) == 1:
         counts = by_group.get(rule.groups[0])
-        return counts is not None and counts[sequence_hash] > 0
+        return counts is not None and counts.get(sequence_hash, 0) > 0
     return rule.holds(lambda group: sequence_hash in by_group.get(group, ()))
 
 
@@ -734,7 +734,8 @@ def _attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
         if group not in seen:
             seen.add(group)
             own.rules.pop(tier, None)
-    counts[record.sequence_hash] += 1
+    # (dict.get, not Counter's __missing__: most hashes are new, and that is a Python call each)
+    counts[record.sequence_hash] = counts.get(record.sequence_hash, 0) + 1
     own.placements.add((group, record.ownership))
     entry = own.topology.get(record.engine_hash)
     if entry is None:
