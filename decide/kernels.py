@@ -234,7 +234,7 @@ def rank_requests(
 
     # The sequence hashes as far as each walk chained them (at least the walked blocks):
     # the relied-on prefixes are read from here, not chained again.
-    sequence = np.zeros(local.size, dtype=np.uint64)
+    sequence = np.empty(local.size, dtype=np.uint64)
     alive = np.zeros((5, words), dtype=np.uint64)
     rows_ahead = np.empty(_ROWS_AHEAD, dtype=np.int64)
     lengths = np.zeros((5, max(workers, 1)), dtype=np.int32)  # per request, reset where written

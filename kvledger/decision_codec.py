@@ -9,8 +9,8 @@ sends `DecideRequest` and receives `Answer`. The same Structs serve JSON and msg
 from __future__ import annotations
 
 import re
-import uuid
 import struct
+import uuid
 from typing import Annotated, Any
 
 import msgspec
@@ -73,7 +73,6 @@ def error_reply(field: str | None, message: str, request_id: str | None = None) 
 # the integer lists too. (msgspec cannot bound an int above int64, so u64 is checked after.)
 _Token = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)] | str
 _Hash = Annotated[int, msgspec.Meta(ge=0)] | str
-_IntList = Annotated[list, msgspec.Meta(max_length=_MAX_LIST_ITEMS)]
 
 
 class WireRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
