@@ -28,6 +28,8 @@ from kvledger.fold import (
     RetainedConflictFact,
 )
 
+from decide.kernels import fill_table
+
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
 
 # The four stored classes, in the order of a row's bitmask planes.
@@ -241,7 +243,10 @@ class InventoryIndex:
                 self.generation += 1
         self._row_of[sequence_hash] = row
         if len(self._row_of) + self._dead_slots > _MAX_LOAD * len(self.table_keys):
-            self._rebuild_table(self.table_bits + 1)
+            # Past the load limit: purge the dead slots at the same size while they are a good
+            # part of it; only live keys make the table grow (else churn alone doubles it).
+            grow = len(self._row_of) > _MAX_LOAD * len(self.table_keys) / 2
+            self._rebuild_table(self.table_bits + 1 if grow else self.table_bits)
         else:
             self._table_insert(sequence_hash, row)
         return row
@@ -294,11 +299,10 @@ class InventoryIndex:
         self.table_bits = max(bits, _MIN_TABLE_BITS)
         self._set_table(self.table_bits)
         self._dead_slots = 0
-        keys, rows = self._table_key_items, self._table_row_items
-        for key, row in self._row_of.items():
-            position = self._table_find(key)
-            keys[position] = key
-            rows[position] = row
+        count = len(self._row_of)
+        keys = np.fromiter(self._row_of.keys(), dtype=np.uint64, count=count)
+        rows = np.fromiter(self._row_of.values(), dtype=np.int32, count=count)
+        fill_table(keys, rows, self.table_keys, self.table_rows, self.table_bits)
         self.generation += 1
         self.dirty_table_slots.clear()
 
