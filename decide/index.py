@@ -26,6 +26,7 @@ from kvledger.fold import (
     InventoryClearedFact,
     InventoryFold,
     RetainedConflictFact,
+    UncertaintyFact,
 )
 
 from decide.kernels import fill_table
@@ -86,7 +87,7 @@ class InventoryIndex:
         self.track_dirty = False  # set by a device mirror; cpu alone needs no change lists
         self.dirty_rows: set[int] = set()
         self.dirty_table_slots: set[int] = set()
-        self._uncertain_cache: tuple[int, tuple[str, ...]] | None = None
+        self._uncertain_cache: tuple[str, ...] | None = None
         for worker in self.fold.workers():
             self._add_worker(worker)
         self._index_all_records(self.fold.iter_records())
@@ -128,7 +129,9 @@ class InventoryIndex:
                     touched[(slot, record.sequence_hash, position)] = None
         for slot, sequence_hash, position in touched:
             self._refresh(slot, sequence_hash, position)
-        if facts:
+        # Every change of a worker's uncertainty is a fact of its own; other batches leave the
+        # names as they were (answers read them per batch, and listing them sorts every worker).
+        if any(type(fact) is UncertaintyFact for fact in facts):
             self._uncertain_cache = None
         return facts
 
@@ -216,10 +219,9 @@ class InventoryIndex:
         return len(self.workers)
 
     def uncertain_names(self) -> tuple[str, ...]:
-        if self._uncertain_cache is None or self._uncertain_cache[0] != self.inventory_seq:
-            names = tuple(worker.name for worker in self.fold.uncertain_workers())
-            self._uncertain_cache = (self.inventory_seq, names)
-        return self._uncertain_cache[1]
+        if self._uncertain_cache is None:
+            self._uncertain_cache = tuple(worker.name for worker in self.fold.uncertain_workers())
+        return self._uncertain_cache
 
     # --- rows and the hash table ---------------------------------------------------------
 
