@@ -603,7 +603,8 @@ class InventoryFold:
 
     def workers(self) -> list[WorkerId]:
         """Every worker seen, in worker order (publisher, then dp_rank)."""
-        return sorted(self._workers)
+        # Keyed by plain tuples: WorkerId's own ordering is a Python call per comparison.
+        return sorted(self._workers, key=_worker_order)
 
     def worker_state(self, worker: WorkerId) -> WorkerState | None:
         return self._workers.get(worker)
@@ -711,6 +712,10 @@ def _restore_groups(own: _ProvenanceState, state: dict[str, dict]) -> None:
     for tier_name, groups in state.get("tiers", {}).items():
         own.tier_groups[Tier(tier_name)].update(groups)
     own.rules.clear()
+
+
+def _worker_order(worker: WorkerId) -> tuple[str, int]:
+    return (worker.publisher, worker.dp_rank)
 
 
 def _record_order(record: BlockRecord) -> tuple:
