@@ -12,13 +12,11 @@ import json
 import attrs
 import msgspec
 
-from kvledger.decision_codec import RequestError, decode_request
+from kvledger.decision_codec import JSON, MSGPACK, RequestError, decode_request, not_decodable
 from kvledger.reuse import ReuseRequest
 from kvledger.runtime.http import Response
 
 MAX_BATCH_REQUESTS = 65536
-JSON = "application/json"
-MSGPACK = "application/msgpack"
 MEDIA_TYPES = (JSON, MSGPACK)
 
 _BATCH = {JSON: msgspec.json.Decoder(list[msgspec.Raw]), MSGPACK: msgspec.msgpack.Decoder(list[msgspec.Raw])}
@@ -40,7 +38,7 @@ def parse_batch(data: bytes, media_type: str = JSON) -> list[Parsed] | RequestEr
     except msgspec.ValidationError as error:
         return RequestError("requests", f"expected a list of requests: {error}")
     except msgspec.DecodeError as error:
-        return RequestError("request", f"not valid {'msgpack' if media_type == MSGPACK else 'JSON'}: {error}")
+        return not_decodable(error, msgpack=media_type == MSGPACK)
     if len(elements) > MAX_BATCH_REQUESTS:
         return RequestError("requests", f"more than {MAX_BATCH_REQUESTS} requests in one batch")
     return [parse_single(element, media_type) for element in elements]

@@ -71,7 +71,7 @@ class RankedBatch:
     # kernel cannot write as repr does; None: not known yet (`decide.kernels.needs_repr`).
     needs_repr: np.ndarray | None = None
     # The requests' sequence hashes end to end, at least as far as each walk went, and where
-    # each request starts; None: not kept by the backend (they are chained again when needed).
+    # each request starts (`AnswerBatch.relied_prefixes` reads them); both backends keep them.
     sequence: np.ndarray | None = None
     sequence_offsets: np.ndarray | None = None
 
@@ -328,18 +328,11 @@ class AnswerBatch:
             return []
         if not ranked.overlap_bounds[-1]:  # nobody holds any of it: nothing chosen, nothing credited
             return [b""] * count
-        sequence, offsets = ranked.sequence, ranked.sequence_offsets
-        if sequence is None or offsets is None:
-            sequence, offsets = sequence_hashes_of(self.requests)
-        text, bounds = relied_prefix_texts(
-            sequence, offsets, ranked.target, ranked.overlap_bounds, ranked.overlap_slot, ranked.overlap_lengths,
-            ranked.candidate_bounds, ranked.candidate_prefix, MAX_RELIED_BLOCKS,
-        )
-        data = text.tobytes()
-        if count == 1:
-            return [data]
-        edges = bounds.tolist()
-        return [data[begin:end] for begin, end in zip(edges[:-1], edges[1:])]
+        assert ranked.sequence is not None and ranked.sequence_offsets is not None, "both backends keep the hashes they chained"
+        return _split(*relied_prefix_texts(
+            ranked.sequence, ranked.sequence_offsets, ranked.target, ranked.overlap_bounds, ranked.overlap_slot,
+            ranked.overlap_lengths, ranked.candidate_bounds, ranked.candidate_prefix, MAX_RELIED_BLOCKS,
+        ), count)
 
     def encoded(self) -> list[bytes]:
         """Every answer as JSON bytes: `json.dumps(decision_to_json(d), separators=(",", ":"))`, byte for byte,
@@ -381,11 +374,16 @@ class AnswerBatch:
             ranked.candidate_transfer_ms, transfer, ranked.candidate_saving_ms, saving,
             *repr_texts, *_endings(self.uncertain_workers, self.backend, self.settings_digest),
         )
-        data = buffer.tobytes()
-        if count == 1:
-            return [data]
-        edges = bounds.tolist()
-        return [data[begin:end] for begin, end in zip(edges[:-1], edges[1:])]
+        return _split(buffer, bounds, count)
+
+
+def _split(buffer: np.ndarray, bounds: np.ndarray, count: int) -> list[bytes]:
+    """A kernel's texts written end to end, as one bytes value per item (`bounds[i]:bounds[i + 1]`)."""
+    data = buffer.tobytes()
+    if count == 1:
+        return [data]
+    edges = bounds.tolist()
+    return [data[begin:end] for begin, end in zip(edges[:-1], edges[1:])]
 
 
 def _json_string(text: str) -> bytes:

@@ -6,6 +6,7 @@ streams and the publisher count themselves is read from them at scrape time.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from kvledger.runtime.metrics import MetricSet
@@ -33,16 +34,20 @@ class IngestMetrics(MetricSet):
         self.unaligned_tokens = self.counter(
             "kvledger_ingest_unaligned_token_stores",
             "stores whose token ids do not line up with their hashes (null blocks): hashed from the worker's other groups")
-        self.counter("kvledger_ingest_replays", "replay requests sent to engines", read=lambda: self._trackers("replays"))
-        self.counter("kvledger_ingest_duplicates", "engine batches dropped as already published",
-                     read=lambda: self._trackers("duplicates"))
-        self.counter("kvledger_ingest_engine_restarts", "engine restarts detected", read=lambda: self._trackers("restarts"))
-        self.counter("kvledger_ingest_replayed_batches", "engine batches received from replay sockets",
-                     read=lambda: self._trackers("replayed_batches"))
-        self.counter("kvledger_ingest_replays_incomplete", "replays that timed out before the end marker",
-                     read=lambda: self._replays("incomplete_replays"))
-        self.counter("kvledger_ingest_replay_malformed_replies", "replay replies with unreadable framing, skipped",
-                     read=lambda: self._replays("malformed_replies"))
+        # What the engine streams count themselves (their sequence trackers and replay clients).
+        for name, help_text, counter in (
+            ("kvledger_ingest_replays", "replay requests sent to engines", "replays"),
+            ("kvledger_ingest_duplicates", "engine batches dropped as already published", "duplicates"),
+            ("kvledger_ingest_engine_restarts", "engine restarts detected", "restarts"),
+            ("kvledger_ingest_replayed_batches", "engine batches received from replay sockets", "replayed_batches"),
+        ):
+            self.counter(name, help_text, read=functools.partial(self._trackers, counter))
+        for name, help_text, counter in (
+            ("kvledger_ingest_replays_incomplete", "replays that timed out before the end marker", "incomplete_replays"),
+            ("kvledger_ingest_replay_malformed_replies", "replay replies with unreadable framing, skipped",
+             "malformed_replies"),
+        ):
+            self.counter(name, help_text, read=functools.partial(self._replays, counter))
         self.publish_latency = self.histogram(
             "kvledger_ingest_publish_latency_seconds", "from queueing to JetStream ack", buckets=_LATENCY_BUCKETS)
         self.engine_to_ack = self.histogram(
@@ -51,12 +56,12 @@ class IngestMetrics(MetricSet):
             buckets=(*_LATENCY_BUCKETS, 60))
         self.gauge("kvledger_ingest_ready_streams", "engine streams subscribed and caught up",
                    read=lambda: sum(stream.ready.is_set() for stream in self.streams))
-        self.counter("kvledger_ingest_batches_out", "canonical batches acknowledged by JetStream",
-                     read=lambda: self._publisher("published"))
-        self.counter("kvledger_ingest_publish_retries", "publishes sent again after a failure",
-                     read=lambda: self._publisher("retries"))
-        self.counter("kvledger_ingest_nats_reconnects", "NATS connections re-established",
-                     read=lambda: self._publisher("reconnects"))
+        for name, help_text, counter in (
+            ("kvledger_ingest_batches_out", "canonical batches acknowledged by JetStream", "published"),
+            ("kvledger_ingest_publish_retries", "publishes sent again after a failure", "retries"),
+            ("kvledger_ingest_nats_reconnects", "NATS connections re-established", "reconnects"),
+        ):
+            self.counter(name, help_text, read=functools.partial(self._publisher, counter))
         self.gauge("kvledger_ingest_in_flight", "publishes awaiting an ack",
                    read=lambda: self.publisher.in_flight if self.publisher else 0)
         self.gauge("kvledger_ingest_buffered", "batches buffered until acknowledged",

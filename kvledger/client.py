@@ -29,7 +29,7 @@ import nats
 import nats.errors
 
 # The values on the wire are the decision API's one schema.
-from kvledger.decision_codec import Answer, Candidate, DecideRequest, ErrorReply, Overlap, new_request_id
+from kvledger.decision_codec import JSON, MSGPACK, Answer, Candidate, DecideRequest, ErrorReply, Overlap, new_request_id
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT
 
@@ -37,8 +37,6 @@ log = logging.getLogger("kvledger.client")
 
 T = TypeVar("T")
 
-JSON = "application/json"
-MSGPACK = "application/msgpack"
 DEFAULT_TIMEOUT = timedelta(seconds=2)
 
 

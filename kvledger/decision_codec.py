@@ -19,6 +19,9 @@ from kvledger import reuse
 from kvledger.events import WorkerId
 from kvledger.hashing import local_block_hashes, parse_extra_keys
 
+JSON = "application/json"
+MSGPACK = "application/msgpack"  # the two media types the API speaks, with the same Structs
+
 U64_MAX = (1 << 64) - 1
 U32_MAX = 0xFFFFFFFF
 MAX_REQUEST_BLOCKS = 1 << 20
@@ -42,7 +45,7 @@ class RequestError(ValueError):
     def top_field(self) -> str:
         """The request field the error is in (`token_ids` for `token_ids[3]`, `unknown` for a field the
         schema lacks): a metrics label of bounded cardinality."""
-        field = re.split(r"[.\[]", self.field, maxsplit=1)[0]
+        field = _top_level(self.field)
         return field if field in _FIELD_RULES or field in _OTHER_FIELDS else "unknown"
 
     def as_json(self, request_id: object = None) -> dict[str, Any]:
@@ -116,6 +119,16 @@ _FIELD_RULES = {
 _OTHER_FIELDS = frozenset({"requests", "content-type"})
 
 
+def _top_level(path: str) -> str:
+    """The request field a path starts with: `token_ids` of `token_ids[3]`."""
+    return re.split(r"[.\[]", path, maxsplit=1)[0]
+
+
+def not_decodable(error: msgspec.DecodeError, *, msgpack: bool) -> RequestError:
+    """The error for a body that is not JSON (or msgpack) at all."""
+    return RequestError("request", f"not valid {'msgpack' if msgpack else 'JSON'}: {error}")
+
+
 def _request_error(error: msgspec.ValidationError, request_id: object) -> RequestError:
     """msgspec's message, with its path (`$.token_ids[3]`) as the field (`token_ids[3]`)."""
     match = _PATH.match(str(error))
@@ -124,7 +137,7 @@ def _request_error(error: msgspec.ValidationError, request_id: object) -> Reques
     if not path:
         named = _NAMED_FIELD.match(message)
         path = named["field"] if named else "request"
-    rule = _FIELD_RULES.get(re.split(r"[.\[]", path, maxsplit=1)[0])
+    rule = _FIELD_RULES.get(_top_level(path))
     return RequestError(path, f"{rule}: {message}" if rule else message, request_id if isinstance(request_id, str) else None)
 
 
@@ -204,7 +217,7 @@ def decode_request(data: bytes, *, msgpack: bool = False) -> reuse.ReuseRequest:
     except msgspec.ValidationError as error:
         raise _request_error(error, _id_of(data, msgspec.msgpack.decode if msgpack else msgspec.json.decode)) from None
     except msgspec.DecodeError as error:
-        raise RequestError("request", f"not valid {'msgpack' if msgpack else 'JSON'}: {error}") from None
+        raise not_decodable(error, msgpack=msgpack) from None
     return request_of(wire)
 
 
