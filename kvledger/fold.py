@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import attrs
+import msgspec
 
 from kvledger.events import (
     Cleared,
@@ -40,11 +41,17 @@ class RemovalCause(enum.Enum):
 
 # A block's identity within one provenance and tier of a worker: (group_idx, ownership,
 # engine hash). A removal in one KV-cache group or offload ownership never touches another.
-BlockKey = tuple[int, "str | None", int]
+# Kept as the plain engine hash for group 0 without ownership, nearly every block: a
+# tuple per held block cost 80 bytes in every inventory dict keyed by it.
+BlockKey = int | tuple[int, str | None, int]
 
 
-@attrs.frozen
-class BlockRecord:
+def block_key(group_idx: int, ownership: str | None, engine_hash: int) -> BlockKey:
+    """The key a block is held under: `(group_idx, ownership, engine_hash)`, or the engine hash alone for (0, None)."""
+    return engine_hash if group_idx == 0 and ownership is None else (group_idx, ownership, engine_hash)
+
+
+class BlockRecord(msgspec.Struct, frozen=True, gc=False):
     """One block held by a worker on one tier, group and ownership, as announced with one provenance.
 
     `conflict` marks a retained record whose topology disagrees with the engine's own;
@@ -52,6 +59,10 @@ class BlockRecord:
     know (its hashes are unknown, recorded as 0). Both are kept for audit, never indexed.
     `refs` counts repeated announcements of the same block: an engine may store one hash
     twice (vLLM's offloading connector re-announces shared chunks) and remove it once per store.
+
+    A Struct the garbage collector does not track (it holds no containers, so no cycles):
+    a fleet's inventory is millions of records, and tracked ones made each full collection
+    scan them all (0.8 s at a million residencies, every store and decide stalled by it).
     """
 
     worker: WorkerId
@@ -72,7 +83,7 @@ class BlockRecord:
 
     @property
     def key(self) -> BlockKey:
-        return (self.group_idx, self.ownership, self.engine_hash)
+        return block_key(self.group_idx, self.ownership, self.engine_hash)
 
     @property
     def indexable(self) -> bool:
@@ -153,9 +164,8 @@ COUNTER_NAMES = (
 )
 
 
-@attrs.define
-class _TopologyEntry:
-    """Where one engine hash sits in the chain, and how many indexable records hold it."""
+class _TopologyEntry(msgspec.Struct, gc=False):
+    """Where one engine hash sits in the chain, and how many indexable records hold it (untracked, as records are)."""
 
     sequence_hash: int
     parent_hash: int | None
@@ -184,8 +194,9 @@ class _ProvenanceState:
     placements: set[tuple[int, str | None]] = attrs.field(factory=set)
     # engine hash -> where its unresolved records are, to resolve them once it is known
     waiting: dict[int, list[tuple[Tier, BlockKey]]] = attrs.field(factory=dict)
-    # engine hash -> where it sits in the chain, for resolving parents
-    topology: dict[int, _TopologyEntry] = attrs.field(factory=dict)
+    # engine hash -> where it sits in the chain, for resolving parents: the record itself
+    # while it is the only copy, else an entry counting the copies
+    topology: dict[int, _TopologyEntry | BlockRecord] = attrs.field(factory=dict)
     epoch: int | None = None
     seq: int | None = None
     uncertain_since: int | None = None
@@ -337,7 +348,7 @@ class InventoryFold:
         parent_sequence = self._resolve_parent(state, parent)
         for engine_hash, local_hash in zip(event.block_hashes, event.local_hashes):
             sequence_hash = local_hash if parent_sequence is None else chain_hash(parent_sequence, local_hash)
-            held = tier_records.get((group, ownership, engine_hash))
+            held = tier_records.get(block_key(group, ownership, engine_hash))
             if held is not None:
                 self._add_reference(state, own, held, stream_seq, facts)
             elif provenance is NATIVE:
@@ -379,7 +390,7 @@ class InventoryFold:
         tier_records = own.records[event.tier]
         group, ownership = event.group_idx, event.ownership
         for engine_hash in event.block_hashes:
-            held = tier_records.get((group, ownership, engine_hash))
+            held = tier_records.get(block_key(group, ownership, engine_hash))
             if held is not None:
                 self._add_reference(state, own, held, stream_seq, facts)
                 continue
@@ -421,7 +432,7 @@ class InventoryFold:
             for tier, key in list(own.waiting.get(engine_hash, ())):
                 held = own.records[tier][key]
                 _detach(own, held)
-                resolved = attrs.evolve(
+                resolved = msgspec.structs.replace(
                     held, sequence_hash=entry.sequence_hash, parent_hash=entry.parent_hash, local_hash=entry.local_hash,
                     stream_seq=stream_seq, unresolved=False,
                 )
@@ -433,7 +444,7 @@ class InventoryFold:
         self, state: WorkerState, own: _ProvenanceState, held: BlockRecord, stream_seq: int, facts: list[Fact],
     ) -> None:
         self._count(state, "duplicate_store")
-        record = attrs.evolve(held, refs=held.refs + 1)
+        record = msgspec.structs.replace(held, refs=held.refs + 1)
         own.records[record.tier][record.key] = record
         facts.append(BlockReferencedFact(record, stream_seq))
 
@@ -452,7 +463,7 @@ class InventoryFold:
         for held in _copies(retained, engine_hash):
             if precedence.contradicts(parent, sequence_hash, held.parent_hash, held.sequence_hash):
                 _detach(retained, held)
-                demoted = attrs.evolve(held, conflict=True)
+                demoted = msgspec.structs.replace(held, conflict=True)
                 _attach_record(retained, demoted)
                 self._count(state, "retained_conflict")
                 facts.append(RetainedConflictFact(demoted, stream_seq))
@@ -476,12 +487,12 @@ class InventoryFold:
         tier_records = own.records[event.tier]
         group, ownership = event.group_idx, event.ownership
         for engine_hash in event.block_hashes:
-            record = tier_records.get((group, ownership, engine_hash))
+            record = tier_records.get(block_key(group, ownership, engine_hash))
             if record is None:
                 self._count(state, "unknown_remove")
                 continue
             if record.refs > 1:
-                record = attrs.evolve(record, refs=record.refs - 1)
+                record = msgspec.structs.replace(record, refs=record.refs - 1)
                 tier_records[record.key] = record
                 facts.append(BlockReferencedFact(record, stream_seq))
                 continue
@@ -725,9 +736,10 @@ def _record_order(record: BlockRecord) -> tuple:
 def _attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
     """Hold `record` in one provenance's inventory (the fold's and every restore's one way in)."""
     tier, group = record.tier, record.group_idx
-    own.records[tier][(group, record.ownership, record.engine_hash)] = record
+    key = record.key
+    own.records[tier][key] = record
     if record.unresolved:
-        own.waiting.setdefault(record.engine_hash, []).append((tier, (group, record.ownership, record.engine_hash)))
+        own.waiting.setdefault(record.engine_hash, []).append((tier, key))
         return
     if record.conflict:
         return
@@ -744,7 +756,11 @@ def _attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
     own.placements.add((group, record.ownership))
     entry = own.topology.get(record.engine_hash)
     if entry is None:
-        own.topology[record.engine_hash] = _TopologyEntry(record.sequence_hash, record.parent_hash, record.local_hash, 1)
+        # A block's only copy is its own chain position (record and entry read alike), so
+        # an entry is made only for a second copy: most blocks are held once.
+        own.topology[record.engine_hash] = record
+    elif type(entry) is BlockRecord:
+        own.topology[record.engine_hash] = _TopologyEntry(record.sequence_hash, record.parent_hash, record.local_hash, 2)
     else:
         entry.sequence_hash, entry.parent_hash, entry.local_hash = record.sequence_hash, record.parent_hash, record.local_hash
         entry.refs += 1
@@ -756,7 +772,7 @@ def _copies(own: _ProvenanceState, engine_hash: int) -> list[BlockRecord]:
     for tier_records in own.records.values():
         if tier_records:
             for group, ownership in own.placements:
-                record = tier_records.get((group, ownership, engine_hash))
+                record = tier_records.get(block_key(group, ownership, engine_hash))
                 if record is not None and record.indexable:
                     found.append(record)
     return found
@@ -780,6 +796,9 @@ def _detach(own: _ProvenanceState, record: BlockRecord) -> None:
         if not held:
             del by_group[record.group_idx]
     entry = own.topology[record.engine_hash]
+    if type(entry) is BlockRecord:  # the only copy
+        del own.topology[record.engine_hash]
+        return
     entry.refs -= 1
     if entry.refs <= 0:
         del own.topology[record.engine_hash]

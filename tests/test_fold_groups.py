@@ -9,7 +9,6 @@ snapshots of all of it; version-1 records read as group 0, no ownership, clear a
 
 from __future__ import annotations
 
-import attrs
 import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -114,7 +113,7 @@ def test_a_repeated_store_adds_a_reference_and_each_removal_drops_one() -> None:
     fold, _ = fold_with(s.batch(W, put([1])))
     [first] = fold.records(W, NATIVE, DEVICE)
     assert first.refs == 1
-    assert fold.apply(*s.batch(W, put([1]))) == [BlockReferencedFact(attrs.evolve(first, refs=2), 2)]
+    assert fold.apply(*s.batch(W, put([1]))) == [BlockReferencedFact(msgspec.structs.replace(first, refs=2), 2)]
     assert fold.counters["duplicate_store"] == 1 and fold.worker_state(W).counters["duplicate_store"] == 1
     assert fold.records(W, NATIVE, DEVICE)[0].refs == 2
     [referenced] = fold.apply(*s.batch(W, drop([1])))
@@ -215,7 +214,7 @@ def test_a_placeholder_ahead_of_the_store_it_copies_is_resolved_when_that_store_
                             s.batch(W, placeholder([3], tier=HOST)))
     window = keyed(fold)
     assert not window[(1, None, 2)].unresolved and window[(1, None, 2)].sequence_hash == seq(1, 2)
-    unresolved_1 = attrs.evolve(window[(1, None, 1)], sequence_hash=0, parent_hash=None, local_hash=0, unresolved=True)
+    unresolved_1 = msgspec.structs.replace(window[(1, None, 1)], sequence_hash=0, parent_hash=None, local_hash=0, unresolved=True)
     # the unresolved stay ends with cause `resolved`, its resolved copy is stored at that seq
     assert facts[3:5] == [BlockRemovedFact(unresolved_1, RemovalCause.RESOLVED, 1), BlockStoredFact(window[(1, None, 1)])]
     assert keyed(fold, HOST)[(0, None, 3)].unresolved

@@ -12,7 +12,6 @@ import asyncio
 import json
 from pathlib import Path
 
-import attrs
 import msgspec
 import nats
 import pytest
@@ -187,7 +186,7 @@ async def test_every_golden_stream_through_ingest_store_and_decide(nats_server, 
                 fold, _ = folded(fixture)
                 worker = fixture_worker(fixture)
                 assert list(restored.iter_worker_records(worker)) == [
-                    attrs.evolve(record, stream_seq=_stream_seq_of(restored, record)) for record in fold.iter_worker_records(worker)
+                    msgspec.structs.replace(record, stream_seq=_stream_seq_of(restored, record)) for record in fold.iter_worker_records(worker)
                 ]
                 for provenance in Provenance:
                     assert restored.worker_state(worker).position(provenance).groups == (
