@@ -78,9 +78,6 @@ class InventoryIndex:
         self._set_masks(np.zeros((1024, len(CLASSES), self.words), dtype=np.uint64))
         self.table_bits = _MIN_TABLE_BITS
         self._set_table(_MIN_TABLE_BITS)
-        # per (worker slot, class): the sequence hashes whose bit is set, so a Cleared
-        # knows what to re-read without the fold having to list it
-        self._held: list[list[set[int]]] = []
         # What the device mirror has not seen yet; `generation` changes when the arrays
         # are reallocated, which forces a whole upload instead of a scatter.
         self.generation = 0
@@ -117,7 +114,7 @@ class InventoryIndex:
                 slot = slot_of_worker[fact.worker]
                 for position, (provenance, _tier) in enumerate(CLASSES):
                     if provenance is fact.provenance:
-                        for sequence_hash in self._held[slot][position]:
+                        for sequence_hash in self._hashes_with_bit(slot, position):
                             touched[(slot, sequence_hash, position)] = None
         if facts and self._residency_rules(batch.worker) != rules_before:
             # A group appeared on a tier or declared another kind: what its other blocks count
@@ -148,26 +145,36 @@ class InventoryIndex:
     def _refresh(self, slot: int, sequence_hash: int, position: int) -> None:
         provenance, tier = CLASSES[position]
         wanted = self.fold.holds(self.workers[slot], provenance, tier, sequence_hash)
-        held = self._held[slot][position]  # mirrors the row's bit for this slot: a set lookup, not a numpy scalar
-        if wanted == (sequence_hash in held):
-            return
         row = self._row_of.get(sequence_hash)
-        if row is None:
-            row = self._new_row(sequence_hash)
         word, bit = divmod(slot, 64)
+        if row is None:
+            if not wanted:
+                return
+            row = self._new_row(sequence_hash)
         at = (row * _CLASS_COUNT + position) * self.words + word
+        if wanted == bool(self._mask_words[at] >> bit & 1):
+            return
         if wanted:
             self._mask_words[at] |= 1 << bit
-            held.add(sequence_hash)
             self._row_bits[row] += 1
         else:
             self._mask_words[at] &= ~(1 << bit) & _U64
-            held.discard(sequence_hash)
             self._row_bits[row] -= 1
         if self.track_dirty:
             self.dirty_rows.add(row)
         if not self._row_bits[row]:
             self._release_row(sequence_hash, row)
+
+    def _hashes_with_bit(self, slot: int, position: int) -> list[int]:
+        """The sequence hashes whose row has this worker's bit in this class: what a Cleared re-reads.
+
+        A scan of one bitmask column (rare: a clear or a restart), where a set per worker and
+        class kept beside the bits cost tens of bytes per residency.
+        """
+        word, bit = divmod(slot, 64)
+        rows = np.flatnonzero(self.masks[:, position, word] & np.uint64(1 << bit))
+        row_hash = self._row_hash
+        return [row_hash[row] for row in rows.tolist()]
 
     def _index_all_records(self, records: Iterable[BlockRecord]) -> None:
         holds = self.fold.holds
@@ -181,12 +188,11 @@ class InventoryIndex:
             row = self._row_of.get(record.sequence_hash)
             if row is None:
                 row = self._new_row(record.sequence_hash)
-            held = self._held[slot][position]
-            if record.sequence_hash in held:
-                continue  # the same block in another group
             word, bit = divmod(slot, 64)
-            self._mask_words[(row * _CLASS_COUNT + position) * self.words + word] |= 1 << bit
-            held.add(record.sequence_hash)
+            at = (row * _CLASS_COUNT + position) * self.words + word
+            if self._mask_words[at] >> bit & 1:
+                continue  # the same block in another group
+            self._mask_words[at] |= 1 << bit
             self._row_bits[row] += 1
         self.generation += 1
 
@@ -197,7 +203,6 @@ class InventoryIndex:
         self.workers.append(worker)
         self._slot_of_worker[worker] = slot
         self.slot_by_key[(worker.publisher, worker.dp_rank)] = slot
-        self._held.append([set() for _ in CLASSES])
         if len(self.workers) > self.words * 64:
             grown = np.zeros((self.masks.shape[0], len(CLASSES), self.words * 2), dtype=np.uint64)
             grown[:, :, : self.words] = self.masks
