@@ -380,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
                       for got, answer in zip(cpu.answer_batch(sample, roomy).encoded(), expected))
     answers = cpu.decide_batch(queries, reuse)
     batch_json = cpu.answer_batch(queries, reuse).encoded()
+    # The service's one-call path writes the same bytes, and the same relied-on prefixes.
+    from decide.ranked import AnswerTexts
+
+    mismatches += sum(cpu.answer_texts(chunk, reuse) != AnswerTexts.of(cpu.answer_batch(chunk, reuse))
+                      for chunk in (queries[start:start + args.batch] for start in range(0, len(queries), args.batch)))
     mismatches += sum(got != json.dumps(decision_to_json(answer), separators=(",", ":")).encode()
                       for got, answer in zip(batch_json, answers))
     reasons: dict[str, int] = {}
@@ -396,14 +401,15 @@ def main(argv: list[str] | None = None) -> int:
 
     untargeted = [attrs.evolve(q, target=None) for q in queries]
     paths = {
-        "single": (f"cpu, single requests, full answers as JSON bytes, {args.workers} workers",
-                   lambda: time_single(lambda q: cpu.answer_batch([q], reuse).encoded(), queries, args.rounds)),
-        "batched": (f"cpu, batches of {args.batch}, full answers as JSON bytes (latency per batch), {args.workers} workers",
-                    lambda: time_batches(lambda qs: cpu.answer_batch(qs, reuse).encoded(), queries, args.batch,
+        "single": (f"cpu, single requests, full answers as JSON bytes (and relied-on prefixes), {args.workers} workers",
+                   lambda: time_single(lambda q: cpu.answer_texts([q], reuse).answers, queries, args.rounds)),
+        "batched": (f"cpu, batches of {args.batch}, full answers as JSON bytes (and relied-on prefixes; latency per "
+                    f"batch), {args.workers} workers",
+                    lambda: time_batches(lambda qs: cpu.answer_texts(qs, reuse).answers, queries, args.batch,
                                          args.rounds)),
         "untargeted": (f"cpu, batches of {args.batch}, full JSON answers, no target given (credit of every worker "
                        f"picks one), {args.workers} workers",
-                       lambda: time_batches(lambda qs: cpu.answer_batch(qs, reuse).encoded(), untargeted, args.batch,
+                       lambda: time_batches(lambda qs: cpu.answer_texts(qs, reuse).answers, untargeted, args.batch,
                                             args.rounds)),
         "values": (f"cpu, batches of {args.batch}, full answers as Decision values, {args.workers} workers",
                    lambda: time_batches(lambda qs: cpu.decide_batch(qs, reuse), queries, args.batch, args.rounds)),

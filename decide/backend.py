@@ -11,7 +11,7 @@ from kvledger.settings import ReuseSettings
 
 from decide.cpu import CpuBackend
 from decide.index import InventoryIndex
-from decide.ranked import AnswerBatch, Clock
+from decide.ranked import AnswerBatch, AnswerTexts, Clock
 from decide.startup import StartupError
 
 
@@ -30,6 +30,12 @@ class RankingBackend(Protocol):
         self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,
     ) -> AnswerBatch:
         """The batch's answers as arrays, encoded to JSON by `AnswerBatch.encoded()`."""
+        ...
+
+    def answer_texts(
+        self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,
+    ) -> AnswerTexts:
+        """What the service sends and records: `AnswerTexts.of(answer_batch(…))`, or the same texts sooner."""
         ...
 
     def decide_batch(

@@ -17,9 +17,12 @@ from kvledger.reuse import Decision, ReuseRequest
 from kvledger.settings import ReuseSettings
 
 from decide.index import InventoryIndex
-from decide.kernels import chain_hashes, rank_requests
+from kvledger.decision_codec import MAX_RELIED_BLOCKS
+
+from decide.kernels import answer_requests, chain_hashes, rank_requests
 from decide.ranked import (
-    AnswerBatch, Clock, PerSettings, RankedBatch, local_hashes_of, requested_targets, source_tier_codes,
+    REASONS, AnswerBatch, AnswerTexts, Clock, PerSettings, RankedBatch, WorkerTexts, answer_endings, answer_pieces,
+    digest_of, local_hashes_of, requested_targets, source_tier_codes, split_texts,
 )
 
 INT64_MAX = 2**63 - 1
@@ -38,6 +41,7 @@ class CpuBackend:
     def warm_up(self, settings: ReuseSettings) -> None:
         """Compile (or load from the kernel cache) and run every kernel once before the service reports ready."""
         self.answer_batch([WARM_UP_REQUEST], settings).encoded()
+        self.answer_texts([WARM_UP_REQUEST], settings)
 
     def close(self) -> None:
         pass
@@ -49,6 +53,27 @@ class CpuBackend:
         started = clock()
         ranked = rank_batch(self.index, requests, settings, clock=clock, started=started)
         return AnswerBatch.of(self.index, requests, ranked, settings, self.name)
+
+    def answer_texts(
+        self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,
+    ) -> AnswerTexts:
+        """What the service sends and records, ranked and written by one compiled call
+        (`decide.kernels.answer_requests`): the same texts as `AnswerTexts.of(self.answer_batch(…))`."""
+        started = clock()
+        count = len(requests)
+        if not count:
+            return AnswerTexts([], [], {})
+        index = self.index
+        arguments = rank_arguments(index, requests, settings, clock, started)
+        target = arguments[2]
+        answers, answer_bounds, relied, relied_bounds, reason_counts = answer_requests(
+            *arguments, *answer_pieces(requests, target, index.inventory_seq, WorkerTexts.of(index)),
+            *answer_endings(index.uncertain_names(), self.name, digest_of(settings)), MAX_RELIED_BLOCKS,
+        )
+        return AnswerTexts(
+            split_texts(answers, answer_bounds, count), split_texts(relied, relied_bounds, count),
+            {REASONS[code]: number for code, number in enumerate(reason_counts.tolist()) if number},
+        )
 
     def decide_batch(
         self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,
@@ -91,7 +116,9 @@ _kernel_settings = PerSettings(lambda settings: attrs.astuple(KernelSettings.of(
 
 def compile_kernels(settings: ReuseSettings) -> None:
     """Compile (or load from the kernel cache) every kernel, as both backends call them."""
-    CpuBackend(InventoryIndex()).answer_batch([WARM_UP_REQUEST], settings).encoded()
+    backend = CpuBackend(InventoryIndex())
+    backend.answer_batch([WARM_UP_REQUEST], settings).encoded()
+    backend.answer_texts([WARM_UP_REQUEST], settings)
     chain_hashes(np.zeros(1, dtype=np.uint64), np.array([0, 1], dtype=np.int64))
 
 
@@ -99,14 +126,23 @@ def rank_batch(
     index: InventoryIndex, requests: Sequence[ReuseRequest], settings: ReuseSettings, *,
     clock: Clock = time.perf_counter, started: float | None = None,
 ) -> RankedBatch:
-    """The numbers of every answer in the batch (see `decide.ranked.RankedBatch`).
+    """The numbers of every answer in the batch (see `decide.ranked.RankedBatch`)."""
+    if started is None:
+        started = clock()
+    arguments = rank_arguments(index, requests, settings, clock, started)
+    return RankedBatch(*rank_requests(*arguments), arguments[1])
+
+
+def rank_arguments(
+    index: InventoryIndex, requests: Sequence[ReuseRequest], settings: ReuseSettings, clock: Clock, started: float,
+) -> tuple:
+    """`rank_requests`'s arguments: the batch (local hashes and offsets, target slots, which
+    requests named a target, block sizes), the index's arrays, whether to scan, the settings.
 
     A compiled scan cannot be interrupted, so the lookup budget is checked once, before it
     (as the cuda backend does); a batch shares one clock and gets the per-request budget
     times its size.
     """
-    if started is None:
-        started = clock()
     count = len(requests)
     flat, offsets = local_hashes_of(requests)
     target, named = requested_targets(index, requests)
@@ -114,8 +150,6 @@ def rank_batch(
     budget_ms = settings.transfer_source_lookup_budget_ms * max(count, 1)
     # With no worker there is nothing to scan, and the reference never reads its clock.
     scan = index.worker_count == 0 or (clock() - started) * 1000.0 <= budget_ms
-    return RankedBatch(*rank_requests(
-        flat, offsets, target, named.view(np.uint8), block_sizes,
-        index.table_keys, index.table_rows, index.table_bits, index.masks, index.slots_in_order, index.order_rank,
-        scan, *_kernel_settings(settings),
-    ), offsets)
+    return (flat, offsets, target, named.view(np.uint8), block_sizes,
+            index.table_keys, index.table_rows, index.table_bits, index.masks, index.slots_in_order, index.order_rank,
+            scan, *_kernel_settings(settings))

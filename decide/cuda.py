@@ -29,6 +29,7 @@ from decide.index import CLASSES, InventoryIndex
 from decide.ranked import (
     PREFIX_CLASSES,
     AnswerBatch,
+    AnswerTexts,
     Clock,
     RankedBatch,
     sequence_hashes_of,
@@ -286,6 +287,12 @@ class CudaBackend:
         started = clock()
         ranked = self.rank_batch(requests, settings, clock=clock, started=started)
         return AnswerBatch.of(self.index, requests, ranked, settings, self.name)
+
+    def answer_texts(
+        self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,
+    ) -> AnswerTexts:
+        """What the service sends and records, from the ranked arrays."""
+        return AnswerTexts.of(self.answer_batch(requests, settings, clock=clock))
 
     def decide_batch(
         self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,

@@ -12,6 +12,8 @@ suite checks it.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import struct
 import tempfile
@@ -645,6 +647,24 @@ def _shortest_fixed(value):
     return -1, -1
 
 
+def repr_texts_of(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Floats `_put_float` cannot write, as `json.dumps` writes them: each distinct value's text
+    once, end to end with its bounds, and each value's item among those texts."""
+    text_of: dict[int, int] = {}
+    texts: list[bytes] = []
+    items = np.empty(values.size, dtype=np.int64)
+    for position, (bits, value) in enumerate(zip(values.view(np.uint64).tolist(), values.tolist())):
+        item = text_of.get(bits)
+        if item is None:
+            item = text_of[bits] = len(texts)
+            # json.dumps writes a finite float as repr does.
+            texts.append(repr(value).encode() if math.isfinite(value) else json.dumps(value).encode())
+        items[position] = item
+    bounds = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)), out=bounds[1:])
+    return np.frombuffer(b"".join(texts), dtype=np.uint8).copy(), bounds, items
+
+
 @_compiled
 def needs_repr(values):
     """Which floats `_put_float` cannot write as `repr` would (Python writes those)."""
@@ -855,3 +875,57 @@ def relied_prefix_texts(sequence, offsets, target, overlap_bounds, overlap_slot,
                 out[position + 1] = _HEX_DIGITS[octet & np.uint64(0xF)]
                 position += 2
     return out, bounds
+
+
+# --- ranked and written in one call -----------------------------------------------------
+
+
+@numba.njit(cache=True)  # not nogil: its object-mode block needs the interpreter
+def answer_requests(
+    local, offsets, given_target, named, block_sizes,
+    table_keys, table_rows, table_bits, masks, slots_in_order, order_rank,
+    scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
+    ids, id_bounds, inventory_target, names, name_bounds, sources, source_bounds, unknown, unknown_bounds,
+    endings, ending_bounds, max_relied_blocks,
+):
+    """`rank_requests`, then `write_answers` and `relied_prefix_texts` on its output, in one call:
+    what the service sends and records, without the ranking's seventeen arrays going to
+    Python and back (boxing them cost more than ranking a single request).
+
+    Returns the answers end to end with their bounds, the relied-on prefixes with theirs,
+    and how many answers have each reason code. The few floats `_put_float` cannot write
+    (`needs_repr`) are written by Python (`repr_texts_of`), called from here.
+    """
+    (target, credited, baseline, reason, overlap_bounds, overlap_slot, overlap_lengths, candidate_bounds,
+     c_slot, c_tier, c_prefix, c_transfer, c_recompute, c_transfer_ms, c_saving, flagged, sequence) = rank_requests(
+        local, offsets, given_target, named, block_sizes,
+        table_keys, table_rows, table_bits, masks, slots_in_order, order_rank,
+        scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
+    )
+    reason_counts = np.zeros(6, dtype=np.int64)
+    for request in range(reason.size):
+        reason_counts[reason[request]] += 1
+    # Per float of the four columns end to end, its item among the Python-written texts (-1: none).
+    items = np.full(credited.size + 3 * c_recompute.size, -1, dtype=np.int64)
+    if flagged.size:
+        values = np.concatenate((credited, c_recompute, c_transfer_ms, c_saving))[flagged]
+        with numba.objmode(repr_texts="uint8[:]", repr_bounds="int64[:]", flagged_items="int64[:]"):
+            repr_texts, repr_bounds, flagged_items = repr_texts_of(values)
+        items[flagged] = flagged_items
+    else:
+        repr_texts, repr_bounds = np.empty(0, dtype=np.uint8), np.zeros(1, dtype=np.int64)
+    recompute_from = credited.size
+    transfer_from = recompute_from + c_recompute.size
+    saving_from = transfer_from + c_recompute.size
+    answers, answer_bounds = write_answers(
+        ids, id_bounds, inventory_target, names, name_bounds, sources, source_bounds, unknown, unknown_bounds,
+        target, credited, items[:recompute_from], baseline, reason,
+        overlap_bounds, overlap_slot, overlap_lengths, candidate_bounds, c_slot, c_tier, c_prefix, c_transfer,
+        c_recompute, items[recompute_from:transfer_from], c_transfer_ms, items[transfer_from:saving_from],
+        c_saving, items[saving_from:], repr_texts, repr_bounds, endings, ending_bounds,
+    )
+    relied, relied_bounds = relied_prefix_texts(
+        sequence, offsets, target, overlap_bounds, overlap_slot, overlap_lengths, candidate_bounds, c_prefix,
+        max_relied_blocks,
+    )
+    return answers, answer_bounds, relied, relied_bounds, reason_counts

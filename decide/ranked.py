@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import math
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -24,7 +23,7 @@ from kvledger.reuse import Candidate, Decision, Overlap, Reason, ReuseRequest, e
 from kvledger.settings import ReuseSettings, settings_digest
 
 from decide.index import InventoryIndex
-from decide.kernels import chain_hashes, needs_repr, relied_prefix_texts, write_answers
+from decide.kernels import chain_hashes, needs_repr, relied_prefix_texts, repr_texts_of, write_answers
 
 # Prefix classes reported per worker: the three native tiers alone, any native tier, and
 # native ∪ retained device (the target's baseline).
@@ -147,7 +146,7 @@ class PerSettings:
         return self._value
 
 
-_digests = PerSettings(settings_digest)
+digest_of = PerSettings(settings_digest)
 
 
 def _texts(texts: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -186,7 +185,7 @@ _worker_texts: weakref.WeakKeyDictionary[InventoryIndex, WorkerTexts] = weakref.
 
 
 @functools.lru_cache(maxsize=64)
-def _endings(uncertain_workers: tuple[str, ...], backend: str, digest: str) -> tuple[np.ndarray, np.ndarray]:
+def answer_endings(uncertain_workers: tuple[str, ...], backend: str, digest: str) -> tuple[np.ndarray, np.ndarray]:
     """An answer's last fields, one text per reason code."""
     uncertain = b"[" + b",".join(map(_json_string, uncertain_workers)) + b"]"
     return _texts([
@@ -206,21 +205,16 @@ def _repr_texts(columns: Sequence[np.ndarray], flagged: np.ndarray | None,
     if flagged is None:
         flagged = np.flatnonzero(needs_repr(values))
     items = np.full(values.size, -1, dtype=np.int64)
-    texts: list[bytes] = []
+    texts = _NO_TEXTS
     if flagged.size:
-        text_of: dict[int, int] = {}
-        for position, bits, value in zip(flagged.tolist(), values[flagged].view(np.uint64).tolist(),
-                                         values[flagged].tolist()):
-            if bits not in text_of:
-                text_of[bits] = len(texts)
-                # json.dumps writes a finite float as repr does.
-                texts.append(repr(value).encode() if math.isfinite(value) else json.dumps(value).encode())
-            items[position] = text_of[bits]
+        buffer, bounds, flagged_items = repr_texts_of(values[flagged])
+        items[flagged] = flagged_items
+        texts = (buffer, bounds)
     split, start = [], 0
     for column in columns:
         split.append(items[start:start + column.size])
         start += column.size
-    return _texts(texts), split
+    return texts, split
 
 
 # Shared constant arrays, left writable: numba compiles a read-only array as another
@@ -262,7 +256,7 @@ class AnswerBatch:
         backend: str,
     ) -> AnswerBatch:
         return cls(requests, ranked, tuple(index.workers), index.inventory_seq, index.uncertain_names(), backend,
-                   _digests(settings), WorkerTexts.of(index))
+                   digest_of(settings), WorkerTexts.of(index))
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -329,7 +323,7 @@ class AnswerBatch:
         if not ranked.overlap_bounds[-1]:  # nobody holds any of it: nothing chosen, nothing credited
             return [b""] * count
         assert ranked.sequence is not None and ranked.sequence_offsets is not None, "both backends keep the hashes they chained"
-        return _split(*relied_prefix_texts(
+        return split_texts(*relied_prefix_texts(
             ranked.sequence, ranked.sequence_offsets, ranked.target, ranked.overlap_bounds, ranked.overlap_slot,
             ranked.overlap_lengths, ranked.candidate_bounds, ranked.candidate_prefix, MAX_RELIED_BLOCKS,
         ), count)
@@ -341,43 +335,68 @@ class AnswerBatch:
         if not count:
             return []
         ranked = self.ranked
-        if count == 1:
-            id_text = self.requests[0].request_id.encode()
-            id_bounds = np.array([0, len(id_text)], dtype=np.int64)
-        else:
-            ids = [request.request_id for request in self.requests]
-            id_text = "".join(ids).encode()
-            id_bounds = np.zeros(count + 1, dtype=np.int64)
-            np.cumsum(np.fromiter(map(len, ids), dtype=np.int64, count=count), out=id_bounds[1:])
-            if id_bounds[-1] != len(id_text):  # not all ASCII: bounds in UTF-8 bytes
-                np.cumsum(np.fromiter((len(text.encode()) for text in ids), dtype=np.int64, count=count),
-                          out=id_bounds[1:])
-        unknown_names = [b""] * count
-        if (ranked.target < 0).any():
-            for position in np.flatnonzero(ranked.target < 0).tolist():
-                name = self._unknown_target(position)
-                if name is not None:
-                    unknown_names[position] = _json_string(name)
-        unknown = _texts(unknown_names) if any(unknown_names) else (_NO_TEXTS[0], _zeros(count + 1))
         repr_texts, (credited, recompute, transfer, saving) = _repr_texts(
             (ranked.credited, ranked.candidate_recompute_ms, ranked.candidate_transfer_ms, ranked.candidate_saving_ms),
             ranked.needs_repr)
-        texts = self.worker_texts
         buffer, bounds = write_answers(
-            np.frombuffer(id_text, dtype=np.uint8), id_bounds,
-            np.frombuffer(f',"inventory_seq":{self.inventory_seq},"target":'.encode(), dtype=np.uint8),
-            *texts.name_texts, *texts.sources, *unknown,
+            *answer_pieces(self.requests, ranked.target, self.inventory_seq, self.worker_texts),
             ranked.target, ranked.credited, credited, ranked.baseline, ranked.reason,
             ranked.overlap_bounds, ranked.overlap_slot, ranked.overlap_lengths,
             ranked.candidate_bounds, ranked.candidate_slot, ranked.candidate_tier, ranked.candidate_prefix,
             ranked.candidate_transfer_blocks, ranked.candidate_recompute_ms, recompute,
             ranked.candidate_transfer_ms, transfer, ranked.candidate_saving_ms, saving,
-            *repr_texts, *_endings(self.uncertain_workers, self.backend, self.settings_digest),
+            *repr_texts, *answer_endings(self.uncertain_workers, self.backend, self.settings_digest),
         )
-        return _split(buffer, bounds, count)
+        return split_texts(buffer, bounds, count)
 
 
-def _split(buffer: np.ndarray, bounds: np.ndarray, count: int) -> list[bytes]:
+def answer_pieces(requests: Sequence[ReuseRequest], target: np.ndarray, inventory_seq: int,
+                  worker_texts: WorkerTexts) -> tuple[np.ndarray, ...]:
+    """The texts an answer is written from, as `write_answers` takes them first: the request ids
+    (UTF-8) with their bounds, the `inventory_seq` text, the workers' names and candidate openings,
+    and each named target the index has never seen (`target` < 0 for a request that named one)."""
+    count = len(requests)
+    if count == 1:
+        id_text = requests[0].request_id.encode()
+        id_bounds = np.array([0, len(id_text)], dtype=np.int64)
+    else:
+        ids = [request.request_id for request in requests]
+        id_text = "".join(ids).encode()
+        id_bounds = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, ids), dtype=np.int64, count=count), out=id_bounds[1:])
+        if id_bounds[-1] != len(id_text):  # not all ASCII: bounds in UTF-8 bytes
+            np.cumsum(np.fromiter((len(text.encode()) for text in ids), dtype=np.int64, count=count),
+                      out=id_bounds[1:])
+    unknown_names = [b""] * count
+    if (target < 0).any():
+        for position in np.flatnonzero(target < 0).tolist():
+            named = requests[position].target
+            if named is not None:
+                unknown_names[position] = _json_string(named.name)
+    unknown = _texts(unknown_names) if any(unknown_names) else (_NO_TEXTS[0], _zeros(count + 1))
+    return (np.frombuffer(id_text, dtype=np.uint8), id_bounds,
+            np.frombuffer(f',"inventory_seq":{inventory_seq},"target":'.encode(), dtype=np.uint8),
+            *worker_texts.name_texts, *worker_texts.sources, *unknown)
+
+
+@attrs.frozen
+class AnswerTexts:
+    """What the service sends and records for a batch: each answer's JSON, each answer's
+    relied-on prefix (`AnswerBatch.relied_prefixes`), and how many answers had each reason."""
+
+    answers: list[bytes]
+    relied_prefixes: list[bytes]
+    reason_counts: dict[str, int]
+
+    @classmethod
+    def of(cls, batch: AnswerBatch) -> AnswerTexts:
+        reasons: dict[str, int] = {}
+        for reason in batch.reasons():
+            reasons[reason] = reasons.get(reason, 0) + 1
+        return cls(batch.encoded(), batch.relied_prefixes(), reasons)
+
+
+def split_texts(buffer: np.ndarray, bounds: np.ndarray, count: int) -> list[bytes]:
     """A kernel's texts written end to end, as one bytes value per item (`bounds[i]:bounds[i + 1]`)."""
     data = buffer.tobytes()
     if count == 1:

@@ -10,7 +10,6 @@ request is recorded once.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import logging
 import time
@@ -55,7 +54,7 @@ from decide.media import (
     json_bytes,
 )
 from decide.metrics import DecideMetrics
-from decide.ranked import AnswerBatch
+from decide.ranked import AnswerTexts
 from decide.recorder import DecisionRecorder, Record
 from decide.startup import StartupError, newest_snapshot, seconds_since_process_start, settle_subscriptions
 
@@ -231,16 +230,16 @@ class DecideService(AsyncLifetime):
 
     # answering
 
-    def decide_many(self, requests: Sequence[ReuseRequest]) -> AnswerBatch:
+    def decide_many(self, requests: Sequence[ReuseRequest]) -> AnswerTexts:
         """Rank requests with the chosen backend and record the metrics."""
         assert self.backend is not None, "answering starts after start() chose the backend"
         started = time.perf_counter()
-        answers = self.backend.answer_batch(requests, self.settings.reuse, clock=self._clock)
+        answers = self.backend.answer_texts(requests, self.settings.reuse, clock=self._clock)
         elapsed = time.perf_counter() - started
         name = self.backend.name
         self.metrics.latency.labels(name, "single" if len(requests) == 1 else "batch").observe(elapsed)
         self.metrics.batch_size.observe(len(requests))
-        for reason, number in collections.Counter(answers.reasons()).items():
+        for reason, number in answers.reason_counts.items():
             self.metrics.decisions.labels(name, reason).inc(number)
             if reason == Reason.BUDGET_EXHAUSTED:
                 self.metrics.budget_exhausted.inc(number)
@@ -266,7 +265,7 @@ class DecideService(AsyncLifetime):
         records = []
         if valid:
             answers = self.decide_many([request for _, request in valid])
-            for (position, request), payload, relied in zip(valid, answers.encoded(), answers.relied_prefixes()):
+            for (position, request), payload, relied in zip(valid, answers.answers, answers.relied_prefixes):
                 parts[position] = payload
                 records.append(Record(request.request_id, payload, relied))
         await self._record(records)

@@ -82,3 +82,4 @@ def test_ids_and_worker_names_are_escaped_as_json_escapes_them() -> None:
     expected = [decide(index.fold, request, ReuseSettings(), backend="cpu") for request in requests]
     assert answers.encoded() == [json.dumps(decision_to_json(answer), separators=(",", ":")).encode()
                                  for answer in expected]
+    assert CpuBackend(index).answer_texts(requests, ReuseSettings()).answers == answers.encoded()

@@ -25,6 +25,7 @@ from kvledger.settings import ReuseSettings
 from builders import BLOCK_SIZE, Stream, local_hashes, stored
 
 from decide.index import InventoryIndex
+from decide.ranked import AnswerTexts
 from decide_inventories import batches, requests, reuse_settings
 
 BACKENDS = ("cpu", "cuda")
@@ -88,6 +89,8 @@ def test_every_answer_equals_the_reference_model(backend_name: str, stream, aske
     answers = backend.answer_batch(asked, reuse)
     assert answers.encoded() == [service_json(answer) for answer in expected]
     assert answers.relied_prefixes() == [relied_prefix(request, answer) for request, answer in zip(asked, expected)]
+    # What the service sends and records, ranked and written in one call on cpu.
+    assert backend.answer_texts(asked, reuse) == AnswerTexts.of(answers)
     for answer in expected:
         event(f"reason {answer.reason}")
         event(f"uncertain workers: {bool(answer.uncertain_workers)}; credit {answer.credited_blocks > 0}")
@@ -178,6 +181,8 @@ def test_long_prefixes_and_extreme_costs_encode_like_the_codec(backend_name: str
         answers = backend.answer_batch(asked, reuse)
         assert answers.decisions() == expected
         assert answers.encoded() == [service_json(answer) for answer in expected]
+        # Floats only Python writes (1e13 µs per token) are written from inside the one call on cpu.
+        assert backend.answer_texts(asked, reuse) == AnswerTexts.of(answers)
 
 
 def test_an_exhausted_budget_stops_the_scan_like_the_reference(backend_name: str) -> None:
@@ -201,5 +206,8 @@ def test_an_exhausted_budget_stops_the_scan_like_the_reference(backend_name: str
     assert answer == expected
     answers = make_backend(backend_name, index).answer_batch([request], reuse, clock=jumping_clock)
     assert answers.encoded() == [service_json(expected)]
+    texts = make_backend(backend_name, index).answer_texts([request], reuse, clock=itertools.count().__next__)
+    assert texts.answers == [service_json(expected)]
+    assert texts.reason_counts == {Reason.BUDGET_EXHAUSTED: 1}
     roomy = attrs.evolve(reuse, transfer_source_lookup_budget_ms=1e12)
     assert make_backend(backend_name, index).decide(request, roomy).reason == Reason.CHOSEN
