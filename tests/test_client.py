@@ -21,6 +21,7 @@ from kvledger.client import (
 )
 from kvledger.app.demo import decide_asker, run_closed_loop
 from kvledger.events import WorkerId
+from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.lifetime import cancel_and_wait
 from kvledger.settings import Settings
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, decisions_stream, ensure_stream
@@ -319,6 +320,11 @@ def test_backoff_doubles_up_to_its_ceiling_and_jitter_only_shortens_it() -> None
     for failed, ceiling in ((1, 0.1), (2, 0.2), (3, 0.35), (5, 0.35)):
         assert all(ceiling * 0.5 <= policy.backoff_s(failed) <= ceiling for _ in range(50))
     assert RetryPolicy(jitter=0.0).backoff_s(1) == 0.05
+    # Thousands of failures in a row still wait the ceiling (the doubling once overflowed a float).
+    assert RetryPolicy(attempts=6000, jitter=0.0).backoff_s(5000) == 1.0  # max_backoff
+    backoff = Backoff(0.05, 2.0)
+    backoff.failures = 4000
+    assert backoff.delay_s == 2.0
     with pytest.raises(ValueError):
         RetryPolicy(attempts=0)
     assert DecideRequest(block_size=16).request_id != DecideRequest(block_size=16).request_id

@@ -22,13 +22,19 @@ class Backoff:
 
     def delay_after(self, failures: int) -> float:
         """The wait after the `failures`-th failure in a row (1 for the first)."""
-        base = min(self.first_s * 2 ** (failures - 1), self.limit_s)
+        base = self._base(failures)
         return base * (1.0 - self.jitter * random.random()) if self.jitter else base
 
     @property
     def delay_s(self) -> float:
         """The next wait, before its jitter."""
-        return min(self.first_s * 2 ** self.failures, self.limit_s)
+        return self._base(self.failures + 1)
+
+    def _base(self, failures: int) -> float:
+        # The doubling stops at 2**63: past about a thousand failures in a row (a client
+        # allowed thousands of attempts, a stage retrying through a long outage) the
+        # float product overflowed and the retry loop died instead of waiting its limit.
+        return min(self.first_s * 2 ** min(failures - 1, 63), self.limit_s)
 
     async def wait(self, stop: asyncio.Event | None = None) -> None:
         """Sleep the next delay (or until `stop` is set)."""
