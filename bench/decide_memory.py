@@ -10,7 +10,8 @@ events, generated as they are applied so that everything the structure keeps is
 counted: decide's `InventoryIndex` (with the `InventoryFold` it owns) from canonical
 `EventBatch`es, Dynamo's `RadixTree` from its JSON events. Printed per fleet size: bytes
 per residency (the process's resident memory after the build minus before it, over the
-residencies), the build's blocks per second, and decide / Dynamo ratios.
+residencies), the build's blocks per second, and decide / Dynamo ratios; then, for
+decide, the objects the garbage collector tracks and how long one full collection takes.
 """
 
 from __future__ import annotations
@@ -73,8 +74,13 @@ def build_decide(residencies: int, workers: int, chain: int, seed: int) -> dict[
         sequences[worker] += 1
         index.apply(batch, stream_seq)
     elapsed = time.perf_counter() - started
+    full_collections = gc.get_stats()[2]["collections"]
+    collect_started = time.perf_counter()
     gc.collect()
-    return {"bytes": resident_bytes() - before, "seconds": elapsed, "hashes": index.size}
+    # What one full collection stalls decide for, with this inventory held.
+    collect_ms = (time.perf_counter() - collect_started) * 1e3
+    return {"bytes": resident_bytes() - before, "seconds": elapsed, "hashes": index.size,
+            "collect_ms": collect_ms, "tracked": len(gc.get_objects()), "full_collections": full_collections}
 
 
 def build_dynamo(residencies: int, workers: int, chain: int, seed: int) -> dict[str, float]:
@@ -121,14 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     print("| workers | decide bytes / residency | Dynamo bytes / residency | memory ratio | decide blocks/s "
           "| Dynamo blocks/s | update ratio | decide sequence hashes |")
     print("|---|---|---|---|---|---|---|---|")
+    collections = []
     for workers in (int(text) for text in args.workers.split(",")):
         ours = measure("decide", args.residencies, workers, args.chain, args.seed)
+        collections.append((workers, ours))
         theirs = measure("dynamo", args.residencies, workers, args.chain, args.seed)
         ours_per, theirs_per = ours["bytes"] / args.residencies, theirs["bytes"] / args.residencies
         ours_rate, theirs_rate = args.residencies / ours["seconds"], args.residencies / theirs["seconds"]
         print(f"| {workers} | {ours_per:,.0f} | {theirs_per:,.0f} | {ours_per / theirs_per:.2f} | {ours_rate:,.0f} "
               f"| {theirs_rate:,.0f} | {ours_rate / theirs_rate:.2f} | {ours['hashes']:,} |")
     print("\nmemory ratio: decide / Dynamo (goal <= 1); update ratio: decide's blocks/s / Dynamo's")
+    for workers, ours in collections:
+        print(f"decide at {workers} workers: {ours['tracked']:,} objects tracked by the garbage collector after the "
+              f"build; one full collection {ours['collect_ms']:.0f} ms; {ours['full_collections']} full collections "
+              "during the build")
     return 0
 
 
