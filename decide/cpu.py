@@ -1,7 +1,8 @@
 """The `cpu` ranking backend: the compiled kernels of `decide.kernels` over the index's arrays.
 
 One kernel call ranks a whole batch (hash chaining, table probes, the prefix walk, credit,
-target, baseline, candidates and their order), a second writes every answer's JSON.
+target, baseline, candidates and their order), a second writes every answer's JSON; for
+the service (`answer_texts`) one call does both and writes the relied-on prefixes too.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from kvledger.decision_codec import MAX_RELIED_BLOCKS
 from kvledger.reuse import Decision, ReuseRequest
 from kvledger.settings import ReuseSettings
 
 from decide.index import InventoryIndex
-from kvledger.decision_codec import MAX_RELIED_BLOCKS
-
 from decide.kernels import answer_requests, chain_hashes, rank_requests
 from decide.ranked import (
     REASONS, AnswerBatch, AnswerTexts, Clock, PerSettings, RankedBatch, WorkerTexts, answer_endings, answer_pieces,
