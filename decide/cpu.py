@@ -146,7 +146,8 @@ def rank_arguments(
     count = len(requests)
     flat, offsets = local_hashes_of(requests)
     target, named = requested_targets(index, requests)
-    block_sizes = np.fromiter(map(_block_size, requests), dtype=np.int64, count=count)
+    block_sizes = (np.array([requests[0].block_size], dtype=np.int64) if count == 1
+                   else np.fromiter(map(_block_size, requests), dtype=np.int64, count=count))
     budget_ms = settings.transfer_source_lookup_budget_ms * max(count, 1)
     # With no worker there is nothing to scan, and the reference never reads its clock.
     scan = index.worker_count == 0 or (clock() - started) * 1000.0 <= budget_ms

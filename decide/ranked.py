@@ -122,6 +122,12 @@ _UNNAMED = -2  # a request without a target, while the slots are gathered
 def requested_targets(index: InventoryIndex, requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
     """Slots of the requests' targets (NO_TARGET when none or unknown) and which requests named one."""
     slot_of = index.slot_by_key.get
+    if len(requests) == 1:  # the service's single requests: a third of the numpy calls
+        target = requests[0].target
+        if target is None:
+            return np.array([NO_TARGET], dtype=np.int32), np.zeros(1, dtype=np.bool_)
+        return (np.array([slot_of((target.publisher, target.dp_rank), NO_TARGET)], dtype=np.int32),
+                np.ones(1, dtype=np.bool_))
     slots = np.array([_UNNAMED if (target := request.target) is None
                       else slot_of((target.publisher, target.dp_rank), NO_TARGET)
                       for request in requests], dtype=np.int32).reshape(len(requests))
@@ -368,7 +374,7 @@ def answer_pieces(requests: Sequence[ReuseRequest], target: np.ndarray, inventor
             np.cumsum(np.fromiter((len(text.encode()) for text in ids), dtype=np.int64, count=count),
                       out=id_bounds[1:])
     unknown_names = [b""] * count
-    if (target < 0).any():
+    if (target[0] < 0 if count == 1 else (target < 0).any()):
         for position in np.flatnonzero(target < 0).tolist():
             named = requests[position].target
             if named is not None:
