@@ -39,8 +39,8 @@ class CpuBackend:
         self.index = index
 
     def warm_up(self, settings: ReuseSettings) -> None:
-        """Compile (or load from the kernel cache) and run every kernel once before the service reports ready."""
-        self.answer_batch([WARM_UP_REQUEST], settings).encoded()
+        """Answer once the way the service does, so the first client pays no compile or load
+        (`compile_kernels` has compiled the rest, in a worker thread)."""
         self.answer_texts([WARM_UP_REQUEST], settings)
 
     def close(self) -> None:
@@ -115,10 +115,11 @@ _kernel_settings = PerSettings(lambda settings: attrs.astuple(KernelSettings.of(
 
 
 def compile_kernels(settings: ReuseSettings) -> None:
-    """Compile (or load from the kernel cache) every kernel, as both backends call them."""
+    """Compile (or load from the kernel cache) every kernel, as both backends call them: the
+    cpu service's one call, and the two-step way the cuda backend's answers are written."""
     backend = CpuBackend(InventoryIndex())
-    backend.answer_batch([WARM_UP_REQUEST], settings).encoded()
     backend.answer_texts([WARM_UP_REQUEST], settings)
+    AnswerTexts.of(backend.answer_batch([WARM_UP_REQUEST], settings))
     chain_hashes(np.zeros(1, dtype=np.uint64), np.array([0, 1], dtype=np.int64))
 
 

@@ -278,7 +278,7 @@ class CudaBackend:
 
     def warm_up(self, settings: ReuseSettings) -> None:
         """Run every code path once before the service reports ready."""
-        self.answer_batch([WARM_UP_REQUEST], settings).encoded()
+        self.answer_texts([WARM_UP_REQUEST], settings)
 
     def answer_batch(
         self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,

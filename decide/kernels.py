@@ -458,12 +458,12 @@ def rank_requests(
         overlap_bounds, overlap_slot[:overlaps].copy(), overlap_lengths[:overlaps].copy(),
         candidate_bounds, c_slot[:candidates].copy(), c_tier[:candidates].copy(), c_prefix[:candidates].copy(),
         c_transfer[:candidates].copy(), c_recompute.copy(), c_transfer_ms.copy(), c_saving.copy(),
-        _repr_positions(credited, c_recompute, c_transfer_ms, c_saving), sequence,
+        repr_positions(credited, c_recompute, c_transfer_ms, c_saving), sequence,
     )
 
 
 @_compiled
-def _repr_positions(credited, recompute, transfer, saving):
+def repr_positions(credited, recompute, transfer, saving):
     """Positions, in the four columns end to end, of the floats `_put_float` cannot write."""
     flagged = 0
     positions = np.empty(16, dtype=np.int64)
@@ -881,30 +881,15 @@ def relied_prefix_texts(sequence, offsets, target, overlap_bounds, overlap_slot,
 
 
 @numba.njit(cache=True)  # not nogil: its object-mode block needs the interpreter
-def answer_requests(
-    local, offsets, given_target, named, block_sizes,
-    table_keys, table_rows, table_bits, masks, slots_in_order, order_rank,
-    scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
+def write_ranked_answers(
     ids, id_bounds, inventory_target, names, name_bounds, sources, source_bounds, unknown, unknown_bounds,
-    endings, ending_bounds, max_relied_blocks,
+    target, credited, baseline, reason, overlap_bounds, overlap_slot, overlap_lengths,
+    candidate_bounds, c_slot, c_tier, c_prefix, c_transfer, c_recompute, c_transfer_ms, c_saving, flagged,
+    endings, ending_bounds,
 ):
-    """`rank_requests`, then `write_answers` and `relied_prefix_texts` on its output, in one call:
-    what the service sends and records, without the ranking's seventeen arrays going to
-    Python and back (boxing them cost more than ranking a single request).
-
-    Returns the answers end to end with their bounds, the relied-on prefixes with theirs,
-    and how many answers have each reason code. The few floats `_put_float` cannot write
-    (`needs_repr`) are written by Python (`repr_texts_of`), called from here.
-    """
-    (target, credited, baseline, reason, overlap_bounds, overlap_slot, overlap_lengths, candidate_bounds,
-     c_slot, c_tier, c_prefix, c_transfer, c_recompute, c_transfer_ms, c_saving, flagged, sequence) = rank_requests(
-        local, offsets, given_target, named, block_sizes,
-        table_keys, table_rows, table_bits, masks, slots_in_order, order_rank,
-        scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
-    )
-    reason_counts = np.zeros(6, dtype=np.int64)
-    for request in range(reason.size):
-        reason_counts[reason[request]] += 1
+    """`write_answers` for a ranking's arrays, the floats `_put_float` cannot write (`flagged`:
+    their positions in the four float columns end to end, `_repr_positions`) written by Python
+    (`repr_texts_of`), called from here. Both ways of writing answers come through here."""
     # Per float of the four columns end to end, its item among the Python-written texts (-1: none).
     items = np.full(credited.size + 3 * c_recompute.size, -1, dtype=np.int64)
     if flagged.size:
@@ -917,12 +902,44 @@ def answer_requests(
     recompute_from = credited.size
     transfer_from = recompute_from + c_recompute.size
     saving_from = transfer_from + c_recompute.size
-    answers, answer_bounds = write_answers(
+    return write_answers(
         ids, id_bounds, inventory_target, names, name_bounds, sources, source_bounds, unknown, unknown_bounds,
         target, credited, items[:recompute_from], baseline, reason,
         overlap_bounds, overlap_slot, overlap_lengths, candidate_bounds, c_slot, c_tier, c_prefix, c_transfer,
         c_recompute, items[recompute_from:transfer_from], c_transfer_ms, items[transfer_from:saving_from],
         c_saving, items[saving_from:], repr_texts, repr_bounds, endings, ending_bounds,
+    )
+
+
+@numba.njit(cache=True)  # not nogil, as write_ranked_answers
+def answer_requests(
+    local, offsets, given_target, named, block_sizes,
+    table_keys, table_rows, table_bits, masks, slots_in_order, order_rank,
+    scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
+    ids, id_bounds, inventory_target, names, name_bounds, sources, source_bounds, unknown, unknown_bounds,
+    endings, ending_bounds, max_relied_blocks,
+):
+    """`rank_requests`, then `write_ranked_answers` and `relied_prefix_texts` on its output, in
+    one call: what the service sends and records, without the ranking's seventeen arrays going
+    to Python and back (boxing them cost more than ranking a single request).
+
+    Returns the answers end to end with their bounds, the relied-on prefixes with theirs,
+    and how many answers have each reason code.
+    """
+    (target, credited, baseline, reason, overlap_bounds, overlap_slot, overlap_lengths, candidate_bounds,
+     c_slot, c_tier, c_prefix, c_transfer, c_recompute, c_transfer_ms, c_saving, flagged, sequence) = rank_requests(
+        local, offsets, given_target, named, block_sizes,
+        table_keys, table_rows, table_bits, masks, slots_in_order, order_rank,
+        scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
+    )
+    reason_counts = np.zeros(6, dtype=np.int64)
+    for request in range(reason.size):
+        reason_counts[reason[request]] += 1
+    answers, answer_bounds = write_ranked_answers(
+        ids, id_bounds, inventory_target, names, name_bounds, sources, source_bounds, unknown, unknown_bounds,
+        target, credited, baseline, reason, overlap_bounds, overlap_slot, overlap_lengths,
+        candidate_bounds, c_slot, c_tier, c_prefix, c_transfer, c_recompute, c_transfer_ms, c_saving, flagged,
+        endings, ending_bounds,
     )
     relied, relied_bounds = relied_prefix_texts(
         sequence, offsets, target, overlap_bounds, overlap_slot, overlap_lengths, candidate_bounds, c_prefix,

@@ -8,6 +8,7 @@ numbers, never in presentation.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import json
@@ -23,7 +24,7 @@ from kvledger.reuse import Candidate, Decision, Overlap, Reason, ReuseRequest, e
 from kvledger.settings import ReuseSettings, settings_digest
 
 from decide.index import InventoryIndex
-from decide.kernels import chain_hashes, needs_repr, relied_prefix_texts, repr_texts_of, write_answers
+from decide.kernels import chain_hashes, relied_prefix_texts, repr_positions, write_ranked_answers
 
 # Prefix classes reported per worker: the three native tiers alone, any native tier, and
 # native ∪ retained device (the target's baseline).
@@ -201,39 +202,8 @@ def answer_endings(uncertain_workers: tuple[str, ...], backend: str, digest: str
     ])
 
 
-def _repr_texts(columns: Sequence[np.ndarray], flagged: np.ndarray | None,
-                ) -> tuple[tuple[np.ndarray, np.ndarray], list[np.ndarray]]:
-    """The few floats the JSON kernel leaves to Python (`needs_repr`, or `flagged` positions) as
-    `json.dumps` writes them, and per column each value's item among those texts (-1: the kernel writes it)."""
-    if flagged is not None and not flagged.size:
-        return _NO_TEXTS, [_no_items(column.size) for column in columns]
-    values = np.concatenate(columns)
-    if flagged is None:
-        flagged = np.flatnonzero(needs_repr(values))
-    items = np.full(values.size, -1, dtype=np.int64)
-    texts = _NO_TEXTS
-    if flagged.size:
-        buffer, bounds, flagged_items = repr_texts_of(values[flagged])
-        items[flagged] = flagged_items
-        texts = (buffer, bounds)
-    split, start = [], 0
-    for column in columns:
-        split.append(items[start:start + column.size])
-        start += column.size
-    return texts, split
-
-
-# Shared constant arrays, left writable: numba compiles a read-only array as another
-# type, and the kernels never write them.
-@functools.lru_cache(maxsize=16)
-def _minus_ones(size: int) -> np.ndarray:
-    return np.full(size, -1, dtype=np.int64)
-
-
-def _no_items(size: int) -> np.ndarray:
-    return _minus_ones(size) if size <= 4096 else np.full(size, -1, dtype=np.int64)
-
-
+# A shared constant array, left writable: numba compiles a read-only array as another
+# type, and the kernels never write it.
 @functools.lru_cache(maxsize=16)
 def _zeros(size: int) -> np.ndarray:
     return np.zeros(size, dtype=np.int64)
@@ -336,22 +306,23 @@ class AnswerBatch:
 
     def encoded(self) -> list[bytes]:
         """Every answer as JSON bytes: `json.dumps(decision_to_json(d), separators=(",", ":"))`, byte for byte,
-        written by the compiled `decide.kernels.write_answers`."""
+        written by the compiled `decide.kernels.write_ranked_answers`."""
         count = len(self.requests)
         if not count:
             return []
         ranked = self.ranked
-        repr_texts, (credited, recompute, transfer, saving) = _repr_texts(
-            (ranked.credited, ranked.candidate_recompute_ms, ranked.candidate_transfer_ms, ranked.candidate_saving_ms),
-            ranked.needs_repr)
-        buffer, bounds = write_answers(
+        flagged = ranked.needs_repr
+        if flagged is None:
+            flagged = repr_positions(ranked.credited, ranked.candidate_recompute_ms, ranked.candidate_transfer_ms,
+                                     ranked.candidate_saving_ms)
+        buffer, bounds = write_ranked_answers(
             *answer_pieces(self.requests, ranked.target, self.inventory_seq, self.worker_texts),
-            ranked.target, ranked.credited, credited, ranked.baseline, ranked.reason,
+            ranked.target, ranked.credited, ranked.baseline, ranked.reason,
             ranked.overlap_bounds, ranked.overlap_slot, ranked.overlap_lengths,
             ranked.candidate_bounds, ranked.candidate_slot, ranked.candidate_tier, ranked.candidate_prefix,
-            ranked.candidate_transfer_blocks, ranked.candidate_recompute_ms, recompute,
-            ranked.candidate_transfer_ms, transfer, ranked.candidate_saving_ms, saving,
-            *repr_texts, *answer_endings(self.uncertain_workers, self.backend, self.settings_digest),
+            ranked.candidate_transfer_blocks, ranked.candidate_recompute_ms, ranked.candidate_transfer_ms,
+            ranked.candidate_saving_ms, flagged,
+            *answer_endings(self.uncertain_workers, self.backend, self.settings_digest),
         )
         return split_texts(buffer, bounds, count)
 
@@ -396,10 +367,7 @@ class AnswerTexts:
 
     @classmethod
     def of(cls, batch: AnswerBatch) -> AnswerTexts:
-        reasons: dict[str, int] = {}
-        for reason in batch.reasons():
-            reasons[reason] = reasons.get(reason, 0) + 1
-        return cls(batch.encoded(), batch.relied_prefixes(), reasons)
+        return cls(batch.encoded(), batch.relied_prefixes(), dict(collections.Counter(batch.reasons())))
 
 
 def split_texts(buffer: np.ndarray, bounds: np.ndarray, count: int) -> list[bytes]:
