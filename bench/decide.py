@@ -29,6 +29,7 @@ import numpy as np
 
 from kvledger.decision_codec import decision_to_json
 from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.fold import InventoryFold
 from kvledger.hashing import local_block_hashes, sequence_hashes
 from kvledger.reuse import ReuseRequest, decide
 from kvledger.settings import ReuseSettings
@@ -369,11 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     sample = queries[:: max(1, len(queries) // args.parity_sample)][: args.parity_sample]
     # The reference walks blocks in Python and would spend its 2 ms budget; parity is checked without one.
     roomy = attrs.evolve(reuse, transfer_source_lookup_budget_ms=1e9)
-    expected = [decide(index.fold, q, roomy, backend="cpu") for q in sample]
+    # The reference reads a fold of its own: decide's index keeps plain workers' records outside its fold.
+    reference = InventoryFold()
+    reference.apply_all((batch, stream_seq) for stream_seq, batch in enumerate(batches, 1))
+    expected = [decide(reference, q, roomy, backend="cpu") for q in sample]
     mismatches = sum(cpu.decide(q, roomy) != answer for q, answer in zip(sample, expected))
     # Without a target, the credit of every worker picks one: a path of its own.
     untargeted_sample = [attrs.evolve(q, target=None) for q in sample]
-    mismatches += sum(got != decide(index.fold, q, roomy, backend="cpu")
+    mismatches += sum(got != decide(reference, q, roomy, backend="cpu")
                       for q, got in zip(untargeted_sample, cpu.decide_batch(untargeted_sample, roomy)))
     # The JSON the service sends must be the codec's, byte for byte (compact separators).
     mismatches += sum(got != json.dumps(decision_to_json(answer), separators=(",", ":")).encode()

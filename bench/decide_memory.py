@@ -62,8 +62,13 @@ def build_decide(residencies: int, workers: int, chain: int, seed: int) -> dict[
 
     from decide.index import InventoryIndex
 
+    from decide.cpu import compile_kernels
+    from kvledger.settings import ReuseSettings
+
     names = [WorkerId(f"w{number:04d}") for number in range(workers)]
     sequences = [0] * workers
+    # The service compiles (or loads) its kernels before it reports ready: not part of the inventory.
+    compile_kernels(ReuseSettings())
     gc.collect()
     before = resident_bytes()
     index = InventoryIndex()
@@ -79,7 +84,10 @@ def build_decide(residencies: int, workers: int, chain: int, seed: int) -> dict[
     gc.collect()
     # What one full collection stalls decide for, with this inventory held.
     collect_ms = (time.perf_counter() - collect_started) * 1e3
-    return {"bytes": resident_bytes() - before, "seconds": elapsed, "hashes": index.size,
+    arrays = {"compact": index.compact.nbytes(), "masks": index.masks.nbytes,
+              "table": index.table_keys.nbytes + index.table_rows.nbytes}
+    return {"bytes": resident_bytes() - before, "seconds": elapsed, "hashes": index.size, "arrays": arrays,
+            "promoted": len(index.promoted_workers),
             "collect_ms": collect_ms, "tracked": len(gc.get_objects()), "full_collections": full_collections}
 
 
@@ -141,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decide at {workers} workers: {ours['tracked']:,} objects tracked by the garbage collector after the "
               f"build; one full collection {ours['collect_ms']:.0f} ms; {ours['full_collections']} full collections "
               "during the build")
+        shares = ", ".join(f"{name} {size / args.residencies:.0f}" for name, size in ours["arrays"].items())
+        print(f"decide at {workers} workers, array bytes per residency: {shares} (the rest: Python objects per "
+              f"sequence hash, and the allocator); {ours['promoted']} workers promoted into the fold")
     return 0
 
 

@@ -18,6 +18,7 @@ from kvledger.decision_codec import MAX_RELIED_BLOCKS
 from kvledger.reuse import Decision, ReuseRequest
 from kvledger.settings import ReuseSettings
 
+from decide import compact
 from decide.index import InventoryIndex
 from decide.kernels import answer_requests, chain_hashes, rank_requests
 from decide.ranked import (
@@ -116,11 +117,13 @@ _kernel_settings = PerSettings(lambda settings: attrs.astuple(KernelSettings.of(
 
 def compile_kernels(settings: ReuseSettings) -> None:
     """Compile (or load from the kernel cache) every kernel, as both backends call them: the
-    cpu service's one call, and the two-step way the cuda backend's answers are written."""
+    cpu service's one call, the two-step way the cuda backend's answers are written, and the
+    index's for plain workers."""
     backend = CpuBackend(InventoryIndex())
     backend.answer_texts([WARM_UP_REQUEST], settings)
     AnswerTexts.of(backend.answer_batch([WARM_UP_REQUEST], settings))
     chain_hashes(np.zeros(1, dtype=np.uint64), np.array([0, 1], dtype=np.int64))
+    compact.warm_up()  # the index's kernels for plain workers
 
 
 def rank_batch(

@@ -2,9 +2,14 @@
 
 One row per sequence hash holds four classes of worker bitmasks (native device, native
 host, native disk, retained device), `words` 64-bit words per class so any number of
-workers fits. The index owns its own `InventoryFold`; after each batch it re-reads the
+workers fits. The index owns its own `InventoryFold`, which runs every sequence rule for
+every worker. A plain worker's records (native, group 0, no ownership: nearly every
+worker) are held in `decide.compact`'s arrays, whose kernels set and clear the bits as
+each event is applied; the first announcement beyond the plain case promotes the worker
+into the fold for good. For a promoted worker the index re-reads, after each batch, the
 fold's `holds` for the (worker, sequence hash) pairs the batch touched, so every fold rule
-(retained conflicts, reference counting, restarts) is inherited rather than re-implemented.
+(retained conflicts, reference counting, restarts, groups) is inherited rather than
+re-implemented.
 
 The lookup table is open addressing with linear probing over numpy arrays, probed by
 `decide.kernels.probe` and mirrored on the device with the same probe sequence; changes
@@ -17,7 +22,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvledger.events import EventBatch, Provenance, Tier, WorkerId
+from kvledger.events import Cleared, EventBatch, Gap, GapReason, Provenance, Removed, Stored, Tier, WorkerId
 from kvledger.fold import (
     BlockRecord,
     BlockRemovedFact,
@@ -29,6 +34,7 @@ from kvledger.fold import (
     UncertaintyFact,
 )
 
+from decide.compact import NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, lookup_rows, mapped_zeros, plain_records
 from decide.kernels import fill_table
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
@@ -59,7 +65,11 @@ def slot_of(key: int, bits: int) -> int:
 
 
 class InventoryIndex:
-    """Sequence hash → per-class worker bitmasks, following an `InventoryFold`."""
+    """Sequence hash → per-class worker bitmasks, following an `InventoryFold`.
+
+    Started from a fold (a snapshot's), the index owns it: its plain workers' records move
+    to `compact` and leave the fold.
+    """
 
     def __init__(self, fold: InventoryFold | None = None) -> None:
         self.fold = fold if fold is not None else InventoryFold()
@@ -71,11 +81,13 @@ class InventoryIndex:
         self.slots_in_order = np.zeros(0, dtype=np.int32)  # worker slots sorted by worker order
         self.order_rank = np.zeros(0, dtype=np.int32)  # slot -> its position in worker order
         self.words = 1
-        self._row_of: dict[int, int] = {}
-        self._row_hash: list[int] = [0]
-        self._row_bits: list[int] = [0]  # bits set in each row, over every class and worker
+        # Per row: its sequence hash, and the bits set in it over every class and worker (0:
+        # free). Arrays, not Python objects: a fleet's index has a row per distinct block.
+        self.live_rows = 0
+        self._rows_used = 1  # row 0 is the all-zero row of hashes nobody holds
         self._free_rows: list[int] = []
-        self._set_masks(np.zeros((1024, len(CLASSES), self.words), dtype=np.uint64))
+        self._set_masks(mapped_zeros((1024, len(CLASSES), self.words), np.uint64),
+                        mapped_zeros(1024, np.uint64), mapped_zeros(1024, np.int32))
         self.table_bits = _MIN_TABLE_BITS
         self._set_table(_MIN_TABLE_BITS)
         # What the device mirror has not seen yet; `generation` changes when the arrays
@@ -85,19 +97,51 @@ class InventoryIndex:
         self.dirty_rows: set[int] = set()
         self.dirty_table_slots: set[int] = set()
         self._uncertain_cache: tuple[str, ...] | None = None
+        self.compact = CompactInventory()
+        # Slots whose records the fold holds (promoted, or restored with the fold); every
+        # other worker's are in `compact`, under its (spec_kind, sliding_window) by slot.
+        self._promoted: set[int] = set()
+        self._spec_of: dict[int, tuple[str | None, int | None]] = {}
         for worker in self.fold.workers():
             self._add_worker(worker)
+            self._promoted.add(self._slot_of_worker[worker])
         self._index_all_records(self.fold.iter_records())
+        for worker in self.fold.workers():
+            self._take_plain(worker)
 
     # --- following the fold ------------------------------------------------------------
 
     def apply(self, batch: EventBatch, stream_seq: int) -> list[Fact]:
-        """Fold one KV_EVENTS batch and bring the bitmasks up to date with what it touched."""
-        rules_before = self._residency_rules(batch.worker)
-        facts = self.fold.apply(batch, stream_seq)
+        """Fold one KV_EVENTS batch and bring the bitmasks up to date with what it changed.
+
+        Returns the fold's facts; a plain worker's stores and removals, held in `compact`,
+        make none.
+        """
+        slot = self._slot_of_worker.get(batch.worker)
+        if batch.provenance is NATIVE and slot not in self._promoted:
+            facts = self._apply_plain(batch, stream_seq)
+        else:
+            if slot is not None:
+                self._promote(slot)
+            rules_before = self._residency_rules(batch.worker)
+            facts = self.fold.apply(batch, stream_seq)
+            self._note_worker(batch.worker, stream_seq)
+            if batch.worker in self._slot_of_worker:
+                self._promoted.add(self._slot_of_worker[batch.worker])
+                self._follow(batch.worker, facts, rules_before)
+        # Every change of a worker's uncertainty is a fact of its own; other batches leave the
+        # names as they were (answers read them per batch, and listing them sorts every worker).
+        if any(type(fact) is UncertaintyFact for fact in facts):
+            self._uncertain_cache = None
+        return facts
+
+    def _note_worker(self, worker: WorkerId, stream_seq: int) -> None:
         self.inventory_seq = max(self.inventory_seq, stream_seq)
-        if batch.worker not in self._slot_of_worker and self.fold.worker_state(batch.worker) is not None:
-            self._add_worker(batch.worker)
+        if worker not in self._slot_of_worker and self.fold.worker_state(worker) is not None:
+            self._add_worker(worker)
+
+    def _follow(self, worker: WorkerId, facts: list[Fact], rules_before: tuple) -> None:
+        """Re-read the bits of the records a promoted worker's facts changed."""
         # (slot, sequence hash, class) of each record the batch changed: a fact's record is of
         # one class, and whether a worker holds a block in one class depends on that class's
         # records alone (and the residency rules, handled below), so only that bit is re-read.
@@ -116,21 +160,139 @@ class InventoryIndex:
                     if provenance is fact.provenance:
                         for sequence_hash in self._hashes_with_bit(slot, position):
                             touched[(slot, sequence_hash, position)] = None
-        if facts and self._residency_rules(batch.worker) != rules_before:
+        if facts and self._residency_rules(worker) != rules_before:
             # A group appeared on a tier or declared another kind: what its other blocks count
             # as changed too (kvledger.residency), so every record of the worker is re-read.
-            slot = slot_of_worker[batch.worker]
-            for record in self.fold.iter_worker_records(batch.worker):
+            slot = slot_of_worker[worker]
+            for record in self.fold.iter_worker_records(worker):
                 position = _CLASS_OF.get((record.provenance, record.tier))
                 if position is not None:
                     touched[(slot, record.sequence_hash, position)] = None
         for slot, sequence_hash, position in touched:
             self._refresh(slot, sequence_hash, position)
-        # Every change of a worker's uncertainty is a fact of its own; other batches leave the
-        # names as they were (answers read them per batch, and listing them sorts every worker).
-        if any(type(fact) is UncertaintyFact for fact in facts):
-            self._uncertain_cache = None
+
+    # --- plain workers -------------------------------------------------------------------
+
+    def _apply_plain(self, batch: EventBatch, stream_seq: int) -> list[Fact]:
+        """A native batch of a worker not promoted: the fold's sequence rules, its events in `compact`."""
+        worker = batch.worker
+        facts, accepted = self.fold.begin(batch, stream_seq)
+        self._note_worker(worker, stream_seq)
+        slot = self._slot_of_worker.get(worker)
+        if slot is None:
+            return facts  # a redelivered first batch: nothing of the worker exists yet
+        if any(type(fact) is InventoryClearedFact for fact in facts):
+            self._clear_plain(slot, None)  # a new epoch without a restart Gap: the engine restarted
+        if not accepted:
+            return facts
+        events = batch.events
+        for number, event in enumerate(events):
+            if self._apply_plain_event(slot, worker, event, stream_seq, facts):
+                continue
+            # Beyond the plain case: the fold holds this worker from here on.
+            self._promote(slot)
+            rules_before = self._residency_rules(worker)
+            rest: list[Fact] = []
+            for later in events[number:]:
+                self.fold.apply_event(worker, NATIVE, later, stream_seq, rest)
+            self._follow(worker, rest, rules_before)
+            facts.extend(rest)
+            break
         return facts
+
+    def _apply_plain_event(self, slot: int, worker: WorkerId, event, stream_seq: int, facts: list[Fact]) -> bool:
+        """Apply one event of a plain worker; False (nothing changed) when it is beyond the plain case."""
+        kind = type(event)
+        if kind is Stored:
+            if event.group_idx or event.ownership is not None or event.tier not in TIER_CODE:
+                return False
+            spec = (event.spec_kind, event.sliding_window)
+            if self._spec_of.setdefault(slot, spec) != spec:
+                return False  # records carry their group's spec; a worker's own stay alike while compact
+            engines = np.fromiter(event.block_hashes, dtype=np.uint64, count=len(event.block_hashes))
+            has_tokens = event.has_tokens
+            local = np.fromiter(event.local_hashes, dtype=np.uint64, count=engines.size) if has_tokens else engines
+            position = _CLASS_OF[(NATIVE, event.tier)]
+            sequences = np.empty(engines.size, dtype=np.uint64)
+            new = np.empty(engines.size, dtype=np.bool_)
+            result = self.compact.store(
+                slot, event.tier, engines, local, has_tokens, event.parent_hash,
+                (self.table_keys, self.table_rows, self.table_bits, self.masks), position, sequences, new,
+            )
+            if result == NOT_PLAIN:
+                return False
+            unknown_parent, duplicates = self.compact.counts.tolist()
+            self.fold.note_stored_elsewhere(worker, NATIVE, event, attached=duplicates < engines.size)
+            if unknown_parent or duplicates:
+                self.fold.add_counts(worker, {"unknown_parent": unknown_parent, "duplicate_store": duplicates})
+            self._set_bits(slot, sequences[new], position, True)
+            return True
+        if kind is Removed:
+            if event.group_idx or event.ownership is not None or event.tier not in TIER_CODE:
+                return False
+            engines = np.fromiter(event.block_hashes, dtype=np.uint64, count=len(event.block_hashes))
+            sequences = np.empty(engines.size, dtype=np.uint64)
+            gone = np.empty(engines.size, dtype=np.bool_)
+            unknown = self.compact.remove(slot, event.tier, engines, sequences, gone)
+            if unknown:
+                self.fold.add_counts(worker, {"unknown_remove": unknown})
+            position = _CLASS_OF[(NATIVE, event.tier)]
+            self._set_bits(slot, sequences[gone], position, False)
+            return True
+        if kind is Cleared:
+            if event.tier is not None and self.fold.is_uncertain(worker):
+                return False  # whether the clear ends the uncertainty depends on the other tiers' records
+            self.fold.apply_event(worker, NATIVE, event, stream_seq, facts)
+            self._clear_plain(slot, event.tier)
+            return True
+        self.fold.apply_event(worker, NATIVE, event, stream_seq, facts)
+        if event.reason is GapReason.PUBLISHER_RESTART:
+            self._clear_plain(slot, None)
+        return True
+
+    def _set_bits(self, slot: int, sequences: np.ndarray, position: int, wanted: bool) -> None:
+        """`_set_bit` for each of an event's distinct sequence hashes, their rows looked up in one call."""
+        rows = lookup_rows(self.table_keys, self.table_rows, self.table_bits, sequences)
+        for sequence_hash, row in zip(sequences.tolist(), rows.tolist()):
+            self._set_bit(slot, sequence_hash, position, wanted, row)
+
+    def _clear_plain(self, slot: int, tier: Tier | None) -> None:
+        """A plain worker's records on one tier (or all) went away: their bits and entries."""
+        tiers = TIERS if tier is None else (tier,) if tier in TIER_CODE else ()
+        if not tiers or not self.compact.held_by(slot):
+            return
+        for cleared in tiers:
+            position = _CLASS_OF[(NATIVE, cleared)]
+            for sequence_hash in self._hashes_with_bit(slot, position):
+                self._set_bit(slot, sequence_hash, position, False)
+        self.compact.clear(slot, tier)
+
+    def _promote(self, slot: int) -> None:
+        """Move a plain worker's records into the fold, which applies everything of it from now on."""
+        if slot in self._promoted:
+            return
+        self._promoted.add(slot)
+        worker = self.workers[slot]
+        if self.compact.held_by(slot):
+            self.fold.adopt_records(worker, self.compact.take_records(slot, worker, self._spec_of[slot]))
+        self._spec_of.pop(slot, None)
+
+    def _take_plain(self, worker: WorkerId) -> None:
+        """Hold a restored worker's records in `compact` when they are all plain (their bits stay as they are)."""
+        records = list(self.fold.iter_worker_records(worker))
+        spec = plain_records(records)
+        if spec is None:
+            return
+        slot = self._slot_of_worker[worker]
+        self.compact.put_records(slot, records)
+        self.fold.release_records(worker, NATIVE)
+        self._promoted.discard(slot)
+        self._spec_of[slot] = spec
+
+    @property
+    def promoted_workers(self) -> list[WorkerId]:
+        """Workers whose records the fold holds (the rest are in `compact`)."""
+        return [self.workers[slot] for slot in sorted(self._promoted)]
 
     def _residency_rules(self, worker: WorkerId) -> tuple:
         state = self.fold.worker_state(worker)
@@ -144,10 +306,14 @@ class InventoryIndex:
 
     def _refresh(self, slot: int, sequence_hash: int, position: int) -> None:
         provenance, tier = CLASSES[position]
-        wanted = self.fold.holds(self.workers[slot], provenance, tier, sequence_hash)
-        row = self._row_of.get(sequence_hash)
-        word, bit = divmod(slot, 64)
+        self._set_bit(slot, sequence_hash, position, self.fold.holds(self.workers[slot], provenance, tier, sequence_hash))
+
+    def _set_bit(self, slot: int, sequence_hash: int, position: int, wanted: bool, row: int | None = None) -> None:
+        """Set or clear one bit; `row` when the caller has already looked it up (MISSING_ROW: none yet)."""
         if row is None:
+            row = self.row_of(sequence_hash)
+        word, bit = divmod(slot, 64)
+        if row == MISSING_ROW:
             if not wanted:
                 return
             row = self._new_row(sequence_hash)
@@ -156,13 +322,13 @@ class InventoryIndex:
             return
         if wanted:
             self._mask_words[at] |= 1 << bit
-            self._row_bits[row] += 1
+            self._row_bit_counts[row] += 1
         else:
             self._mask_words[at] &= ~(1 << bit) & _U64
-            self._row_bits[row] -= 1
+            self._row_bit_counts[row] -= 1
         if self.track_dirty:
             self.dirty_rows.add(row)
-        if not self._row_bits[row]:
+        if not self._row_bit_counts[row]:
             self._release_row(sequence_hash, row)
 
     def _hashes_with_bit(self, slot: int, position: int) -> list[int]:
@@ -173,8 +339,7 @@ class InventoryIndex:
         """
         word, bit = divmod(slot, 64)
         rows = np.flatnonzero(self.masks[:, position, word] & np.uint64(1 << bit))
-        row_hash = self._row_hash
-        return [row_hash[row] for row in rows.tolist()]
+        return self.row_hash[rows].tolist()
 
     def _index_all_records(self, records: Iterable[BlockRecord]) -> None:
         holds = self.fold.holds
@@ -185,15 +350,15 @@ class InventoryIndex:
             if not holds(record.worker, record.provenance, record.tier, record.sequence_hash):
                 continue  # a group that does not decide residency (kvledger.residency)
             slot = self._slot_of_worker[record.worker]
-            row = self._row_of.get(record.sequence_hash)
-            if row is None:
+            row = self.row_of(record.sequence_hash)
+            if row == MISSING_ROW:
                 row = self._new_row(record.sequence_hash)
             word, bit = divmod(slot, 64)
             at = (row * _CLASS_COUNT + position) * self.words + word
             if self._mask_words[at] >> bit & 1:
                 continue  # the same block in another group
             self._mask_words[at] |= 1 << bit
-            self._row_bits[row] += 1
+            self._row_bit_counts[row] += 1
         self.generation += 1
 
     # --- workers -------------------------------------------------------------------------
@@ -204,10 +369,10 @@ class InventoryIndex:
         self._slot_of_worker[worker] = slot
         self.slot_by_key[(worker.publisher, worker.dp_rank)] = slot
         if len(self.workers) > self.words * 64:
-            grown = np.zeros((self.masks.shape[0], len(CLASSES), self.words * 2), dtype=np.uint64)
+            grown = mapped_zeros((self.masks.shape[0], len(CLASSES), self.words * 2), np.uint64)
             grown[:, :, : self.words] = self.masks
             self.words *= 2
-            self._set_masks(grown)
+            self._set_masks(grown, self.row_hash, self.row_bits)
             self.generation += 1
         ordered = sorted(range(len(self.workers)), key=self.workers.__getitem__)
         self.slots_in_order = np.array(ordered, dtype=np.int32)
@@ -233,54 +398,77 @@ class InventoryIndex:
     @property
     def size(self) -> int:
         """Sequence hashes held by at least one worker in at least one class."""
-        return len(self._row_of)
+        return self.live_rows
+
+    def row_of(self, sequence_hash: int) -> int:
+        """The hash's row, MISSING_ROW when nobody holds it (the table's probe, from Python)."""
+        mask = len(self._table_key_items) - 1
+        position = slot_of(sequence_hash, self.table_bits)
+        keys, rows = self._table_key_items, self._table_row_items
+        while True:
+            row = rows[position]
+            if row == EMPTY_ROW:
+                return MISSING_ROW
+            if keys[position] == sequence_hash:
+                return row
+            position = (position + 1) & mask
+
+    def sequence_hashes(self) -> list[int]:
+        """Every sequence hash someone holds."""
+        return self.row_hash[np.flatnonzero(self.row_bits[: self._rows_used])].tolist()
 
     def _new_row(self, sequence_hash: int) -> int:
         if self._free_rows:
             row = self._free_rows.pop()
-            self._row_hash[row] = sequence_hash
         else:
-            row = len(self._row_hash)
-            self._row_hash.append(sequence_hash)
-            self._row_bits.append(0)
+            row = self._rows_used
+            self._rows_used += 1
             if row >= self.masks.shape[0]:
-                grown = np.zeros((self.masks.shape[0] * 2, len(CLASSES), self.words), dtype=np.uint64)
+                rows = self.masks.shape[0] * 2
+                grown = mapped_zeros((rows, len(CLASSES), self.words), np.uint64)
                 grown[: self.masks.shape[0]] = self.masks
-                self._set_masks(grown)
+                row_hash, row_bits = mapped_zeros(rows, np.uint64), mapped_zeros(rows, np.int32)
+                row_hash[: self.row_hash.size], row_bits[: self.row_bits.size] = self.row_hash, self.row_bits
+                self._set_masks(grown, row_hash, row_bits)
                 self.generation += 1
-        self._row_of[sequence_hash] = row
-        if len(self._row_of) + self._dead_slots > _MAX_LOAD * len(self.table_keys):
+        self._row_hash_items[row] = sequence_hash
+        self.live_rows += 1
+        if self.live_rows + self._dead_slots > _MAX_LOAD * len(self.table_keys):
             # Past the load limit: purge the dead slots at the same size while they are a good
             # part of it; only live keys make the table grow (else churn alone doubles it).
-            grow = len(self._row_of) > _MAX_LOAD * len(self.table_keys) / 2
+            grow = self.live_rows > _MAX_LOAD * len(self.table_keys) / 2
             self._rebuild_table(self.table_bits + 1 if grow else self.table_bits)
-        else:
-            self._table_insert(sequence_hash, row)
+        # After a rebuild too: the rebuild took the rows with bits set, and this one has none yet.
+        self._table_insert(sequence_hash, row)
         return row
 
     def _release_row(self, sequence_hash: int, row: int) -> None:
         # Linear probing cannot simply empty a slot (later keys would become unreachable),
         # so the key stays pointing at the all-zero row 0 until the next rebuild.
-        del self._row_of[sequence_hash]
+        self.live_rows -= 1
         self._free_rows.append(row)
         position = self._table_find(sequence_hash)
         self._table_row_items[position] = MISSING_ROW
         if self.track_dirty:
             self.dirty_table_slots.add(position)
         self._dead_slots += 1
-        if self._dead_slots > len(self._row_of) and self._dead_slots > 4096:
+        if self._dead_slots > self.live_rows and self._dead_slots > 4096:
             self._rebuild_table(self.table_bits)
 
     _dead_slots = 0
 
-    def _set_masks(self, masks: np.ndarray) -> None:
-        self.masks = masks
+    def _set_masks(self, masks: np.ndarray, row_hash: np.ndarray, row_bits: np.ndarray) -> None:
+        """The rows' arrays (grown together): bitmasks, each row's hash, each row's set bits."""
+        self.masks, self.row_hash, self.row_bits = masks, row_hash, row_bits
         # The same memory as Python ints: one item costs far less than a numpy scalar.
         self._mask_words = memoryview(masks).cast("B").cast("Q")
+        self._row_hash_items = memoryview(row_hash).cast("B").cast("Q")
+        self._row_bit_counts = memoryview(row_bits).cast("B").cast("i")
 
     def _set_table(self, bits: int) -> None:
-        self.table_keys = np.zeros(1 << bits, dtype=np.uint64)
-        self.table_rows = np.full(1 << bits, EMPTY_ROW, dtype=np.int32)
+        self.table_keys = mapped_zeros(1 << bits, np.uint64)
+        self.table_rows = mapped_zeros(1 << bits, np.int32)
+        self.table_rows[:] = EMPTY_ROW
         self._table_key_items = memoryview(self.table_keys).cast("B").cast("Q")
         self._table_row_items = memoryview(self.table_rows).cast("B").cast("i")
 
@@ -306,10 +494,8 @@ class InventoryIndex:
         self.table_bits = max(bits, _MIN_TABLE_BITS)
         self._set_table(self.table_bits)
         self._dead_slots = 0
-        count = len(self._row_of)
-        keys = np.fromiter(self._row_of.keys(), dtype=np.uint64, count=count)
-        rows = np.fromiter(self._row_of.values(), dtype=np.int32, count=count)
-        fill_table(keys, rows, self.table_keys, self.table_rows, self.table_bits)
+        rows = np.flatnonzero(self.row_bits[: self._rows_used]).astype(np.int32)
+        fill_table(self.row_hash[rows], rows, self.table_keys, self.table_rows, self.table_bits)
         self.generation += 1
         self.dirty_table_slots.clear()
 

@@ -15,6 +15,7 @@ import msgspec
 
 from kvledger.events import (
     Cleared,
+    Event,
     EventBatch,
     Gap,
     GapReason,
@@ -280,9 +281,23 @@ class InventoryFold:
         Redelivered stream seqs and engine seqs not after the worker's last one (repeated, or
         late after a hole) produce nothing, so applying the same stream twice is harmless.
         """
+        facts, accepted = self.begin(batch, stream_seq)
+        if accepted:
+            for event in batch.events:
+                self.apply_event(batch.worker, batch.provenance, event, stream_seq, facts)
+        return facts
+
+    def begin(self, batch: EventBatch, stream_seq: int) -> tuple[list[Fact], bool]:
+        """`apply`'s first half: the stream and engine sequence rules for `batch`, without its events.
+
+        Returns the facts so far (a restart's clear, an uncertainty) and whether the batch's
+        events are to be applied (`apply_event`, in order); false for a redelivered, repeated,
+        late or stale batch. decide's index uses the two halves to hold plain workers' records
+        outside the fold.
+        """
         if stream_seq <= self.inventory_seq:
             self._count(None, "redelivered")
-            return []
+            return [], False
         self.inventory_seq = stream_seq
         state = self._workers.get(batch.worker)
         if state is None:
@@ -292,7 +307,7 @@ class InventoryFold:
         if batch.epoch == own.epoch:
             if batch.seq <= own.seq:
                 self._not_after_last(state, own, batch, stream_seq, facts)
-                return facts
+                return facts, False
             if batch.seq != own.seq + 1:
                 self._hole(state, own, own.seq + 1, batch, stream_seq, facts)
         elif own.epoch is None:
@@ -303,7 +318,7 @@ class InventoryFold:
         else:
             if batch.epoch < own.epoch:
                 self._count(state, "stale_epoch")
-                return facts
+                return facts, False
             if not _starts_with_restart(batch):
                 # Every new epoch is an engine restart, announced or not: its cache is empty.
                 self._count(state, "implicit_restart")
@@ -314,17 +329,62 @@ class InventoryFold:
                 # ingest starts every new epoch at seq 0 or says why not with a Gap.
                 self._hole(state, own, 0, batch, stream_seq, facts)
         own.epoch, own.seq = batch.epoch, batch.seq
-        for event in batch.events:
-            kind = type(event)
-            if kind is Stored:
-                self._store(state, batch.provenance, event, stream_seq, facts)
-            elif kind is Removed:
-                self._remove(state, batch.provenance, event, stream_seq, facts)
-            elif kind is Cleared:
-                self._clear(state, batch.provenance, RemovalCause.CLEARED, stream_seq, facts, event.tier)
-            else:
-                self._gap(state, batch.provenance, event, stream_seq, facts)
-        return facts
+        return facts, True
+
+    def apply_event(self, worker: WorkerId, provenance: Provenance, event: Event, stream_seq: int, facts: list[Fact]) -> None:
+        """`apply`'s second half, one event of an accepted batch: its facts are appended to `facts`."""
+        state = self._workers[worker]
+        kind = type(event)
+        if kind is Stored:
+            self._store(state, provenance, event, stream_seq, facts)
+        elif kind is Removed:
+            self._remove(state, provenance, event, stream_seq, facts)
+        elif kind is Cleared:
+            self._clear(state, provenance, RemovalCause.CLEARED, stream_seq, facts, event.tier)
+        else:
+            self._gap(state, provenance, event, stream_seq, facts)
+
+    # --- records held outside the fold (decide's compact inventories) ----------------
+
+    def note_stored_elsewhere(self, worker: WorkerId, provenance: Provenance, event: Stored, attached: bool) -> None:
+        """What `apply_event` keeps of a store besides its records, for one whose records another holder keeps.
+
+        The group's declared kind, and (`attached`: it held at least one new block) the group
+        among those seen on the tier: residency rules read both, and they outlive the records.
+        """
+        own = self._workers[worker].by_provenance[provenance]
+        group = event.group_idx
+        if event.spec_kind is not None and own.group_kinds.get(group) != event.spec_kind:
+            own.group_kinds[group] = event.spec_kind
+            own.rules.clear()
+        if attached:
+            seen = own.tier_groups[event.tier]
+            if group not in seen:
+                seen.add(group)
+                own.rules.pop(event.tier, None)
+            own.placements.add((group, event.ownership))
+
+    def adopt_records(self, worker: WorkerId, records: Iterable[BlockRecord]) -> None:
+        """Hold records another holder kept until now, beside what the worker's state already has."""
+        by_provenance = self._workers[worker].by_provenance
+        for record in records:
+            _attach_record(by_provenance[record.provenance], record)
+
+    def release_records(self, worker: WorkerId, provenance: Provenance) -> None:
+        """Forget one provenance's records (another holder has taken them), keeping everything else of it."""
+        own = self._workers[worker].by_provenance[provenance]
+        own.records = {tier: {} for tier in Tier}
+        own.held = {tier: {} for tier in Tier}
+        own.topology = {}
+        own.waiting = {}
+
+    def add_counts(self, worker: WorkerId, counts: Mapping[str, int]) -> None:
+        """Count what another holder of the worker's records met (`COUNTER_NAMES`)."""
+        state = self._workers[worker]
+        for name, number in counts.items():
+            if number:
+                self.counters[name] += number
+                state.counters[name] += number
 
     def apply_all(self, batches: Iterable[tuple[EventBatch, int]]) -> list[Fact]:
         facts: list[Fact] = []

@@ -110,3 +110,74 @@ def reuse_settings(draw: st.DrawFn) -> ReuseSettings:
         host_credit_weight=draw(_WEIGHTS),
         disk_credit_weight=draw(_WEIGHTS),
     )
+
+
+# --- plain workers: what nearly every engine sends, held in decide.compact's arrays --------
+
+PLAIN_TIERS = (Tier.DEVICE, Tier.DEVICE, Tier.HOST, Tier.DISK)
+
+
+@st.composite
+def plain_events_for(draw: st.DrawFn, spec_kind: str | None, mixed: bool, offloadable: list[tuple[int, ...]]) -> object:
+    """Native group-0 events without ownership; `mixed`, now and then one beyond the plain case (which promotes).
+
+    `offloadable` collects the stored chains' engine hashes, which later placeholders (stores
+    without tokens, as an offloading connector sends them) name.
+    """
+    kinds = ("stored",) * 8 + ("placeholder",) * 2 + ("removed",) * 4 + ("cleared", "gap") + (("beyond",) if mixed else ())
+    kind = draw(st.sampled_from(kinds))
+    path = draw(st.sampled_from(PATHS))
+    tier = draw(st.sampled_from(PLAIN_TIERS))
+    # A salted engine hash re-parents a block the worker may hold on another tier.
+    salt = draw(st.sampled_from((0,) * 7 + (1,))) if mixed else 0
+    if kind == "placeholder" and offloadable:
+        chain = draw(st.sampled_from(offloadable))
+        start = draw(st.integers(0, len(chain) - 1))
+        return Stored(draw(st.sampled_from((Tier.HOST, Tier.DISK))), chain[start:], None, BLOCK_SIZE, (), None, None,
+                      0, None, spec_kind)
+    if kind in ("stored", "placeholder"):
+        start = draw(st.sampled_from((0, 0, draw(st.integers(0, len(path) - 1)))))
+        end = draw(st.integers(start + 1, len(path)))
+        # An unknown parent now and then: a new chain under a parent nobody holds.
+        parent = engine_hash(path, start - 1, salt) if start > 0 else draw(st.sampled_from((None,) * 9 + (7,)))
+        engines = tuple(engine_hash(path, i, salt) for i in range(start, end))
+        offloadable.append(engines)
+        return Stored(tier, engines, parent, BLOCK_SIZE, local_hashes(list(path[start:end])), None, None, 0, None,
+                      spec_kind)
+    if kind == "removed":
+        start = draw(st.integers(0, len(path) - 1))
+        end = draw(st.integers(start + 1, len(path)))
+        return Removed(tier, tuple(engine_hash(path, i, salt) for i in range(start, end)))
+    if kind == "cleared":
+        return Cleared(draw(st.sampled_from((None, Tier.DEVICE, Tier.HOST, Tier.EXTERNAL))))
+    if kind == "gap":
+        return Gap(1, 5, draw(st.sampled_from(tuple(GapReason))))
+    return draw(events_for())
+
+
+@st.composite
+def plain_batches(draw: st.DrawFn, workers: tuple[WorkerId, ...] = WORKERS[:4], max_batches: int = 40,
+                  ) -> list[tuple[EventBatch, int]]:
+    """Native batches in engine order, with restarts (a new epoch), holes and repeats; in a mixed
+    stream (a third of them) also retained batches and events beyond the plain case."""
+    chosen = draw(st.lists(st.sampled_from(workers), min_size=1, max_size=4, unique=True))
+    mixed = draw(st.sampled_from((False, False, True)))
+    spec_kind = draw(st.sampled_from((None, None, "full_attention")))
+    offloadable: dict[WorkerId, list[tuple[int, ...]]] = {worker: [] for worker in chosen}
+    stream: list[tuple[EventBatch, int]] = []
+    position: dict[tuple[WorkerId, Provenance], tuple[int, int]] = {}
+    for stream_seq in range(1, draw(st.integers(0, max_batches)) + 1):
+        worker = draw(st.sampled_from(chosen))
+        provenance = draw(st.sampled_from((Provenance.NATIVE,) * 7 + (Provenance.RETAINED,))) if mixed else Provenance.NATIVE
+        epoch, seq = position.get((worker, provenance), (0, -1))
+        step = draw(st.sampled_from(("next",) * 16 + ("hole", "repeat", "restart")))
+        if step == "hole":
+            seq += 2
+        elif step == "restart":
+            epoch, seq = epoch + 1, 0
+        elif step == "next" or seq < 0:
+            seq += 1
+        position[(worker, provenance)] = (epoch, seq)
+        events = tuple(draw(st.lists(plain_events_for(spec_kind, mixed, offloadable[worker]), min_size=1, max_size=3)))
+        stream.append((EventBatch(worker, epoch, seq, 1.0, 2.0, provenance, events), stream_seq))
+    return stream

@@ -1,14 +1,17 @@
-"""decide's hash table: the compiled probe agrees with the index's own row dictionary, dead slots included."""
+"""decide's index: the compiled probe finds the rows, and the index (plain workers held compactly) agrees with the fold."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
-from decide_inventories import batches
-from kvledger.events import Removed, Stored, Tier, WorkerId
+from decide_inventories import batches, plain_batches
+from kvledger.events import Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.fold import InventoryFold
 from kvledger.hashing import sequence_hashes
 from builders import BLOCK_SIZE, Stream
 
@@ -31,9 +34,9 @@ def crowded_index() -> tuple[InventoryIndex, list[int]]:
     return index, dead
 
 
-def test_the_probe_finds_what_the_row_dictionary_holds() -> None:
+def test_the_probe_finds_the_row_each_hash_was_given() -> None:
     index, dead = crowded_index()
-    live = list(index._row_of)
+    live = index.sequence_hashes()
     assert len(live) == 40 * 375
     rng = random.Random(6)
     strangers = [rng.getrandbits(64) for _ in range(5000)] + [0, 2**64 - 1]
@@ -42,14 +45,17 @@ def test_the_probe_finds_what_the_row_dictionary_holds() -> None:
     def row_of(key: int) -> int:
         return int(probe(index.table_keys, index.table_rows, index.table_bits, np.uint64(key)))
 
-    assert [row_of(key) for key in keys] == [index._row_of.get(key, MISSING_ROW) for key in keys]
+    # The rows' own record of their hashes, independent of the table.
+    rows = {int(index.row_hash[row]): int(row) for row in np.flatnonzero(index.row_bits)}
+    assert [row_of(key) for key in keys] == [rows.get(key, MISSING_ROW) for key in keys]
+    assert [index.row_of(key) for key in keys] == [rows.get(key, MISSING_ROW) for key in keys]
     assert {row_of(key) for key in dead} == {MISSING_ROW}
 
 
 def held_by_class(index: InventoryIndex) -> dict[tuple[int, str, int], int]:
     """Every set bit of the index as (sequence hash, worker name, class) -> 1, read through the probe."""
     held = {}
-    for sequence_hash in index._row_of:
+    for sequence_hash in index.sequence_hashes():
         row = int(probe(index.table_keys, index.table_rows, index.table_bits, np.uint64(sequence_hash)))
         for slot, worker in enumerate(index.workers):
             word, bit = divmod(slot, 64)
@@ -59,13 +65,93 @@ def held_by_class(index: InventoryIndex) -> dict[tuple[int, str, int], int]:
     return held
 
 
+def _fold_of(stream) -> InventoryFold:
+    fold = InventoryFold()
+    for batch, stream_seq in stream:
+        fold.apply(batch, stream_seq)
+    return fold
+
+
+def _agrees_with_the_fold(index: InventoryIndex, fold: InventoryFold) -> None:
+    """The index equals one built from `fold` (every bit and row), and its own fold stands where `fold` does."""
+    rebuilt = InventoryIndex(copy.deepcopy(fold))  # an index takes plain workers' records out of the fold it is given
+    assert held_by_class(index) == held_by_class(rebuilt)
+    assert set(index.sequence_hashes()) == set(rebuilt.sequence_hashes())
+    assert index.uncertain_names() == rebuilt.uncertain_names()
+    assert index.fold.workers() == fold.workers()
+    for worker in fold.workers():
+        for provenance in Provenance:
+            assert index.fold.worker_state(worker).position(provenance) == fold.worker_state(worker).position(provenance)
+
+
+def _records_as_decide_keeps_them(fold: InventoryFold, worker: WorkerId) -> list[tuple]:
+    """A worker's records without the local hash and stored-at seq, which promoted records cannot carry back."""
+    return sorted(
+        (record.provenance.value, record.tier.value, record.engine_hash, record.group_idx, record.ownership or "",
+         record.sequence_hash, record.parent_hash if record.parent_hash is not None else -1, record.refs,
+         record.conflict, record.unresolved, record.spec_kind or "", record.sliding_window or 0)
+        for record in fold.iter_worker_records(worker)
+    )
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stream=batches(max_batches=60))
 def test_the_index_followed_batch_by_batch_equals_one_built_from_the_fold_at_the_end(stream) -> None:
-    """Only what each batch's facts touched is re-read; nothing else may have changed."""
+    """Only what each batch changed is re-read or set; nothing else may have changed."""
     index = InventoryIndex()
     for batch, stream_seq in stream:
         index.apply(batch, stream_seq)
-    rebuilt = InventoryIndex(index.fold)
-    assert held_by_class(index) == held_by_class(rebuilt)
-    assert set(index._row_of) == set(rebuilt._row_of)
+    _agrees_with_the_fold(index, _fold_of(stream))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=plain_batches(max_batches=60))
+def test_plain_workers_held_compactly_are_indexed_as_the_fold_indexes_them(stream) -> None:
+    """Batch by batch, and after every plain worker is promoted its records are the fold's own."""
+    index, fold = InventoryIndex(), InventoryFold()
+    for batch, stream_seq in stream:
+        index.apply(batch, stream_seq)
+        fold.apply(batch, stream_seq)
+        _agrees_with_the_fold(index, fold)
+    event(f"promoted {len(index.promoted_workers)} of {index.worker_count} workers")
+    for slot in range(index.worker_count):
+        index._promote(slot)
+    assert index.compact.count == 0
+    for worker in fold.workers():
+        assert _records_as_decide_keeps_them(index.fold, worker) == _records_as_decide_keeps_them(fold, worker)
+    _agrees_with_the_fold(index, fold)
+
+
+def test_a_plain_fleet_stays_out_of_the_fold() -> None:
+    """Stores, placeholders, repeats, removals and a restart of plain workers leave no record in decide's fold."""
+    stream, index = Stream(), InventoryIndex()
+    workers = [WorkerId(f"w{number}") for number in range(3)]
+    rng = random.Random(3)
+    for worker in workers:
+        engine = tuple(rng.getrandbits(64) for _ in range(64))
+        local = tuple(rng.getrandbits(64) for _ in range(64))
+        index.apply(*stream.batch(worker, Stored(Tier.DEVICE, engine, None, BLOCK_SIZE, local)))
+        index.apply(*stream.batch(worker, Stored(Tier.HOST, engine[:32], None, BLOCK_SIZE, ())))  # offload placeholders
+        index.apply(*stream.batch(worker, Stored(Tier.DEVICE, engine[:8], None, BLOCK_SIZE, local[:8])))  # repeated
+        index.apply(*stream.batch(worker, Removed(Tier.DEVICE, engine[:40])))
+    assert index.promoted_workers == []
+    assert sum(1 for _ in index.fold.iter_records()) == 0
+    assert index.compact.count == 3 * (8 + 24 + 32)  # device: 8 repeated + 24 never removed; host: 32
+    assert index.fold.counters["duplicate_store"] == 3 * 8
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=plain_batches(max_batches=60), split=st.floats(0.0, 1.0))
+def test_an_index_started_from_a_fold_takes_its_plain_workers_out_of_it(stream, split: float) -> None:
+    """A warm start (decide from a snapshot's fold): plain workers go to the compact arrays and follow the stream as before."""
+    first = int(len(stream) * split)
+    fold = _fold_of(stream[:first])
+    started = InventoryIndex(_fold_of(stream[:first]))
+    event(f"{started.worker_count - len(started.promoted_workers)} of {started.worker_count} workers taken out")
+    assert sum(1 for _ in started.fold.iter_records()) == sum(
+        1 for worker in started.promoted_workers for _ in fold.iter_worker_records(worker))
+    _agrees_with_the_fold(started, fold)
+    for batch, stream_seq in stream[first:]:
+        started.apply(batch, stream_seq)
+        fold.apply(batch, stream_seq)
+    _agrees_with_the_fold(started, fold)

@@ -26,7 +26,7 @@ from builders import BLOCK_SIZE, Stream, local_hashes, stored
 
 from decide.index import InventoryIndex
 from decide.ranked import AnswerTexts
-from decide_inventories import batches, requests, reuse_settings
+from decide_inventories import batches, plain_batches, requests, reuse_settings
 
 BACKENDS = ("cpu", "cuda")
 
@@ -77,7 +77,8 @@ def _fold_and_index(stream) -> tuple[InventoryFold, InventoryIndex]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(stream=batches(), asked=st.lists(requests(), min_size=1, max_size=6), reuse=reuse_settings())
+@given(stream=st.one_of(batches(), plain_batches()), asked=st.lists(requests(), min_size=1, max_size=6),
+       reuse=reuse_settings())
 def test_every_answer_equals_the_reference_model(backend_name: str, stream, asked, reuse: ReuseSettings) -> None:
     fold, index = _fold_and_index(stream)
     backend = make_backend(backend_name, index)
@@ -97,7 +98,8 @@ def test_every_answer_equals_the_reference_model(backend_name: str, stream, aske
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(stream=batches(max_batches=60), asked=st.lists(requests(), min_size=1, max_size=3), reuse=reuse_settings())
+@given(stream=st.one_of(batches(max_batches=60), plain_batches(max_batches=60)),
+       asked=st.lists(requests(), min_size=1, max_size=3), reuse=reuse_settings())
 def test_answers_stay_equal_while_the_index_follows_the_stream(backend_name: str, stream, asked, reuse) -> None:
     """Asked after every batch, so incremental updates (and the device scatter) are exercised."""
     fold, index = InventoryFold(), InventoryIndex()
