@@ -657,6 +657,8 @@ class Pipeline:
     async def __aexit__(self, *exc_info: object) -> None:
         await self._stack.aclose()
 
+    stores_started = 0.0  # wall time (as the pollers read it) of the last start of the stores
+
     def start_stores(self) -> None:
         extra = {"KVLEDGER_STORE_HISTORY_RETENTION_S": str(self.args.retention_s)} if self.args.retention_s else {}
         for index in range(self.shards):
@@ -799,9 +801,12 @@ class Pipeline:
               f"(ack lag p50 / p99 / max {ack.text()} ms); decide "
               f"{events / (reached[1] - started) if reached else math.nan:,.0f} block events/s "
               f"(index lag {indexed.text()} ms)", flush=True)
+        cpu_before, machine_before = ProcessTable.read(), machine_cpu()
+        self.stores_started = time.time()
         self.start_stores()
         if not await self.wait(lambda: self.stores_at(last), "backlog through store"):
             return ingest, indexed, None
+        cpu_after, machine_after = ProcessTable.read(), machine_cpu()
         # Each shard is timed from its own first checkpoint move (after its start: schema check, fold
         # rebuilt from SQL, consumer bound) to its end; the slower one's span counts.
         spans = {}
@@ -812,7 +817,20 @@ class Pipeline:
         print(f"store projection of the backlog: {projection:,.0f} block events/s ("
               + ", ".join(f"{name} {span:.2f} s" for name, span in spans.items())
               + "; ingest and decide idle)", flush=True)
+        # What the projection cost in CPU, as a share of the whole run from the stores' start to the
+        # end of the backlog: on two cores this bounds what a second shard can add.
+        wall = self.checkpoints_end(last) - self.stores_started
+        stores = sum(cpu_after.cpu_s.get(m, 0.0) for stage in self.stores for m in cpu_after.tree(stage.pid))
+        postgres = sum(cpu_after.cpu_s.get(m, 0.0) - cpu_before.cpu_s.get(m, 0.0)
+                       for pid in cpu_after.children_named(os.getpid(), "postgres") for m in cpu_after.tree(pid))
+        print(f"CPU while projecting ({wall:.2f} s from the stores' start): store processes (with their SQL "
+              f"writers) {stores / wall:.0%} of one core, PostgreSQL {postgres / wall:.0%}, the whole machine "
+              f"{(machine_after - machine_before) / wall:.0%} (of {os.cpu_count()} cores)", flush=True)
         return ingest, indexed, projection
+
+    def checkpoints_end(self, seq: int) -> float:
+        """When the last shard's checkpoint reached `seq` (wall time, as the pollers read it)."""
+        return max(progress.reached(seq)[1] for progress in self.checkpoints.values())
 
     def sql_size(self) -> tuple[int, int]:
         """(bytes of the database, block events in event_log)."""

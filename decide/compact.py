@@ -289,6 +289,29 @@ def lookup_rows(table_keys, table_rows, table_bits, sequences):
     return rows
 
 
+@_compiled
+def flip_bits(masks, row_bits, rows, position, word, bit, wanted, changed):
+    """Set (`wanted`) or clear one worker's bit in each existing row; `changed[i]` says whether row i's bit moved.
+
+    Rows that do not exist yet (MISSING_ROW, 0) are left to the caller, which makes them.
+    """
+    flag = np.uint64(1) << np.uint64(bit)
+    for item in range(rows.size):
+        row = rows[item]
+        changed[item] = False
+        if row == 0:
+            continue
+        held = (masks[row, position, word] & flag) != 0
+        if wanted and not held:
+            masks[row, position, word] |= flag
+            row_bits[row] += 1
+            changed[item] = True
+        elif held and not wanted:
+            masks[row, position, word] &= ~flag
+            row_bits[row] -= 1
+            changed[item] = True
+
+
 def entries_of(owners: np.ndarray, first: int, last: int) -> np.ndarray:
     """Positions of the entries whose owner is in [first, last]."""
     return np.flatnonzero((owners >= first) & (owners <= last))

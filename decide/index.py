@@ -34,7 +34,9 @@ from kvledger.fold import (
     UncertaintyFact,
 )
 
-from decide.compact import NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, lookup_rows, mapped_zeros, plain_records
+from decide.compact import (
+    NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, flip_bits, lookup_rows, mapped_zeros, plain_records,
+)
 from decide.kernels import fill_table
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
@@ -251,10 +253,21 @@ class InventoryIndex:
         return True
 
     def _set_bits(self, slot: int, sequences: np.ndarray, position: int, wanted: bool) -> None:
-        """`_set_bit` for each of an event's distinct sequence hashes, their rows looked up in one call."""
+        """`_set_bit` for each of an event's distinct sequence hashes: existing rows in one compiled
+        call; rows to make (for a set bit) or to free (their last bit cleared) here."""
         rows = lookup_rows(self.table_keys, self.table_rows, self.table_bits, sequences)
-        for sequence_hash, row in zip(sequences.tolist(), rows.tolist()):
-            self._set_bit(slot, sequence_hash, position, wanted, row)
+        changed = np.empty(rows.size, dtype=np.bool_)
+        word, bit = divmod(slot, 64)
+        flip_bits(self.masks, self.row_bits, rows, position, word, bit, wanted, changed)
+        if self.track_dirty:
+            self.dirty_rows.update(rows[changed].tolist())
+        if wanted:
+            for sequence_hash in sequences[rows == MISSING_ROW].tolist():
+                self._set_bit(slot, sequence_hash, position, True, MISSING_ROW)
+        else:
+            emptied = changed & (self.row_bits[rows] == 0)
+            for sequence_hash, row in zip(sequences[emptied].tolist(), rows[emptied].tolist()):
+                self._release_row(sequence_hash, row)
 
     def _clear_plain(self, slot: int, tier: Tier | None) -> None:
         """A plain worker's records on one tier (or all) went away: their bits and entries."""
