@@ -303,6 +303,16 @@ class InventoryIndex:
         self._spec_of[slot] = spec
 
     @property
+    def promoted_count(self) -> int:
+        return len(self._promoted)
+
+    @property
+    def array_bytes(self) -> int:
+        """Bytes of the index's arrays: the compact records, the rows (bitmasks, hashes, bit counts), the table."""
+        rows = self.masks.nbytes + self.row_hash.nbytes + self.row_bits.nbytes
+        return self.compact.nbytes() + rows + self.table_keys.nbytes + self.table_rows.nbytes
+
+    @property
     def promoted_workers(self) -> list[WorkerId]:
         """Workers whose records the fold holds (the rest are in `compact`)."""
         return [self.workers[slot] for slot in sorted(self._promoted)]

@@ -21,6 +21,11 @@ class DecideMetrics(MetricSet):
                                       ["field"])
         self.index_size = self.gauge("kvledger_decide_index_size", "Sequence hashes held by at least one worker.")
         self.workers = self.gauge("kvledger_decide_workers", "Workers in the index.")
+        self.promoted_workers = self.gauge(
+            "kvledger_decide_promoted_workers",
+            "Workers whose records the fold holds as objects (beyond the plain case); the rest are in compact arrays.")
+        self.index_bytes = self.gauge("kvledger_decide_index_bytes",
+                                      "Bytes of the index's arrays: compact records, bitmask rows, hash table.")
         self.inventory_seq = self.gauge("kvledger_decide_inventory_seq", "KV_EVENTS stream sequence the index reflects.")
         self.inventory_lag = self.gauge("kvledger_decide_inventory_lag", "KV_EVENTS messages not yet applied to the index.")
         self.undecodable_events = self.counter("kvledger_decide_undecodable_events",

@@ -227,6 +227,8 @@ class DecideService(AsyncLifetime):
         self.metrics.inventory_seq.set(self.index.inventory_seq)
         self.metrics.index_size.set(self.index.size)
         self.metrics.workers.set(self.index.worker_count)
+        self.metrics.promoted_workers.set(self.index.promoted_count)
+        self.metrics.index_bytes.set(self.index.array_bytes)
 
     # answering
 

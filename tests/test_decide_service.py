@@ -199,6 +199,10 @@ async def test_warm_start_from_the_newest_snapshot_then_replay_after_it(nats_ser
             assert service.index.size > 0
             assert f"kvledger_decide_index_size {float(service.index.size)}" in metrics
             assert f"kvledger_decide_workers {float(service.index.worker_count)}" in metrics
+            # The snapshot's plain workers left the fold for the compact arrays.
+            assert service.index.promoted_count == 0
+            assert "kvledger_decide_promoted_workers 0.0" in metrics
+            assert f"kvledger_decide_index_bytes {float(service.index.array_bytes)}" in metrics
             fold = InventoryFold()
             fold.apply_all(early + late)
             request = ReuseRequest("warm", local_hashes(list(range(1, 13))), BLOCK_SIZE, None)
