@@ -11,7 +11,10 @@ counted: decide's `InventoryIndex` (with the `InventoryFold` it owns) from canon
 `EventBatch`es, Dynamo's `RadixTree` from its JSON events. Printed per fleet size: bytes
 per residency (the process's resident memory after the build minus before it, over the
 residencies), the build's blocks per second, and decide / Dynamo ratios; then, for
-decide, the objects the garbage collector tracks and how long one full collection takes.
+decide, the objects the garbage collector tracks, how long one full collection takes, and
+the bytes of its arrays (compact records, bitmask rows, hash table) per residency. decide's
+kernels are compiled (or loaded) before the first reading, as the service does before it
+reports ready.
 """
 
 from __future__ import annotations
@@ -150,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
               f"build; one full collection {ours['collect_ms']:.0f} ms; {ours['full_collections']} full collections "
               "during the build")
         shares = ", ".join(f"{name} {size / args.residencies:.0f}" for name, size in ours["arrays"].items())
-        print(f"decide at {workers} workers, array bytes per residency: {shares} (the rest: Python objects per "
-              f"sequence hash, and the allocator); {ours['promoted']} workers promoted into the fold")
+        print(f"decide at {workers} workers, array bytes per residency: {shares} (the rest: the interpreter's "
+              f"objects and the allocator's); {ours['promoted']} workers promoted into the fold")
     return 0
 
 
