@@ -276,8 +276,7 @@ class InventoryIndex:
             return
         for cleared in tiers:
             position = _CLASS_OF[(NATIVE, cleared)]
-            for sequence_hash in self._hashes_with_bit(slot, position):
-                self._set_bit(slot, sequence_hash, position, False)
+            self._set_bits(slot, self.row_hash[self._rows_with_bit(slot, position)], position, False)
         self.compact.clear(slot, tier)
 
     def _promote(self, slot: int) -> None:
@@ -292,6 +291,9 @@ class InventoryIndex:
 
     def _take_plain(self, worker: WorkerId) -> None:
         """Hold a restored worker's records in `compact` when they are all plain (their bits stay as they are)."""
+        tiers_groups = self.fold.worker_state(worker).position(NATIVE).groups.get("tiers", {})
+        if any(groups != [0] for groups in tiers_groups.values()):
+            return  # another group stored on a tier (and may have left it): its rule is the fold's to apply
         records = list(self.fold.iter_worker_records(worker))
         spec = plain_records(records)
         if spec is None:
@@ -360,9 +362,11 @@ class InventoryIndex:
         A scan of one bitmask column (rare: a clear or a restart), where a set per worker and
         class kept beside the bits cost tens of bytes per residency.
         """
+        return self.row_hash[self._rows_with_bit(slot, position)].tolist()
+
+    def _rows_with_bit(self, slot: int, position: int) -> np.ndarray:
         word, bit = divmod(slot, 64)
-        rows = np.flatnonzero(self.masks[:, position, word] & np.uint64(1 << bit))
-        return self.row_hash[rows].tolist()
+        return np.flatnonzero(self.masks[:, position, word] & np.uint64(1 << bit))
 
     def _index_all_records(self, records: Iterable[BlockRecord]) -> None:
         holds = self.fold.holds

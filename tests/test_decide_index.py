@@ -13,7 +13,7 @@ from decide_inventories import batches, plain_batches
 from kvledger.events import Provenance, Removed, Stored, Tier, WorkerId
 from kvledger.fold import InventoryFold
 from kvledger.hashing import sequence_hashes
-from builders import BLOCK_SIZE, Stream
+from builders import BLOCK_SIZE, Stream, local_hashes
 
 from decide.index import CLASSES, MISSING_ROW, InventoryIndex
 from decide.kernels import probe
@@ -155,3 +155,20 @@ def test_an_index_started_from_a_fold_takes_its_plain_workers_out_of_it(stream, 
         started.apply(batch, stream_seq)
         fold.apply(batch, stream_seq)
     _agrees_with_the_fold(started, fold)
+
+
+def test_a_restored_worker_whose_tier_saw_another_group_stays_in_the_fold() -> None:
+    """Group 1 stored on the device tier and left it: the tier's rule still wants group 1 too
+    (kvledger.residency), which the compact arrays cannot express, so the worker is not taken out."""
+    stream, fold = Stream(), InventoryFold()
+    worker = WorkerId("hybrid")
+    local = local_hashes([1, 2, 3])
+    fold.apply(*stream.batch(worker, Stored(Tier.DEVICE, (11, 12), None, BLOCK_SIZE, local[:2])))
+    fold.apply(*stream.batch(worker, Stored(Tier.DEVICE, (21,), None, BLOCK_SIZE, local[:1], group_idx=1)))
+    fold.apply(*stream.batch(worker, Removed(Tier.DEVICE, (21,), group_idx=1)))
+    index = InventoryIndex(copy.deepcopy(fold))
+    assert index.promoted_workers == [worker]
+    later = stream.batch(worker, Stored(Tier.DEVICE, (13,), 12, BLOCK_SIZE, local[2:]))
+    index.apply(*later)
+    fold.apply(*later)
+    _agrees_with_the_fold(index, fold)
