@@ -429,16 +429,8 @@ class InventoryIndex:
 
     def row_of(self, sequence_hash: int) -> int:
         """The hash's row, MISSING_ROW when nobody holds it (the table's probe, from Python)."""
-        mask = len(self._table_key_items) - 1
-        position = slot_of(sequence_hash, self.table_bits)
-        keys, rows = self._table_key_items, self._table_row_items
-        while True:
-            row = rows[position]
-            if row == EMPTY_ROW:
-                return MISSING_ROW
-            if keys[position] == sequence_hash:
-                return row
-            position = (position + 1) & mask
+        row = self._table_row_items[self._table_find(sequence_hash)]
+        return MISSING_ROW if row == EMPTY_ROW else row
 
     def sequence_hashes(self) -> list[int]:
         """Every sequence hash someone holds."""
