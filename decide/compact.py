@@ -24,7 +24,6 @@ kernels below are compiled by numba, as `decide.kernels` are, and cached with th
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Iterator
 
 import numba
@@ -32,6 +31,7 @@ import numpy as np
 
 from kvledger.events import Provenance, Tier, WorkerId
 from kvledger.fold import BlockRecord
+from kvledger.runtime.memory import mapped_zeros
 
 import decide.kernels  # noqa: F401  (sets numba's kernel cache folder before the kernels below are decorated)
 from decide.kernels import chain_hash, probe
@@ -315,21 +315,6 @@ def flip_bits(masks, row_bits, rows, position, word, bit, wanted, changed):
 def entries_of(owners: np.ndarray, first: int, last: int) -> np.ndarray:
     """Positions of the entries whose owner is in [first, last]."""
     return np.flatnonzero((owners >= first) & (owners <= last))
-
-
-def mapped_zeros(shape: int | tuple[int, ...], dtype: type) -> np.ndarray:
-    """A zeroed array in an anonymous memory mapping of its own.
-
-    The index's tables are replaced by larger ones as a fleet grows; from the C heap, the
-    old ones' memory stayed in the process (the allocator raises its mapping threshold
-    after the first large free), so resident memory kept the high-water mark of every
-    growth. A mapping of its own goes back to the system when the array is dropped.
-    """
-    count = int(np.prod(shape))
-    nbytes = count * np.dtype(dtype).itemsize
-    if nbytes < 1 << 20:
-        return np.zeros(shape, dtype=dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).reshape(shape)
 
 
 class CompactInventory:

@@ -34,9 +34,9 @@ from kvledger.fold import (
     UncertaintyFact,
 )
 
-from decide.compact import (
-    NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, flip_bits, lookup_rows, mapped_zeros, plain_records,
-)
+from kvledger.runtime.memory import mapped_zeros
+
+from decide.compact import NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, flip_bits, lookup_rows, plain_records
 from decide.kernels import fill_table
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED

@@ -8,13 +8,14 @@ is given, so the rules are testable without sockets.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 import attrs
+import numpy as np
 import xxhash
 
 from kvledger.events import Gap, GapReason
+from kvledger.runtime.memory import mapped_zeros
 
 # seq -> payload, as the engine's replay buffer returns them from a start seq on
 Fetch = Callable[[int], Awaitable[list[tuple[int, bytes]]]]
@@ -48,8 +49,7 @@ class SequenceTracker:
         self._pending_gaps: list[Gap] = []
         # Digests of recently emitted batches: a seq seen again with the same bytes is a
         # duplicate (replay overlapping the SUB socket); with other bytes, a restarted engine.
-        self._recent: OrderedDict[int, int] = OrderedDict()
-        self._recent_limit = recent
+        self._recent = RecentDigests(recent)
         self.counters = TrackerCounters()
 
     async def catch_up(self) -> list[Emit]:
@@ -123,10 +123,36 @@ class SequenceTracker:
         emit = Emit(self.epoch, seq, payload, tuple(self._pending_gaps))
         self._pending_gaps.clear()
         self.next_seq = seq + 1
-        self._recent[seq] = _digest(payload)
-        if len(self._recent) > self._recent_limit:
-            self._recent.popitem(last=False)
+        self._recent.put(seq, _digest(payload))
         return emit
+
+
+class RecentDigests:
+    """The digests of the last `limit` seqs emitted, as a ring of two arrays.
+
+    An ordered dict of them cost about 100 bytes a seq, 6.5 MB per engine stream once full
+    (1.7 GB for 256 engines, growing for hours); the ring costs 16 bytes a seq, taken only
+    as it is written (`mapped_zeros`).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self.clear()
+
+    def clear(self) -> None:
+        # A slot holds seq + 1 (0: empty) beside that seq's digest; Python ints through memoryviews,
+        # as numpy scalars cost more than the rest of this.
+        self._seqs = memoryview(mapped_zeros(self._limit, np.int64, mapped_from=0)).cast("B").cast("q")
+        self._digests = memoryview(mapped_zeros(self._limit, np.uint64, mapped_from=0)).cast("B").cast("Q")
+
+    def put(self, seq: int, digest: int) -> None:
+        slot = seq % self._limit
+        self._seqs[slot] = seq + 1
+        self._digests[slot] = digest
+
+    def get(self, seq: int) -> int | None:
+        slot = seq % self._limit
+        return self._digests[slot] if self._seqs[slot] == seq + 1 else None
 
 
 def _digest(payload: bytes) -> int:

@@ -120,3 +120,18 @@ async def test_the_first_replay_of_a_new_engine_starting_mid_buffer_is_incomplet
     out = await SequenceTracker(0, 0, engine.fetch).catch_up()
     assert seqs(out) == [(0, 3), (0, 4)]
     assert out[0].gaps == (Gap(0, 3, GapReason.REPLAY_INCOMPLETE),)
+
+
+
+def test_recent_digests_keep_the_last_limit_seqs_and_only_seqs_emitted() -> None:
+    from ingest.sequence import RecentDigests
+
+    recent = RecentDigests(8)
+    for seq in [0, 1, 2, 3, 4, 9, 10, 11, 12, 13]:  # 5..8 never emitted, as after a gap
+        recent.put(seq, 1000 + seq)
+    # 9..13 took the slots of 1..5; 0 keeps its slot (8 never came); 6 and 7 were never emitted.
+    assert [recent.get(seq) for seq in range(16)] == [1000] + [None] * 8 + [1009, 1010, 1011, 1012, 1013, None, None]
+    recent.put(21, 2**64 - 1)  # digests are u64
+    assert recent.get(21) == 2**64 - 1 and recent.get(13) is None
+    recent.clear()
+    assert recent.get(0) is None and recent.get(21) is None
