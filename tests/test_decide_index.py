@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from decide_inventories import batches, plain_batches
-from kvledger.events import Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.events import Cleared, Provenance, Removed, Stored, Tier, WorkerId
 from kvledger.fold import InventoryFold
 from kvledger.hashing import sequence_hashes
 from builders import BLOCK_SIZE, Stream, local_hashes
@@ -171,4 +171,33 @@ def test_a_restored_worker_whose_tier_saw_another_group_stays_in_the_fold() -> N
     later = stream.batch(worker, Stored(Tier.DEVICE, (13,), 12, BLOCK_SIZE, local[2:]))
     index.apply(*later)
     fold.apply(*later)
+    _agrees_with_the_fold(index, fold)
+
+
+def test_the_compact_table_grows_and_clears_as_the_fold_folds() -> None:
+    """Tens of thousands of entries (the table grows many times), removals, a restart and a tier clear."""
+    rng = random.Random(9)
+    stream, index, fold = Stream(), InventoryIndex(), InventoryFold()
+
+    def apply(batch) -> None:
+        index.apply(*batch)
+        fold.apply(*batch)
+
+    workers = [WorkerId(f"w{number}") for number in range(6)]
+    chains = {}
+    for round_number in range(4):
+        for worker in workers:
+            engine = tuple(rng.getrandbits(64) for _ in range(1500))
+            local = tuple(rng.getrandbits(64) for _ in range(1500))
+            chains.setdefault(worker, []).append(engine)
+            apply(stream.batch(worker, Stored(Tier.DEVICE, engine, None, BLOCK_SIZE, local)))
+            apply(stream.batch(worker, Stored(Tier.HOST, engine[:700], None, BLOCK_SIZE, ())))
+    first_size = index.compact.keys.size
+    for worker in workers[:3]:
+        apply(stream.batch(worker, Removed(Tier.DEVICE, chains[worker][0][200:])))
+    apply(stream.batch(workers[3], Cleared(Tier.HOST)))
+    apply(stream.batch(workers[4], epoch=1, seq=0))  # restarted: its inventory is gone
+    assert index.promoted_workers == []
+    assert first_size > 4096 * 4 and index.compact.count == sum(
+        1 for worker in workers for _ in fold.iter_worker_records(worker))
     _agrees_with_the_fold(index, fold)
