@@ -353,16 +353,10 @@ class InventoryFold:
         among those seen on the tier: residency rules read both, and they outlive the records.
         """
         own = self._workers[worker].by_provenance[provenance]
-        group = event.group_idx
-        if event.spec_kind is not None and own.group_kinds.get(group) != event.spec_kind:
-            own.group_kinds[group] = event.spec_kind
-            own.rules.clear()
+        _declare_kind(own, event.group_idx, event.spec_kind)
         if attached:
-            seen = own.tier_groups[event.tier]
-            if group not in seen:
-                seen.add(group)
-                own.rules.pop(event.tier, None)
-            own.placements.add((group, event.ownership))
+            _saw_group(own, event.tier, event.group_idx)
+            own.placements.add((event.group_idx, event.ownership))
 
     def adopt_records(self, worker: WorkerId, records: Iterable[BlockRecord]) -> None:
         """Hold records another holder kept until now, beside what the worker's state already has."""
@@ -398,9 +392,7 @@ class InventoryFold:
         retained = state.by_provenance[RETAINED]
         group, ownership = event.group_idx, event.ownership
         tier_records = own.records[event.tier]
-        if event.spec_kind is not None and own.group_kinds.get(group) != event.spec_kind:
-            own.group_kinds[group] = event.spec_kind
-            own.rules.clear()
+        _declare_kind(own, group, event.spec_kind)
         if not event.has_tokens:
             self._store_without_tokens(state, provenance, event, stream_seq, facts)
             return
@@ -793,6 +785,21 @@ def _record_order(record: BlockRecord) -> tuple:
     return (record.engine_hash, record.group_idx, record.ownership or "")
 
 
+def _declare_kind(own: _ProvenanceState, group: int, spec_kind: str | None) -> None:
+    """A store declared its group's kind: a new one changes the residency rules."""
+    if spec_kind is not None and own.group_kinds.get(group) != spec_kind:
+        own.group_kinds[group] = spec_kind
+        own.rules.clear()
+
+
+def _saw_group(own: _ProvenanceState, tier: Tier, group: int) -> None:
+    """A group held a block on a tier: it is among the tier's groups until the tier is cleared."""
+    seen = own.tier_groups[tier]
+    if group not in seen:
+        seen.add(group)
+        own.rules.pop(tier, None)
+
+
 def _attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
     """Hold `record` in one provenance's inventory (the fold's and every restore's one way in)."""
     tier, group = record.tier, record.group_idx
@@ -807,10 +814,7 @@ def _attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
     counts = by_group.get(group)
     if counts is None:
         counts = by_group[group] = Counter()
-        seen = own.tier_groups[tier]
-        if group not in seen:
-            seen.add(group)
-            own.rules.pop(tier, None)
+        _saw_group(own, tier, group)
     # (dict.get, not Counter's __missing__: most hashes are new, and that is a Python call each)
     counts[record.sequence_hash] = counts.get(record.sequence_hash, 0) + 1
     own.placements.add((group, record.ownership))
