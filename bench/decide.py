@@ -299,9 +299,10 @@ async def service_figures(batches: list[EventBatch], queries: list[ReuseRequest]
 
     from decide.service import DecideService
     from kvledger.runtime.embedded import EmbeddedNats
-    from kvledger.events import encode_batch
     from kvledger.settings import load_settings
-    from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, ensure_stream, events_stream
+    from kvledger.runtime.streams import (
+        DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, ensure_stream, events_stream, publish_batches,
+    )
 
     overrides = {f"reuse.{field.name}": getattr(reuse, field.name) for field in attrs.fields(ReuseSettings)}
     with tempfile.TemporaryDirectory() as store, EmbeddedNats(store) as server:
@@ -311,9 +312,7 @@ async def service_figures(batches: list[EventBatch], queries: list[ReuseRequest]
         nc = await nats.connect(server.url)
         js = nc.jetstream()
         await ensure_stream(js, events_stream(settings.stream))
-        for start in range(0, len(batches), 256):
-            await asyncio.gather(*(js.publish(b.subject, encode_batch(b), headers={"Nats-Msg-Id": b.msg_id})
-                                   for b in batches[start:start + 256]))
+        await publish_batches(js, batches)
         rounds = itertools.count()
         runs: dict[str, list[dict[str, float]]] = {"batched": [], "single": []}
         async with DecideService(settings) as service:

@@ -116,7 +116,7 @@ async def main(argv: list[str] | None = None) -> int:
 
     from decide.cpu import compile_kernels
     from kvledger.runtime.embedded import EmbeddedNats
-    from kvledger.runtime.streams import EVENTS_SUBJECT_PREFIX, ensure_stream, events_stream
+    from kvledger.runtime.streams import EVENTS_SUBJECT_PREFIX, ensure_stream, events_stream, publish_batches
     from kvledger.settings import ReuseSettings, load_settings
 
     compile_kernels(ReuseSettings())  # so the in-process index is not timed compiling
@@ -129,9 +129,7 @@ async def main(argv: list[str] | None = None) -> int:
         nc = await nats.connect(server.url)
         js = nc.jetstream()
         await ensure_stream(js, events_stream(settings.stream))
-        for start in range(0, len(batches), 256):
-            await asyncio.gather(*(js.publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id})
-                                   for batch in batches[start:start + 256]))
+        await publish_batches(js, batches)
         print(f"{len(batches):,} batches ({events:,} block events) of {args.workers} engines in KV_EVENTS; "
               f"{args.repeats} measurements of each, taken in turns\n")
         runs: dict[str, list[float]] = {"bare": [], "service": [], "index": []}

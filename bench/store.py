@@ -40,11 +40,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import services  # noqa: E402  (the test suite's throwaway servers)
 
-from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId, encode_batch  # noqa: E402
+from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId  # noqa: E402
 from kvledger.settings import load_settings  # noqa: E402
 from kvledger.runtime.streams import events_stream  # noqa: E402
 from store import audit, database  # noqa: E402
-from kvledger.runtime.streams import ensure_stream  # noqa: E402
+from kvledger.runtime.streams import ensure_stream, publish_batches  # noqa: E402
 from store.projector import StoreService  # noqa: E402
 
 BLOCKS_PER_BATCH = 16
@@ -84,15 +84,9 @@ async def prefill(nats_url: str, block_events: int, workers: int, capacity: int)
     try:
         js = connection.jetstream()
         await ensure_stream(js, events_stream(load_settings(None, environ={}).settings.stream))
-        pending, last, blocks = [], 0, 0
-        for batch in simulated_stream(block_events, workers, capacity):
-            blocks += sum(len(event.block_hashes) for event in batch.events)
-            pending.append(js.publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id}))
-            if len(pending) >= 512:
-                last = max(ack.seq for ack in await asyncio.gather(*pending))
-                pending = []
-        if pending:
-            last = max(ack.seq for ack in await asyncio.gather(*pending))
+        batches = list(simulated_stream(block_events, workers, capacity))
+        blocks = sum(len(event.block_hashes) for batch in batches for event in batch.events)
+        last = await publish_batches(js, batches, window=512)
         return last, blocks, time.perf_counter() - started
     finally:
         await connection.close()

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvledger.events import Cleared, EventBatch, Gap, GapReason, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.events import Cleared, EventBatch, GapReason, Provenance, Removed, Stored, Tier, WorkerId
 from kvledger.fold import (
     BlockRecord,
     BlockRemovedFact,

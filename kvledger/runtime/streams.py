@@ -8,14 +8,16 @@ changing it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Iterable
 
 import attrs
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig
 
-from kvledger.events import DEAD_LETTER_SUBJECT_PREFIX, EVENTS_SUBJECT_PREFIX
+from kvledger.events import DEAD_LETTER_SUBJECT_PREFIX, EVENTS_SUBJECT_PREFIX, EventBatch, encode_batch
 from kvledger.settings import StreamSettings
 
 log = logging.getLogger("kvledger.streams")
@@ -110,6 +112,20 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> None:
             f"stream {spec.name} exists with different settings ({'; '.join(differences)}); "
             "change the settings to match, or migrate the stream by hand"
         )
+
+
+async def publish_batches(js: JetStreamContext, batches: Iterable[EventBatch], window: int = 256) -> int:
+    """Publish canonical batches to KV_EVENTS as ingest would (record bytes, Msg-Id), `window` acks
+    awaited together; returns the last stream seq (0 for none). For benchmarks and tools that prefill a stream."""
+    last, pending = 0, []
+    for batch in batches:
+        pending.append(js.publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id}))
+        if len(pending) >= window:
+            last = max(last, *(ack.seq for ack in await asyncio.gather(*pending)))
+            pending = []
+    if pending:
+        last = max(last, *(ack.seq for ack in await asyncio.gather(*pending)))
+    return last
 
 
 def dead_letter_subject(publisher: str) -> str:
