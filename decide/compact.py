@@ -2,13 +2,15 @@
 
 Nearly every worker of a fleet announces only the plain case: native blocks of KV-cache
 group 0 without an ownership, on the device, host and disk tiers. `InventoryIndex` keeps
-those workers' records here, one 32-byte table entry per (worker, tier, engine hash)
-— sequence hash, parent, references — where the fold spent about 400 bytes of objects
+those workers' records here, one 28-byte table entry per (worker, tier, engine hash)
+— engine hash, sequence hash, parent, and a 32-bit tag packing the owner, the
+references and whether there is a parent — where the fold spent about 400 bytes of objects
 and dict entries; the fold still runs every sequence rule for them (`InventoryFold.begin`).
 
 The first announcement that leaves the plain case — a retained batch, another group or
 ownership, an unknown tier, an unresolvable placeholder, a re-parented block, a second
-engine hash for one sequence hash, a tier-scoped clear of an uncertain worker — promotes
+engine hash for one sequence hash, a tier-scoped clear of an uncertain worker, a block
+stored more than 511 times over — promotes
 the worker: its entries become `BlockRecord`s in the fold and the fold applies that
 announcement and every later one itself. So a promoted worker is folded exactly as the
 fold folds it, and a plain one as the fold would (the index tests compare both).
@@ -18,7 +20,8 @@ hashes and never reads it; it is 0) and the stream seq they were stored at (0: c
 one block agree while compact, so which is latest never mattered).
 
 The table: open addressing with linear probing over numpy arrays, an entry's owner
-`slot * 4 + tier + 1` (0: empty), deletions by backward shift (no tombstones). The
+`slot * 4 + tier + 1` (0: empty; so at most 2**20 workers are held here, the rest are
+promoted), deletions by backward shift (no tombstones). The
 kernels below are compiled by numba, as `decide.kernels` are, and cached with them.
 """
 
@@ -49,10 +52,15 @@ STORED, NOT_PLAIN, FULL = 0, 1, 2
 _OWNER_MULTIPLIER = np.uint64(0xD6E8FEB86659FD93)
 _HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
 _S32 = np.uint64(32)
+# An entry's tag: owner in bits 0-21, references in bits 22-30, whether it has a parent in bit 31.
+_OWNER = np.uint32((1 << 22) - 1)
+_REF_SHIFT = np.uint32(22)
+_ONE_REF = np.uint32(1 << 22)
+REFS_MAX = 511
 _HAS_PARENT = np.uint32(1 << 31)
-_REFS = np.uint32((1 << 31) - 1)
+MAX_SLOTS = 1 << 20  # owners fit 22 bits
 # Grown by a quarter past 80 % full, so the table stays 64-80 % full (linear probing stays
-# short there) and a fleet's inventory costs 40-50 bytes per residency, not up to 64.
+# short there) and a residency costs 35-44 bytes, not up to 56.
 _MAX_LOAD = 0.8
 _GROWTH = 1.25
 _MIN_SIZE = 4096
@@ -72,12 +80,17 @@ def _next(position, size):
 
 
 @_inlined
-def _find(keys, owners, owner, key):
+def _refs(tag):
+    return (tag >> _REF_SHIFT) & np.uint32(REFS_MAX)
+
+
+@_inlined
+def _find(keys, tags, owner, key):
     """The entry's position, or -1."""
     size = keys.size
     position = _home(owner, key, size)
     while True:
-        held = owners[position]
+        held = tags[position] & _OWNER
         if held == 0:
             return -1
         if held == owner and keys[position] == key:
@@ -86,26 +99,26 @@ def _find(keys, owners, owner, key):
 
 
 @_inlined
-def _free_position(keys, owners, owner, key):
+def _free_position(keys, tags, owner, key):
     size = keys.size
     position = _home(owner, key, size)
-    while owners[position] != 0:
+    while tags[position] != 0:
         position = _next(position, size)
     return position
 
 
 @_inlined
-def _delete(keys, owners, sequences, parents, meta, position):
+def _delete(keys, tags, sequences, parents, position):
     """Empty one entry, shifting later entries of its probe run back (linear probing's deletion)."""
     size = keys.size
-    owners[position] = 0
+    tags[position] = 0
     hole = position
     probe_at = position
     while True:
         probe_at = _next(probe_at, size)
-        if owners[probe_at] == 0:
+        if tags[probe_at] == 0:
             return
-        home = _home(owners[probe_at], keys[probe_at], size)
+        home = _home(tags[probe_at] & _OWNER, keys[probe_at], size)
         # The entry may move into the hole unless its home lies cyclically in (hole, probe_at].
         if hole <= probe_at:
             stays = hole < home <= probe_at
@@ -114,26 +127,25 @@ def _delete(keys, owners, sequences, parents, meta, position):
         if stays:
             continue
         keys[hole] = keys[probe_at]
-        owners[hole] = owners[probe_at]
+        tags[hole] = tags[probe_at]
         sequences[hole] = sequences[probe_at]
         parents[hole] = parents[probe_at]
-        meta[hole] = meta[probe_at]
-        owners[probe_at] = 0
+        tags[probe_at] = 0
         hole = probe_at
 
 
 @_inlined
-def _copy_of(keys, owners, first_owner, key):
+def _copy_of(keys, tags, first_owner, key):
     """Position of the block's entry on any tier of the worker (copies agree while compact), or -1."""
     for tier in range(_TIER_COUNT):
-        position = _find(keys, owners, first_owner + np.uint32(tier), key)
+        position = _find(keys, tags, first_owner + np.uint32(tier), key)
         if position >= 0:
             return position
     return -1
 
 
 @_compiled
-def store_blocks(keys, owners, sequences, parents, meta, count, limit, first_owner, tier,
+def store_blocks(keys, tags, sequences, parents, count, limit, first_owner, tier,
                  engines, local, has_tokens, parent_engine, has_parent,
                  index_keys, index_rows, index_bits, masks, position, word, bit,
                  out_sequences, out_new, counts):
@@ -155,7 +167,7 @@ def store_blocks(keys, owners, sequences, parents, meta, count, limit, first_own
     chained = False
     unknown_parent = 0
     if has_tokens and has_parent:
-        parent_at = _copy_of(keys, owners, first_owner, parent_engine)
+        parent_at = _copy_of(keys, tags, first_owner, parent_engine)
         if parent_at >= 0:
             parent_sequence = sequences[parent_at]
             chained = True
@@ -166,26 +178,28 @@ def store_blocks(keys, owners, sequences, parents, meta, count, limit, first_own
     added = 0
     for block in range(blocks):
         engine = engines[block]
-        held = _find(keys, owners, owner, engine)
+        held = _find(keys, tags, owner, engine)
         found[block] = held
+        if held >= 0 and _refs(tags[held]) + blocks > REFS_MAX:
+            return NOT_PLAIN, 0  # more references than a tag counts
         if has_tokens:
             sequence = chain_hash(parent_sequence, local[block]) if chained else local[block]
             block_parents[block] = parent
             block_has_parent[block] = parent_known
         else:
-            copy = held if held >= 0 else _copy_of(keys, owners, first_owner, engine)
+            copy = held if held >= 0 else _copy_of(keys, tags, first_owner, engine)
             if copy < 0:
                 return NOT_PLAIN, 0  # an unresolved placeholder
             sequence = sequences[copy]
             block_parents[block] = parents[copy]
-            block_has_parent[block] = (meta[copy] & _HAS_PARENT) != 0
+            block_has_parent[block] = (tags[copy] & _HAS_PARENT) != 0
         out_sequences[block] = sequence
         out_new[block] = held < 0
         if held < 0:
             added += 1
-            copy = _copy_of(keys, owners, first_owner, engine)
+            copy = _copy_of(keys, tags, first_owner, engine)
             if copy >= 0 and (sequences[copy] != sequence or parents[copy] != block_parents[block]
-                              or ((meta[copy] & _HAS_PARENT) != 0) != block_has_parent[block]):
+                              or ((tags[copy] & _HAS_PARENT) != 0) != block_has_parent[block]):
                 return NOT_PLAIN, 0  # the engine re-parented a block it holds on another tier
             row = probe(index_keys, index_rows, index_bits, sequence)
             if (masks[row, position, word] >> np.uint64(bit)) & np.uint64(1):
@@ -212,72 +226,66 @@ def store_blocks(keys, owners, sequences, parents, meta, count, limit, first_own
     for block in range(blocks):
         held = found[block]
         if held >= 0:
-            meta[held] = (meta[held] & _HAS_PARENT) | ((meta[held] & _REFS) + np.uint32(1))
+            tags[held] += _ONE_REF
             duplicates += 1
         else:
-            at = _free_position(keys, owners, owner, engines[block])
+            at = _free_position(keys, tags, owner, engines[block])
             keys[at] = engines[block]
-            owners[at] = owner
+            tags[at] = owner | _ONE_REF | (_HAS_PARENT if block_has_parent[block] else np.uint32(0))
             sequences[at] = out_sequences[block]
             parents[at] = block_parents[block]
-            meta[at] = np.uint32(1) | (_HAS_PARENT if block_has_parent[block] else np.uint32(0))
     counts[0] = unknown_parent
     counts[1] = duplicates
     return STORED, added
 
 
 @_compiled
-def remove_blocks(keys, owners, sequences, parents, meta, owner, engines, out_sequences, out_gone):
+def remove_blocks(keys, tags, sequences, parents, owner, engines, out_sequences, out_gone):
     """One plain `Removed` event, as `InventoryFold._remove` applies it: returns (unknown removals, blocks gone)."""
     unknown = 0
     gone = 0
     for block in range(engines.size):
         out_gone[block] = False
-        position = _find(keys, owners, owner, engines[block])
+        position = _find(keys, tags, owner, engines[block])
         if position < 0:
             unknown += 1
             continue
-        refs = meta[position] & _REFS
-        if refs > 1:
-            meta[position] = (meta[position] & _HAS_PARENT) | (refs - np.uint32(1))
+        if _refs(tags[position]) > 1:
+            tags[position] -= _ONE_REF
             continue
         out_sequences[block] = sequences[position]
         out_gone[block] = True
         gone += 1
-        _delete(keys, owners, sequences, parents, meta, position)
+        _delete(keys, tags, sequences, parents, position)
     return unknown, gone
 
 
 @_compiled
-def move_entries(keys, owners, sequences, parents, meta, new_keys, new_owners, new_sequences, new_parents, new_meta,
-                 drop_first, drop_last):
+def move_entries(keys, tags, sequences, parents, new_keys, new_tags, new_sequences, new_parents, drop_first, drop_last):
     """Insert every entry whose owner is outside [drop_first, drop_last] into the empty new table; returns how many."""
     moved = 0
     for position in range(keys.size):
-        owner = owners[position]
+        owner = tags[position] & _OWNER
         if owner == 0 or drop_first <= owner <= drop_last:
             continue
-        at = _free_position(new_keys, new_owners, owner, keys[position])
+        at = _free_position(new_keys, new_tags, owner, keys[position])
         new_keys[at] = keys[position]
-        new_owners[at] = owner
+        new_tags[at] = tags[position]
         new_sequences[at] = sequences[position]
         new_parents[at] = parents[position]
-        new_meta[at] = meta[position]
         moved += 1
     return moved
 
 
 @_compiled
-def insert_entries(keys, owners, sequences, parents, meta, new_owners, new_keys, new_sequences, new_parents,
-                   new_meta):
+def insert_entries(keys, tags, sequences, parents, new_tags, new_keys, new_sequences, new_parents):
     """Insert entries known to be absent (a fold's records, taken over at startup)."""
     for item in range(new_keys.size):
-        at = _free_position(keys, owners, new_owners[item], new_keys[item])
+        at = _free_position(keys, tags, new_tags[item] & _OWNER, new_keys[item])
         keys[at] = new_keys[item]
-        owners[at] = new_owners[item]
+        tags[at] = new_tags[item]
         sequences[at] = new_sequences[item]
         parents[at] = new_parents[item]
-        meta[at] = new_meta[item]
 
 
 @_compiled
@@ -312,8 +320,9 @@ def flip_bits(masks, row_bits, rows, position, word, bit, wanted, changed):
             changed[item] = True
 
 
-def entries_of(owners: np.ndarray, first: int, last: int) -> np.ndarray:
+def entries_of(tags: np.ndarray, first: int, last: int) -> np.ndarray:
     """Positions of the entries whose owner is in [first, last]."""
+    owners = tags & _OWNER
     return np.flatnonzero((owners >= first) & (owners <= last))
 
 
@@ -328,15 +337,14 @@ class CompactInventory:
 
     def _allocate(self, size: int) -> None:
         self.keys = mapped_zeros(size, np.uint64)
-        self.owners = mapped_zeros(size, np.uint32)
+        self.tags = mapped_zeros(size, np.uint32)
         self.sequences = mapped_zeros(size, np.uint64)
         self.parents = mapped_zeros(size, np.uint64)
-        self.meta = mapped_zeros(size, np.uint32)
         self.limit = int(size * _MAX_LOAD)
 
     @property
     def arrays(self) -> tuple[np.ndarray, ...]:
-        return self.keys, self.owners, self.sequences, self.parents, self.meta
+        return self.keys, self.tags, self.sequences, self.parents
 
     def nbytes(self) -> int:
         return sum(array.nbytes for array in self.arrays)
@@ -393,21 +401,22 @@ class CompactInventory:
             self._held.pop(slot, None)
         else:
             self._rebuild(self.keys.size, first + TIER_CODE[tier], first + TIER_CODE[tier])
-            self._held[slot] = int(entries_of(self.owners, first, first + _TIER_COUNT - 1).size)
+            self._held[slot] = int(entries_of(self.tags, first, first + _TIER_COUNT - 1).size)
 
     def take_records(self, slot: int, worker: WorkerId, spec: tuple[str | None, int | None]) -> Iterator[BlockRecord]:
         """The worker's entries as the fold's records (see the module's docstring), then dropped from here."""
         first = self.first_owner(slot)
-        positions = entries_of(self.owners, np.uint32(first), np.uint32(first + _TIER_COUNT - 1))
+        positions = entries_of(self.tags, first, first + _TIER_COUNT - 1)
         spec_kind, sliding_window = spec
         records = [
             BlockRecord(
-                worker, TIERS[owner - first], Provenance.NATIVE, engine, sequence,
-                parent if flags >> 31 else None, 0, 0, False, 0, None, spec_kind, sliding_window, flags & int(_REFS),
+                worker, TIERS[(tag & int(_OWNER)) - first], Provenance.NATIVE, engine, sequence,
+                parent if tag >> 31 else None, 0, 0, False, 0, None, spec_kind, sliding_window,
+                (tag >> int(_REF_SHIFT)) & REFS_MAX,
             )
-            for owner, engine, sequence, parent, flags in zip(
-                self.owners[positions].tolist(), self.keys[positions].tolist(), self.sequences[positions].tolist(),
-                self.parents[positions].tolist(), self.meta[positions].tolist(),
+            for tag, engine, sequence, parent in zip(
+                self.tags[positions].tolist(), self.keys[positions].tolist(), self.sequences[positions].tolist(),
+                self.parents[positions].tolist(),
             )
         ]
         self.clear(slot)
@@ -420,11 +429,11 @@ class CompactInventory:
         first = self.first_owner(slot)
         insert_entries(
             *self.arrays,
-            np.array([first + TIER_CODE[record.tier] for record in records], dtype=np.uint32),
+            np.array([(first + TIER_CODE[record.tier]) | record.refs << int(_REF_SHIFT)
+                      | (0 if record.parent_hash is None else 1 << 31) for record in records], dtype=np.uint32),
             np.array([record.engine_hash for record in records], dtype=np.uint64),
             np.array([record.sequence_hash for record in records], dtype=np.uint64),
             np.array([record.parent_hash or 0 for record in records], dtype=np.uint64),
-            np.array([record.refs | (0 if record.parent_hash is None else 1 << 31) for record in records], dtype=np.uint32),
         )
         self.count += len(records)
         self._held[slot] = self._held.get(slot, 0) + len(records)
@@ -438,8 +447,8 @@ def plain_records(records: list[BlockRecord]) -> tuple[str | None, int | None] |
     """The one (spec_kind, sliding_window) of a worker's records when all of them are plain, else None.
 
     Plain, as `store_blocks` keeps them: native, group 0, no ownership, on the device, host or
-    disk tier, indexable, one spec, copies of a block agreeing, and on each tier no sequence
-    hash under two engine hashes.
+    disk tier, indexable, at most REFS_MAX references, one spec, copies of a block agreeing,
+    and on each tier no sequence hash under two engine hashes.
     """
     specs = {(record.spec_kind, record.sliding_window) for record in records}
     if len(specs) > 1:
@@ -448,7 +457,7 @@ def plain_records(records: list[BlockRecord]) -> tuple[str | None, int | None] |
     sequences_seen: set[tuple[Tier, int]] = set()
     for record in records:
         if (record.provenance is not Provenance.NATIVE or record.group_idx or record.ownership is not None
-                or record.tier not in TIER_CODE or not record.indexable):
+                or record.tier not in TIER_CODE or not record.indexable or record.refs > REFS_MAX):
             return None
         if placement.setdefault(record.engine_hash, (record.sequence_hash, record.parent_hash)) != (
                 record.sequence_hash, record.parent_hash):

@@ -36,7 +36,9 @@ from kvledger.fold import (
 
 from kvledger.runtime.memory import mapped_zeros
 
-from decide.compact import NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, flip_bits, lookup_rows, plain_records
+from decide.compact import (
+    MAX_SLOTS, NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, flip_bits, lookup_rows, plain_records,
+)
 from decide.kernels import fill_table
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
@@ -189,7 +191,7 @@ class InventoryIndex:
             return facts
         events = batch.events
         for number, event in enumerate(events):
-            if self._apply_plain_event(slot, worker, event, stream_seq, facts):
+            if slot not in self._promoted and self._apply_plain_event(slot, worker, event, stream_seq, facts):
                 continue
             # Beyond the plain case: the fold holds this worker from here on.
             self._promote(slot)
@@ -299,6 +301,8 @@ class InventoryIndex:
         if spec is None:
             return
         slot = self._slot_of_worker[worker]
+        if slot >= MAX_SLOTS:
+            return
         self.compact.put_records(slot, records)
         self.fold.release_records(worker, NATIVE)
         self._promoted.discard(slot)
@@ -395,6 +399,8 @@ class InventoryIndex:
         self.workers.append(worker)
         self._slot_of_worker[worker] = slot
         self.slot_by_key[(worker.publisher, worker.dp_rank)] = slot
+        if slot >= MAX_SLOTS:
+            self._promoted.add(slot)  # beyond what an entry's owner field holds: folded as objects
         if len(self.workers) > self.words * 64:
             grown = mapped_zeros((self.masks.shape[0], len(CLASSES), self.words * 2), np.uint64)
             grown[:, :, : self.words] = self.masks

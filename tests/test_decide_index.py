@@ -15,6 +15,7 @@ from kvledger.fold import InventoryFold
 from kvledger.hashing import sequence_hashes
 from builders import BLOCK_SIZE, Stream, local_hashes
 
+from decide.compact import REFS_MAX
 from decide.index import CLASSES, MISSING_ROW, InventoryIndex
 from decide.kernels import probe
 
@@ -200,4 +201,40 @@ def test_the_compact_table_grows_and_clears_as_the_fold_folds() -> None:
     assert index.promoted_workers == []
     assert first_size > 4096 * 4 and index.compact.count == sum(
         1 for worker in workers for _ in fold.iter_worker_records(worker))
+    _agrees_with_the_fold(index, fold)
+
+
+def test_a_block_stored_past_what_a_tag_counts_promotes_its_worker() -> None:
+    stream, index, fold = Stream(), InventoryIndex(), InventoryFold()
+    worker = WorkerId("repeater")
+    block = Stored(Tier.DEVICE, (5,), None, BLOCK_SIZE, local_hashes([1]))
+    for _ in range(REFS_MAX):
+        batch = stream.batch(worker, block)
+        index.apply(*batch)
+        fold.apply(*batch)
+    assert index.promoted_workers == []
+    batch = stream.batch(worker, block)  # one reference more than a tag holds
+    index.apply(*batch)
+    fold.apply(*batch)
+    assert index.promoted_workers == [worker]
+    _agrees_with_the_fold(index, fold)
+    for _ in range(REFS_MAX + 1):
+        batch = stream.batch(worker, Removed(Tier.DEVICE, (5,)))
+        index.apply(*batch)
+        fold.apply(*batch)
+    assert index.size == 0
+    _agrees_with_the_fold(index, fold)
+
+
+def test_workers_past_the_owner_field_are_folded_as_objects(monkeypatch) -> None:
+    import decide.index
+
+    monkeypatch.setattr(decide.index, "MAX_SLOTS", 2)
+    stream, index, fold = Stream(), InventoryIndex(), InventoryFold()
+    workers = [WorkerId(f"w{number}") for number in range(4)]
+    for number, worker in enumerate(workers):
+        batch = stream.batch(worker, Stored(Tier.DEVICE, (100 + number, 7), None, BLOCK_SIZE, local_hashes([1, 2])))
+        index.apply(*batch)
+        fold.apply(*batch)
+    assert index.promoted_workers == workers[2:]
     _agrees_with_the_fold(index, fold)
