@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import attrs
-import numpy as np
 import xxhash
 
 from kvledger.events import Gap, GapReason
-from kvledger.runtime.memory import mapped_zeros
+from kvledger.runtime.memory import mapped_words
 
 # seq -> payload, as the engine's replay buffer returns them from a start seq on
 Fetch = Callable[[int], Awaitable[list[tuple[int, bytes]]]]
@@ -140,10 +139,9 @@ class RecentDigests:
         self.clear()
 
     def clear(self) -> None:
-        # A slot holds seq + 1 (0: empty) beside that seq's digest; Python ints through memoryviews,
-        # as numpy scalars cost more than the rest of this.
-        self._seqs = memoryview(mapped_zeros(self._limit, np.int64, mapped_from=0)).cast("B").cast("q")
-        self._digests = memoryview(mapped_zeros(self._limit, np.uint64, mapped_from=0)).cast("B").cast("Q")
+        # A slot holds seq + 1 (0: empty) beside that seq's digest.
+        self._seqs = mapped_words(self._limit, "q")
+        self._digests = mapped_words(self._limit, "Q")
 
     def put(self, seq: int, digest: int) -> None:
         slot = seq % self._limit
