@@ -129,9 +129,9 @@ class SequenceTracker:
 class RecentDigests:
     """The digests of the last `limit` seqs emitted, as a ring of two arrays.
 
-    An ordered dict of them cost about 100 bytes a seq, 6.5 MB per engine stream once full
-    (1.7 GB for 256 engines, growing for hours); the ring costs 16 bytes a seq, taken only
-    as it is written (`mapped_zeros`).
+    An ordered dict of them cost about 170 bytes a seq, 10.6 MiB per engine stream once
+    full (2.7 GB for 256 engines, growing for hours); the ring costs 16 bytes a seq, taken
+    only as it is written (`mapped_words`).
     """
 
     def __init__(self, limit: int) -> None:
