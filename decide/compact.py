@@ -261,12 +261,32 @@ def remove_blocks(keys, tags, sequences, parents, owner, engines, out_sequences,
 
 
 @_compiled
-def move_entries(keys, tags, sequences, parents, new_keys, new_tags, new_sequences, new_parents, drop_first, drop_last):
-    """Insert every entry whose owner is outside [drop_first, drop_last] into the empty new table; returns how many."""
+def drop_entries(keys, tags, sequences, parents, first, last):
+    """Delete every entry whose owner is in [first, last], in place; returns how many.
+
+    One pass: a deletion shifts later entries of the run back into the freed position,
+    which is therefore looked at again; an entry only ever moves back towards the scan, or
+    (wrapping) from the table's start, already scanned, to its end, still to come.
+    """
+    dropped = 0
+    position = 0
+    while position < keys.size:
+        owner = tags[position] & _OWNER
+        if owner != 0 and first <= owner <= last:
+            _delete(keys, tags, sequences, parents, position)
+            dropped += 1
+        else:
+            position += 1
+    return dropped
+
+
+@_compiled
+def move_entries(keys, tags, sequences, parents, new_keys, new_tags, new_sequences, new_parents):
+    """Insert every entry into the empty new table (a larger one); returns how many."""
     moved = 0
     for position in range(keys.size):
         owner = tags[position] & _OWNER
-        if owner == 0 or drop_first <= owner <= drop_last:
+        if owner == 0:
             continue
         at = _free_position(new_keys, new_tags, owner, keys[position])
         new_keys[at] = keys[position]
@@ -349,17 +369,14 @@ class CompactInventory:
     def nbytes(self) -> int:
         return sum(array.nbytes for array in self.arrays)
 
-    def _rebuild(self, size: int, drop_first: int = 1, drop_last: int = 0) -> None:
-        """Move every entry (but those of owners drop_first..drop_last) into a table of `size` slots."""
-        old = self.arrays
-        self._allocate(size)
-        self.count = int(move_entries(*old, *self.arrays, np.uint32(drop_first), np.uint32(drop_last)))
-
     def _grow(self, needed: int) -> None:
+        """Move every entry into a table large enough for `needed`."""
         size = self.keys.size
         while needed > int(size * _MAX_LOAD):
             size = int(size * _GROWTH)
-        self._rebuild(size)
+        old = self.arrays
+        self._allocate(size)
+        self.count = int(move_entries(*old, *self.arrays))
 
     @staticmethod
     def first_owner(slot: int) -> int:
@@ -396,12 +413,10 @@ class CompactInventory:
     def clear(self, slot: int, tier: Tier | None = None) -> None:
         """Drop the worker's entries on one tier, or on every tier."""
         first = self.first_owner(slot)
-        if tier is None:
-            self._rebuild(self.keys.size, first, first + _TIER_COUNT - 1)
-            self._held.pop(slot, None)
-        else:
-            self._rebuild(self.keys.size, first + TIER_CODE[tier], first + TIER_CODE[tier])
-            self._held[slot] = int(entries_of(self.tags, first, first + _TIER_COUNT - 1).size)
+        low, high = (first, first + _TIER_COUNT - 1) if tier is None else (first + TIER_CODE[tier],) * 2
+        dropped = int(drop_entries(*self.arrays, np.uint32(low), np.uint32(high)))
+        self.count -= dropped
+        self._held[slot] = self._held.get(slot, 0) - dropped
 
     def take_records(self, slot: int, worker: WorkerId, spec: tuple[str | None, int | None]) -> Iterator[BlockRecord]:
         """The worker's entries as the fold's records (see the module's docstring), then dropped from here."""

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from decide_inventories import batches, plain_batches
 from kvledger.events import Cleared, Provenance, Removed, Stored, Tier, WorkerId
-from kvledger.fold import InventoryFold
+from kvledger.fold import BlockRecord, InventoryFold
 from kvledger.hashing import sequence_hashes
 from builders import BLOCK_SIZE, Stream, local_hashes
 
@@ -238,3 +238,32 @@ def test_workers_past_the_owner_field_are_folded_as_objects(monkeypatch) -> None
         fold.apply(*batch)
     assert index.promoted_workers == workers[2:]
     _agrees_with_the_fold(index, fold)
+
+
+def test_clearing_a_worker_in_place_leaves_every_other_entry_reachable() -> None:
+    """A full table (80 %, probe runs wrapping past its end): one worker's entries are dropped
+    in place, and every other entry is still found where a lookup probes for it."""
+    from decide.compact import CompactInventory
+
+    rng = random.Random(4)
+    compact = CompactInventory()
+    held: dict[tuple[int, Tier], list[int]] = {}
+    for slot in range(5):
+        for tier in (Tier.DEVICE, Tier.HOST):
+            engines = [rng.getrandbits(64) for _ in range(780)]
+            held[(slot, tier)] = engines
+            compact.put_records(slot, [
+                BlockRecord(WorkerId(f"w{slot}"), tier, Provenance.NATIVE, engine, engine ^ 1, None, 0, 0)
+                for engine in engines])
+    assert compact.count > 0.75 * compact.keys.size
+    compact.clear(2)
+    compact.clear(3, Tier.HOST)
+    assert compact.held_by(2) == 0 and compact.held_by(3) == 780 and compact.count == 7 * 780
+    for (slot, tier), engines in held.items():
+        gone = slot == 2 or (slot, tier) == (3, Tier.HOST)
+        array = np.array(engines, dtype=np.uint64)
+        sequences, removed = np.empty(array.size, dtype=np.uint64), np.empty(array.size, dtype=np.bool_)
+        unknown = compact.remove(slot, tier, array, sequences, removed)
+        assert unknown == (len(engines) if gone else 0)
+        assert gone or sequences.tolist() == [engine ^ 1 for engine in engines]
+    assert compact.count == 0
