@@ -458,6 +458,11 @@ class CompactInventory:
         return self._held.get(slot, 0)
 
 
+def plain_placement(group_idx: int, ownership: str | None, tier: Tier) -> bool:
+    """Whether a block so placed can be held here: KV-cache group 0, no ownership, device, host or disk."""
+    return not group_idx and ownership is None and tier in TIER_CODE
+
+
 def plain_records(records: list[BlockRecord]) -> tuple[str | None, int | None] | None:
     """The one (spec_kind, sliding_window) of a worker's records when all of them are plain, else None.
 
@@ -471,8 +476,9 @@ def plain_records(records: list[BlockRecord]) -> tuple[str | None, int | None] |
     placement: dict[int, tuple[int, int | None]] = {}
     sequences_seen: set[tuple[Tier, int]] = set()
     for record in records:
-        if (record.provenance is not Provenance.NATIVE or record.group_idx or record.ownership is not None
-                or record.tier not in TIER_CODE or not record.indexable or record.refs > REFS_MAX):
+        if (record.provenance is not Provenance.NATIVE
+                or not plain_placement(record.group_idx, record.ownership, record.tier)
+                or not record.indexable or record.refs > REFS_MAX):
             return None
         if placement.setdefault(record.engine_hash, (record.sequence_hash, record.parent_hash)) != (
                 record.sequence_hash, record.parent_hash):

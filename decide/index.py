@@ -37,7 +37,7 @@ from kvledger.fold import (
 from kvledger.runtime.memory import mapped_zeros
 
 from decide.compact import (
-    MAX_SLOTS, NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, flip_bits, lookup_rows, plain_records,
+    MAX_SLOTS, NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, flip_bits, lookup_rows, plain_placement, plain_records,
 )
 from decide.kernels import fill_table
 
@@ -208,7 +208,7 @@ class InventoryIndex:
         """Apply one event of a plain worker; False (nothing changed) when it is beyond the plain case."""
         kind = type(event)
         if kind is Stored:
-            if event.group_idx or event.ownership is not None or event.tier not in TIER_CODE:
+            if not plain_placement(event.group_idx, event.ownership, event.tier):
                 return False
             spec = (event.spec_kind, event.sliding_window)
             if self._spec_of.setdefault(slot, spec) != spec:
@@ -232,7 +232,7 @@ class InventoryIndex:
             self._set_bits(slot, sequences[new], position, True)
             return True
         if kind is Removed:
-            if event.group_idx or event.ownership is not None or event.tier not in TIER_CODE:
+            if not plain_placement(event.group_idx, event.ownership, event.tier):
                 return False
             engines = np.fromiter(event.block_hashes, dtype=np.uint64, count=len(event.block_hashes))
             sequences = np.empty(engines.size, dtype=np.uint64)
@@ -335,7 +335,8 @@ class InventoryIndex:
 
     def _refresh(self, slot: int, sequence_hash: int, position: int) -> None:
         provenance, tier = CLASSES[position]
-        self._set_bit(slot, sequence_hash, position, self.fold.holds(self.workers[slot], provenance, tier, sequence_hash))
+        wanted = self.fold.holds(self.workers[slot], provenance, tier, sequence_hash)
+        self._set_bit(slot, sequence_hash, position, wanted)
 
     def _set_bit(self, slot: int, sequence_hash: int, position: int, wanted: bool, row: int | None = None) -> None:
         """Set or clear one bit; `row` when the caller has already looked it up (MISSING_ROW: none yet)."""
