@@ -293,15 +293,15 @@ class InventoryIndex:
 
     def _take_plain(self, worker: WorkerId) -> None:
         """Hold a restored worker's records in `compact` when they are all plain (their bits stay as they are)."""
+        slot = self._slot_of_worker[worker]
+        if slot >= MAX_SLOTS:
+            return
         tiers_groups = self.fold.worker_state(worker).position(NATIVE).groups.get("tiers", {})
         if any(groups != [0] for groups in tiers_groups.values()):
             return  # another group stored on a tier (and may have left it): its rule is the fold's to apply
         records = list(self.fold.iter_worker_records(worker))
         spec = plain_records(records)
         if spec is None:
-            return
-        slot = self._slot_of_worker[worker]
-        if slot >= MAX_SLOTS:
             return
         self.compact.put_records(slot, records)
         self.fold.release_records(worker, NATIVE)
