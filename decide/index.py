@@ -254,10 +254,13 @@ class InventoryIndex:
             self._clear_plain(slot, None)
         return True
 
-    def _set_bits(self, slot: int, sequences: np.ndarray, position: int, wanted: bool) -> None:
-        """`_set_bit` for each of an event's distinct sequence hashes: existing rows in one compiled
-        call; rows to make (for a set bit) or to free (their last bit cleared) here."""
-        rows = lookup_rows(self.table_keys, self.table_rows, self.table_bits, sequences)
+    def _set_bits(self, slot: int, sequences: np.ndarray, position: int, wanted: bool,
+                  rows: np.ndarray | None = None) -> None:
+        """`_set_bit` for each of an event's distinct sequence hashes (`rows`: theirs, when the caller
+        has them): existing rows in one compiled call; rows to make (for a set bit) or to free
+        (their last bit cleared) here."""
+        if rows is None:
+            rows = lookup_rows(self.table_keys, self.table_rows, self.table_bits, sequences)
         changed = np.empty(rows.size, dtype=np.bool_)
         word, bit = divmod(slot, 64)
         flip_bits(self.masks, self.row_bits, rows, position, word, bit, wanted, changed)
@@ -278,7 +281,8 @@ class InventoryIndex:
             return
         for cleared in tiers:
             position = _CLASS_OF[(NATIVE, cleared)]
-            self._set_bits(slot, self.row_hash[self._rows_with_bit(slot, position)], position, False)
+            rows = self._rows_with_bit(slot, position).astype(np.int32)
+            self._set_bits(slot, self.row_hash[rows], position, False, rows)
         self.compact.clear(slot, tier)
 
     def _promote(self, slot: int) -> None:
