@@ -6,16 +6,17 @@ requests that arrive within `window_s` of the first one (at most `max_batch`) an
 them with one call of the service's `answer` (one ranking, one pipelined recording), then
 hands each caller its own part: `submit` returns it to an awaiting caller, `enqueue` has
 the batch's own task send it (a NATS request's reply then costs no task of its own). A
-reply still leaves only after its record is acknowledged: `answer` returns once
-KV_DECISIONS has acked every answer of the batch.
+reply still leaves only once its record is on its way to being acknowledged: `answer`
+returns once KV_DECISIONS has acked every answer of the batch, except those whose caller
+takes the ack itself (`decide.recorder.Record.ack_to`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Protocol
 
 log = logging.getLogger("kvledger.decide")
 
@@ -26,13 +27,14 @@ class _Answers(Protocol):
 
 
 Answer = Callable[[Sequence[object]], Awaitable[_Answers]]
-Deliver = Callable[[bytes], Awaitable[object]]  # sends one request's reply
+# Sends one request's reply: its bytes, and whether they are its answer (not a refusal, not a failure).
+Deliver = Callable[[bytes, bool], Awaitable[object]]
 FailureReply = Callable[[Exception], bytes]  # the reply to every request of a batch that failed
 
 
 class MicroBatcher:
     """`await batcher.submit(body)` → (this body's answer bytes, whether it was refused);
-    `batcher.enqueue(body, deliver)` → `await deliver(answer bytes)` once the batch is answered."""
+    `batcher.enqueue(body, deliver)` → `await deliver(answer bytes, answered)` once the batch is answered."""
 
     def __init__(self, answer: Answer, *, window_s: float, max_batch: int, failure_reply: FailureReply) -> None:
         if max_batch < 1:
@@ -42,8 +44,14 @@ class MicroBatcher:
         self._max_batch = max_batch
         self._failure_reply = failure_reply
         self._pending: list[tuple[object, asyncio.Future | Deliver]] = []
-        self._timer: asyncio.TimerHandle | None = None
+        # What closes the open batch: a timer (a window), or a task that takes what is pending when it starts.
+        self._closing: asyncio.TimerHandle | asyncio.Task | None = None
         self._running: set[asyncio.Task] = set()
+
+    @property
+    def answers_alone(self) -> bool:
+        """No window and no request waiting: one that comes now need not wait for others (`answer_alone`)."""
+        return self._window_s <= 0 and not self._pending
 
     async def submit(self, body: object) -> tuple[bytes, bool]:
         future = asyncio.get_running_loop().create_future()
@@ -53,22 +61,43 @@ class MicroBatcher:
     def enqueue(self, body: object, deliver: Deliver) -> None:
         self._add(body, deliver)
 
+    async def answer_alone(self, body: object, deliver: Deliver) -> None:
+        """Answer one request now, in the caller's task: for a caller that knows nothing else is
+        waiting and whose answer waits on nothing (it would hold the caller up)."""
+        await self._run([(body, deliver)])
+
     def _add(self, body: object, receiver: asyncio.Future | Deliver) -> None:
         self._pending.append((body, receiver))
         if len(self._pending) >= self._max_batch:
             self._flush()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._window_s, self._flush)
+        elif self._closing is None:
+            if self._window_s > 0:
+                self._closing = asyncio.get_running_loop().call_later(self._window_s, self._flush)
+            else:
+                # The batch closes when the loop next turns: the task that answers it starts
+                # then and takes what came before it (a timer would cost one more turn).
+                self._closing = self._start(self._take_pending())
 
-    def _flush(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    async def _take_pending(self) -> None:
+        self._closing = None
         batch, self._pending = self._pending, []
         if batch:
-            task = asyncio.get_running_loop().create_task(self._run(batch), name="decide-micro-batch")
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            await self._run(batch)
+
+    def _flush(self) -> None:
+        # A task about to take what is pending is left to run: it finds what came after this.
+        if isinstance(self._closing, asyncio.TimerHandle):
+            self._closing.cancel()
+            self._closing = None
+        batch, self._pending = self._pending, []
+        if batch:
+            self._start(self._run(batch))
+
+    def _start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(work, name="decide-micro-batch")
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return task
 
     async def _run(self, batch: list[tuple[object, asyncio.Future | Deliver]]) -> None:
         try:
@@ -85,19 +114,19 @@ class MicroBatcher:
                     if not receiver.done():
                         receiver.set_exception(failure)
                 else:
-                    await self._deliver(receiver, reply)
+                    await self._deliver(receiver, reply, False)
             return
         for position, (_, receiver) in enumerate(batch):
             if isinstance(receiver, asyncio.Future):
                 if not receiver.done():  # its caller may have gone (a cancelled request)
                     receiver.set_result((answers.parts[position], position in answers.refused))
             else:
-                await self._deliver(receiver, answers.parts[position])
+                await self._deliver(receiver, answers.parts[position], position not in answers.refused)
 
     @staticmethod
-    async def _deliver(deliver: Deliver, reply: bytes) -> None:
+    async def _deliver(deliver: Deliver, reply: bytes, answered: bool) -> None:
         try:
-            await deliver(reply)
+            await deliver(reply, answered)
         except Exception:  # one reply that cannot be sent (a closed connection) stops no other
             log.exception("decide: a reply could not be sent")
 

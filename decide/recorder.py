@@ -6,6 +6,10 @@ Here each answer is a plain publish whose reply subject names its batch and posi
 under one inbox; the acks of every batch arrive on a single wildcard subscription and are
 checked as they come. Each answer keeps its own `Nats-Msg-Id` (its request id), so a
 retried request is still recorded once.
+
+An answer whose caller takes the acknowledgement itself (`Record.ack_to`, a subject under
+the caller's inbox) is published with that reply subject and not waited for: JetStream
+acks it to the caller, who accepts the answer only then (docs/decide.md, "On record").
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Record:
     request_id: str
     answer: bytes
     relied_prefix: bytes = b""
+    ack_to: str | None = None  # where JetStream acks it when the caller takes the ack; None: the recorder waits for it
 
 
 class DecisionsNotRecorded(RuntimeError):
@@ -44,7 +49,8 @@ class _PendingAcks:
 
 
 class DecisionRecorder:
-    """`await recorder.record([Record(…), …])` returns once every answer is acknowledged."""
+    """`await recorder.record([Record(…), …])` returns once every answer is acknowledged, or
+    published where its caller takes the acknowledgement."""
 
     def __init__(self, nc: nats.NATS, subject: str, stream: str, *, timeout_s: float = 5.0) -> None:
         self._nc = nc
@@ -60,28 +66,35 @@ class DecisionRecorder:
         self.subscription = await self._nc.subscribe(self._prefix + "*.*", cb=self._on_ack)
 
     async def record(self, answers: Sequence[Record]) -> None:
-        if not answers:
+        waited = [record for record in answers if record.ack_to is None]
+        for record in answers:
+            if record.ack_to is not None:
+                await self._publish(record, record.ack_to)
+        if not waited:
             return
         token = str(next(self._tokens))
-        pending = _PendingAcks(answers, set(range(len(answers))), asyncio.get_running_loop().create_future())
+        pending = _PendingAcks(waited, set(range(len(waited))), asyncio.get_running_loop().create_future())
         self._batches[token] = pending
         reply = f"{self._prefix}{token}."
         try:
-            for number, record in enumerate(answers):
-                headers = {"Nats-Msg-Id": record.request_id, "Nats-Expected-Stream": self._stream}
-                if record.relied_prefix:
-                    headers[RELIED_PREFIX_HEADER] = record.relied_prefix.decode()
-                await self._nc.publish(self._subject, record.answer, reply=f"{reply}{number}", headers=headers)
+            for number, record in enumerate(waited):
+                await self._publish(record, f"{reply}{number}")
             # A large batch gets more time: its acks come back one by one.
-            timeout = self._timeout_s + len(answers) / 10_000
+            timeout = self._timeout_s + len(waited) / 10_000
             try:
                 await asyncio.wait_for(asyncio.shield(pending.done), timeout)
             except asyncio.TimeoutError:
                 raise DecisionsNotRecorded(
-                    f"{len(pending.waiting)} of {len(answers)} answers not acknowledged by {self._stream} "
+                    f"{len(pending.waiting)} of {len(waited)} answers not acknowledged by {self._stream} "
                     f"within {timeout:.1f} s") from None
         finally:
             self._batches.pop(token, None)
+
+    async def _publish(self, record: Record, reply: str) -> None:
+        headers = {"Nats-Msg-Id": record.request_id, "Nats-Expected-Stream": self._stream}
+        if record.relied_prefix:
+            headers[RELIED_PREFIX_HEADER] = record.relied_prefix.decode()
+        await self._nc.publish(self._subject, record.answer, reply=reply, headers=headers)
 
     async def _on_ack(self, msg: Msg) -> None:
         token, _, number_text = msg.subject[len(self._prefix):].partition(".")

@@ -4,7 +4,9 @@ Warm-starts the index from the newest KV_SNAPSHOTS object (or replays KV_EVENTS 
 start), warms the backend up, follows KV_EVENTS live with an ordered consumer, answers
 `kvledger.decide` and `kvledger.decide.batch` over NATS and `POST /v1/decide[/batch]` over
 HTTP, and appends every answer to KV_DECISIONS with Nats-Msg-Id = request id so a retried
-request is recorded once.
+request is recorded once. A reply leaves once its record is acknowledged, or, for a NATS
+request that asks to take the acknowledgement itself (`kvledger.client` does), once its
+record is published with the caller's ack subject (docs/decide.md, "On record").
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import attrs
 import nats
 import nats.js
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from kvledger.decision_codec import RequestError, error_reply
+from kvledger.decision_codec import (
+    RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, RequestError, error_reply, record_ack_subject,
+)
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
 from kvledger.runtime.http import HttpFront, HttpLimits, Request, Response, Route, health_routes
 from kvledger.runtime.lifetime import AsyncLifetime
@@ -61,6 +66,15 @@ from decide.startup import StartupError, newest_snapshot, seconds_since_process_
 log = logging.getLogger("kvledger.decide")
 
 QUEUE_GROUP = "kvledger-decide"
+_CALLER_TAKES_THE_ACK = {RECORD_ACK_HEADER: RECORD_ACK_TO_CALLER}
+
+
+@attrs.frozen
+class SingleRequest:
+    """A single request waiting for its micro-batch, and where its record's ack goes when its caller takes it."""
+
+    parsed: Parsed
+    ack_to: str | None = None
 
 
 # --- the service -----------------------------------------------------------------------------
@@ -84,9 +98,10 @@ class DecideService(AsyncLifetime):
         self._js: nats.js.JetStreamContext | None = None
         self._recorder: DecisionRecorder | None = None
         self._subscriptions: list[Subscription] = []
+        self._singles: Subscription | None = None
         # Concurrent single requests (NATS and HTTP) are ranked and recorded together.
         self._batcher = MicroBatcher(
-            self.answer, window_s=settings.decide.batch_window_us / 1e6, max_batch=settings.decide.max_batch,
+            self._answer_singles, window_s=settings.decide.batch_window_us / 1e6, max_batch=settings.decide.max_batch,
             failure_reply=_failure_reply,
         )
         self._http: HttpFront | None = None
@@ -133,7 +148,8 @@ class DecideService(AsyncLifetime):
             f"{EVENTS_SUBJECT_PREFIX}.>", stream=events_spec.name, cb=self._on_event, ordered_consumer=True,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq),
         ))
-        self._subscriptions.append(await self._nc.subscribe(DECIDE_SUBJECT, queue=QUEUE_GROUP, cb=self._on_single))
+        self._singles = await self._nc.subscribe(DECIDE_SUBJECT, queue=QUEUE_GROUP, cb=self._on_single)
+        self._subscriptions.append(self._singles)
         self._subscriptions.append(await self._nc.subscribe(DECIDE_BATCH_SUBJECT, queue=QUEUE_GROUP, cb=self._on_batch))
         await settle_subscriptions(self._nc)  # the server has our interest before anyone is told we started
         limits = HttpLimits(idle_timeout_s=settings.decide.http_idle_timeout_s, body_timeout_s=settings.decide.http_body_timeout_s)
@@ -252,8 +268,9 @@ class DecideService(AsyncLifetime):
         self.metrics.malformed.labels(error.top_field).inc()
         return error.as_json()
 
-    async def answer(self, items: Sequence[Parsed]) -> EncodedAnswers:
-        """The JSON of each request's answer (or of the error naming its field), answers recorded in KV_DECISIONS."""
+    async def answer(self, items: Sequence[Parsed], ack_to: Sequence[str | None] = ()) -> EncodedAnswers:
+        """The JSON of each request's answer (or of the error naming its field), answers recorded in KV_DECISIONS:
+        acknowledged, or published with `ack_to[position]` as the subject its caller takes the ack on."""
         parts: list[bytes] = [b""] * len(items)
         refused: set[int] = set()
         valid: list[tuple[int, ReuseRequest]] = []
@@ -269,7 +286,7 @@ class DecideService(AsyncLifetime):
             answers = self.decide_many([request for _, request in valid])
             for (position, request), payload, relied in zip(valid, answers.answers, answers.relied_prefixes):
                 parts[position] = payload
-                records.append(Record(request.request_id, payload, relied))
+                records.append(Record(request.request_id, payload, relied, ack_to[position] if ack_to else None))
         await self._record(records)
         return EncodedAnswers(tuple(parts), frozenset(refused))
 
@@ -278,26 +295,53 @@ class DecideService(AsyncLifetime):
         assert self._recorder is not None
         await self._recorder.record(records)
 
+    async def _answer_singles(self, singles: Sequence[SingleRequest]) -> EncodedAnswers:
+        return await self.answer([single.parsed for single in singles], [single.ack_to for single in singles])
+
     async def _on_single(self, msg: Msg) -> None:
         # nats-py awaits one callback at a time per subscription: answering here would
         # serialise every client. The request joins the current micro-batch, whose own task
-        # sends the reply once the answer is on record.
+        # sends the reply once the answer is on record, or on its way there with the ack
+        # going to a caller that asked to take it.
         parsed = parse_single(msg.data)
         if isinstance(parsed, RequestError):
-            await msg.respond(json_bytes(self.refuse(parsed)))
+            await self._respond(msg.reply, json_bytes(self.refuse(parsed)))
             return
-        self._batcher.enqueue(parsed, msg.respond)
+        if msg.reply and msg.headers and msg.headers.get(RECORD_ACK_HEADER) == RECORD_ACK_TO_CALLER:
+            single = SingleRequest(parsed, record_ack_subject(msg.reply))
+            deliver = functools.partial(self._reply_taking_the_ack, msg.reply)
+            # Its answer waits on no ack: alone, it is answered here, two turns of the loop
+            # sooner than in a batch of one; with others waiting, or a window set, it joins them.
+            if self._batcher.answers_alone and self._singles is not None and not self._singles.pending_msgs:
+                await self._batcher.answer_alone(single, deliver)
+            else:
+                self._batcher.enqueue(single, deliver)
+        else:
+            self._batcher.enqueue(SingleRequest(parsed), functools.partial(self._reply, msg.reply))
+
+    async def _reply_taking_the_ack(self, reply: str, data: bytes, answered: bool) -> None:
+        """The reply to a caller that takes its record's ack; the header says an ack is coming, with an answer only."""
+        await self._respond(reply, data, _CALLER_TAKES_THE_ACK if answered else None)
+
+    async def _reply(self, reply: str, data: bytes, _answered: bool) -> None:
+        await self._respond(reply, data)
+
+    async def _respond(self, reply: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        # Not `Msg.respond`: it sends the request's own headers back, and a reply's
+        # headers say how its answer was recorded.
+        assert self._nc is not None
+        await self._nc.publish(reply, data, headers=headers)
 
     async def _on_batch(self, msg: Msg) -> None:
         parsed = parse_batch(msg.data)
         if isinstance(parsed, RequestError):
-            await msg.respond(json_bytes(self.refuse(parsed)))
+            await self._respond(msg.reply, json_bytes(self.refuse(parsed)))
             return
         try:
             reply = (await self.answer(parsed)).as_list()
         except Exception as failure:  # e.g. KV_DECISIONS unreachable: say so rather than let the client time out
             reply = _failure_reply(failure)
-        await msg.respond(reply)
+        await self._respond(msg.reply, reply)
 
     # HTTP front
 
@@ -325,7 +369,7 @@ class DecideService(AsyncLifetime):
             return encoded_response(400, self.refuse(parsed), media_type)
         if batch:
             return encoded_response(200, (await self.answer(parsed)).as_list(), media_type)
-        part, refused = await self._batcher.submit(parsed)
+        part, refused = await self._batcher.submit(SingleRequest(parsed))
         return encoded_response(400 if refused else 200, part, media_type)
 
 

@@ -8,14 +8,18 @@ the same typed values both ways. A call that times out, finds no responder, lose
 connection or meets a service-side failure (HTTP 5xx, an `internal error` answer) is sent
 again, with backoff, under the same request id: decide records each answer in
 KV_DECISIONS with Nats-Msg-Id = request id, so however many attempts it takes, the
-request is on record once. A request the service refuses raises `RequestRefused` and is
-never sent again. This module talks to the service only through its wire format; it
-imports nothing from `decide/`.
+request is on record once. An answer is returned only once it is on record: over NATS a
+single request takes its record's acknowledgement from JetStream itself, beside the
+answer, rather than waiting for decide to relay it (docs/decide.md, "On record"); a
+batch, and every HTTP request, gets its reply after decide saw the acks. A request the
+service refuses raises `RequestRefused` and is never sent again. This module talks to
+the service only through its wire format; it imports nothing from `decide/`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -29,13 +33,18 @@ import nats
 import nats.errors
 
 # The values on the wire are the decision API's one schema.
-from kvledger.decision_codec import JSON, MSGPACK, Answer, Candidate, DecideRequest, ErrorReply, Overlap, new_request_id
+from kvledger.decision_codec import (
+    JSON, MSGPACK, RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, Answer, Candidate, DecideRequest, ErrorReply, Overlap,
+    new_request_id,
+)
 from kvledger.runtime.backoff import Backoff
+from kvledger.runtime.jetstream_ack import AckError, read_ack
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT
 
 log = logging.getLogger("kvledger.client")
 
 T = TypeVar("T")
+Read = Callable[[bytes, str], T]  # a reply's body and media type → the call's result
 
 DEFAULT_TIMEOUT = timedelta(seconds=2)
 
@@ -101,6 +110,42 @@ NO_RETRIES = RetryPolicy(attempts=1)
 # --- transports ------------------------------------------------------------------------------
 
 
+class _Replies:
+    """Single requests' replies and their records' acks, on one subscription of the client's own.
+
+    An attempt's answer comes on `<inbox>.<token>`, JetStream's ack of its record on
+    `kvledger.decision_codec.record_ack_subject` of that; whichever comes first waits for the other's reader.
+    """
+
+    def __init__(self, inbox: str) -> None:
+        self.prefix = inbox + "."
+        self._waiting: dict[str, tuple[asyncio.Future, asyncio.Future]] = {}
+        self._tokens = itertools.count()
+        self.subscription: Any = None
+
+    def open(self) -> tuple[str, asyncio.Future, asyncio.Future]:
+        """A new attempt: its reply subject, and futures of its answer and of its record's ack."""
+        token = str(next(self._tokens))
+        loop = asyncio.get_running_loop()
+        answer, ack = self._waiting[token] = (loop.create_future(), loop.create_future())
+        return self.prefix + token, answer, ack
+
+    def close(self, reply: str) -> None:
+        self._waiting.pop(reply[len(self.prefix):], None)
+
+    async def on_message(self, msg: Any) -> None:
+        token, _, rest = msg.subject[len(self.prefix):].partition(".")
+        waiting = self._waiting.get(token)
+        if waiting is None:
+            return  # for an attempt that already gave up
+        future = waiting[1] if rest else waiting[0]
+        if not future.done():
+            future.set_result(msg)
+
+
+_TAKE_THE_ACK = {RECORD_ACK_HEADER: RECORD_ACK_TO_CALLER}
+
+
 class _NatsTransport:
     """Request-reply on decide's subjects; replies are JSON."""
 
@@ -113,18 +158,61 @@ class _NatsTransport:
     def __init__(self, connection: nats.NATS, *, owned: bool) -> None:
         self.connection = connection
         self._owned = owned
+        self._replies = _Replies(connection.new_inbox())
 
-    async def exchange(self, payload: bytes, *, batch: bool, timeout_s: float) -> tuple[bytes, str]:
-        subject = DECIDE_BATCH_SUBJECT if batch else DECIDE_SUBJECT
+    async def start(self) -> _NatsTransport:
+        self._replies.subscription = await self.connection.subscribe(
+            self._replies.prefix + ">", cb=self._replies.on_message)
+        return self
+
+    async def exchange(self, payload: bytes, *, batch: bool, timeout_s: float, read: Read[T]) -> T:
+        if not batch:
+            return await self._single(payload, timeout_s, read)
         try:
-            reply = await self.connection.request(subject, payload, timeout=timeout_s)
+            reply = await self.connection.request(DECIDE_BATCH_SUBJECT, payload, timeout=timeout_s)
         except self._TRANSIENT as error:
-            raise _Transient(f"{type(error).__name__} on {subject}") from error
-        return reply.data, JSON
+            raise _Transient(f"{type(error).__name__} on {DECIDE_BATCH_SUBJECT}") from error
+        return read(reply.data, JSON)
+
+    async def _single(self, payload: bytes, timeout_s: float, read: Read[T]) -> T:
+        """One attempt: the answer, taken once JetStream's ack says its record is stored."""
+        reply_subject, answered, recorded = self._replies.open()
+        waiting_for = f"no answer on {DECIDE_SUBJECT}"
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.connection.publish(DECIDE_SUBJECT, payload, reply=reply_subject, headers=_TAKE_THE_ACK)
+                reply = await answered
+                headers = reply.headers or {}
+                if headers.get("Status") == "503":
+                    raise _Transient(f"NoRespondersError on {DECIDE_SUBJECT}") from nats.errors.NoRespondersError()
+                value = read(reply.data, JSON)
+                # A refusal or a failure is not recorded; an answer sent without the header
+                # was sent after decide saw its record acknowledged.
+                if headers.get(RECORD_ACK_HEADER) == RECORD_ACK_TO_CALLER and not isinstance(value, RequestRefused):
+                    # JetStream says "no stream listens" only to the publisher, decide: a missing
+                    # KV_DECISIONS reads here as an ack that never comes.
+                    waiting_for = "the answer came, but no ack of its record in KV_DECISIONS"
+                    ack = await recorded
+                    ack_headers = ack.headers or {}
+                    try:
+                        read_ack(ack_headers.get("Status"), ack_headers.get("Description", ""), ack.data)
+                    except AckError as error:
+                        raise _Transient(f"the answer came but was not recorded: {error}") from error
+                return value
+        except TimeoutError as error:
+            raise _Transient(f"{waiting_for} within {timeout_s:g} s") from error
+        except self._TRANSIENT as error:
+            raise _Transient(f"{type(error).__name__} on {DECIDE_SUBJECT}") from error
+        finally:
+            self._replies.close(reply_subject)
 
     async def close(self) -> None:
-        if self._owned and not self.connection.is_closed:
+        if self.connection.is_closed:
+            return
+        if self._owned:
             await self.connection.close()
+        elif self._replies.subscription is not None:
+            await self._replies.subscription.unsubscribe()
 
 
 class _HttpTransport:
@@ -150,7 +238,7 @@ class _HttpTransport:
             self._session = aiohttp.ClientSession()
         return self._session
 
-    async def exchange(self, payload: bytes, *, batch: bool, timeout_s: float) -> tuple[bytes, str]:
+    async def exchange(self, payload: bytes, *, batch: bool, timeout_s: float, read: Read[T]) -> T:
         url = self._batch_url if batch else self._single_url
         try:
             async with self._session_now().post(
@@ -170,7 +258,7 @@ class _HttpTransport:
         # decide answers, and refuses (400, 415), in JSON or msgpack; a text/plain 404 means a wrong base URL.
         if media_type not in _CODECS:
             raise DecideError(f"HTTP {status} from {url}: {_error_text(body)}")
-        return body, media_type
+        return read(body, media_type)
 
     async def close(self) -> None:
         if self._owned and self._session is not None:
@@ -279,7 +367,7 @@ class DecideClient:
             connect_options.setdefault("name", "kvledger-client")
             servers = [servers] if isinstance(servers, str) else list(servers)
             transport = _NatsTransport(await nats.connect(servers, **connect_options), owned=True)
-        return cls(transport, timeout=timeout, retry=retry)
+        return cls(await transport.start(), timeout=timeout, retry=retry)
 
     @classmethod
     def http(
@@ -318,15 +406,14 @@ class DecideClient:
             lambda data, media: _read_batch(_CODECS[media], data, request_ids), payload, batch=True,
         )
 
-    async def _with_retries(self, what: str, read: Callable[[bytes, str], T], payload: bytes, *, batch: bool) -> T:
+    async def _with_retries(self, what: str, read: Read[T], payload: bytes, *, batch: bool) -> T:
         if self._closed:
             raise DecideError("the client is closed")
         timeout_s = self.timeout.total_seconds()
         backoff = self.retry.backoff()
         for attempt in range(1, self.retry.attempts + 1):
             try:
-                data, media_type = await self._transport.exchange(payload, batch=batch, timeout_s=timeout_s)
-                return read(data, media_type)
+                return await self._transport.exchange(payload, batch=batch, timeout_s=timeout_s, read=read)
             except _Transient as failure:
                 if attempt == self.retry.attempts:
                     raise DecideUnavailable(

@@ -324,3 +324,18 @@ def relied_prefix_from_header(text: str | None) -> list[int]:
     if len(data) % 8:
         raise ValueError(f"{RELIED_PREFIX_HEADER}: {len(data)} bytes is not a whole number of u64 hashes")
     return list(struct.unpack(f"<{len(data) // 8}Q", data))
+
+
+# A NATS request may ask for its record's acknowledgement to come to the caller
+# (docs/decide.md, "On record"): decide then publishes the answer's record to KV_DECISIONS
+# with `record_ack_subject(reply)` as its reply subject and sends the answer at once,
+# with the same header on it; the caller takes the answer only once JetStream's ack on
+# that subject says the record is stored. A reply without the header was sent after
+# decide itself saw the record acknowledged.
+RECORD_ACK_HEADER = "Kvledger-Record-Ack"
+RECORD_ACK_TO_CALLER = "caller"
+
+
+def record_ack_subject(reply: str) -> str:
+    """Where JetStream acknowledges the record of the answer sent to `reply`: under the caller's own inbox."""
+    return reply + ".recorded"

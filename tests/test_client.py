@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -26,8 +31,10 @@ from kvledger.runtime.lifetime import cancel_and_wait
 from kvledger.settings import Settings
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, decisions_stream, ensure_stream
 from kvledger.runtime.streams import events_stream
+from nats.js.api import ConsumerConfig
 from kvledger.sim.workload import CacheChange, EngineCache, Request
 from builders import BLOCK_SIZE, local_hashes
+from engines import wait_until
 from test_decide_service import DEADLINE_S, ask, decide_settings, http, publish, request_body, scenario
 
 from decide.service import DecideService
@@ -244,12 +251,14 @@ async def test_a_timed_out_request_is_sent_again_under_its_id_and_recorded_once(
 
 @pytest.mark.parametrize("transport", ("nats", "http"))
 async def test_a_service_side_failure_is_retried_then_reported(transport: str, running: RunningDecide) -> None:
-    """Without KV_DECISIONS decide answers `internal error` (HTTP 500): each attempt ranked, none recorded."""
+    """Without KV_DECISIONS no answer is taken: over HTTP decide answers `internal error` (500); over
+    NATS the client, which takes its record's ack itself, hears none. Each attempt ranked, none recorded."""
     js = running.nc.jetstream()
     await js.delete_stream(running.decisions)
-    async with await open_client(transport, running, retry=QUICK_RETRIES) as client:
+    unrecorded = {"http": "no stream listens on the subject", "nats": "the answer came, but no ack of its record"}
+    async with await open_client(transport, running, retry=QUICK_RETRIES, timeout=timedelta(milliseconds=500)) as client:
         request = typed_request("unrecorded-1")
-        with pytest.raises(DecideUnavailable, match="after 3 attempt.*no stream listens on the subject"):
+        with pytest.raises(DecideUnavailable, match=f"after 3 attempt.*{unrecorded[transport]}"):
             await client.decide(request)
         assert running.metric("kvledger_decide_decisions_total") == 3.0
         await ensure_stream(js, decisions_stream(running.settings.stream))
@@ -342,3 +351,102 @@ async def test_with_decide_http_token_set_the_http_client_needs_it_and_a_refusal
             answer = await client.decide(typed_request("allowed"))
         assert answer.request_id == "allowed" and answer.target == "target"
         assert await running.records() == 1  # the refused ones never reached KV_DECISIONS
+
+
+async def test_over_nats_an_answer_kv_decisions_refuses_to_record_is_never_returned(running: RunningDecide) -> None:
+    """The client takes its record's ack itself: a refused record means no answer, however fast the answer came."""
+    js = running.nc.jetstream()
+    async with await open_client("nats", running, retry=QUICK_RETRIES) as client:
+        assert (await client.decide(typed_request("before-sealing"))).request_id == "before-sealing"
+        config = (await js.stream_info(running.decisions)).config
+        await js.update_stream(dataclasses.replace(config, sealed=True))  # refuses every new message
+        with pytest.raises(DecideUnavailable, match="after 3 attempt.*not recorded.*sealed stream"):
+            await client.decide(typed_request("after-sealing"))
+    assert running.metric("kvledger_decide_decisions_total") == 4.0  # each attempt was answered
+    assert await running.records() == 1
+
+
+class DecideProcess:
+    """`kvledger decide` as a process of its own, which a test can SIGKILL and start again."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.args = [sys.executable, "-m", "kvledger.app.cli", "decide", "--nats", nats_url]
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVLEDGER_")}
+        self.env.update(KVLEDGER_DECIDE_HTTP_PORT="0", KVLEDGER_DECIDE_BACKEND="cpu")
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.args, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(30)
+
+
+async def recorded_request_ids(nc: nats.NATS, stream: str) -> list[str]:
+    """The Nats-Msg-Id of every record in KV_DECISIONS, in stream order."""
+    js = nc.jetstream()
+    last_seq = (await js.stream_info(stream)).state.last_seq
+    ids: list[str] = []
+    read_all = asyncio.Event()
+
+    async def collect(msg) -> None:
+        ids.append(msg.headers["Nats-Msg-Id"])
+        if msg.metadata.sequence.stream >= last_seq:
+            read_all.set()
+
+    subscription = await js.subscribe(DECISIONS_SUBJECT, stream=stream, cb=collect, ordered_consumer=True,
+                                      config=ConsumerConfig(headers_only=True))
+    await asyncio.wait_for(read_all.wait(), 30)
+    await subscription.unsubscribe()
+    return ids
+
+
+async def test_every_answer_a_client_returned_is_on_record_across_a_kill_9_of_decide(nats_server) -> None:
+    """16 routers ask without pause; decide is SIGKILLed mid-stream and started again. Every
+    answer DecideClient returned, before, across and after the kill, is in KV_DECISIONS, once."""
+    decide = DecideProcess(nats_server.url)
+    decide.start()
+    patient = RetryPolicy(attempts=10_000, first_backoff=timedelta(milliseconds=20), max_backoff=timedelta(milliseconds=100))
+    returned: list[tuple[float, float, str]] = []  # (asked, answered, request id)
+    stop = asyncio.Event()
+    try:
+        async with await DecideClient.connect_nats(nats_server.url, timeout=timedelta(milliseconds=500),
+                                                   retry=patient) as client:
+            # The first start may compile the kernels: the patient retries wait for it.
+            await asyncio.wait_for(client.decide(typed_request("first", target=None)), 300)
+
+            async def router(number: int) -> None:
+                asked = 0
+                while not stop.is_set():
+                    request = typed_request(f"r{number}-{asked}", target=None)
+                    started = time.monotonic()
+                    answer = await client.decide(request)
+                    assert answer.request_id == request.request_id
+                    returned.append((started, time.monotonic(), answer.request_id))
+                    asked += 1
+
+            routers = [asyncio.create_task(router(number)) for number in range(16)]
+            await wait_until(lambda: len(returned) >= 300, 60, "300 answers before the kill")
+            killed_at = time.monotonic()
+            decide.kill()
+            answered_by_the_kill = len(returned)
+            await asyncio.sleep(0.3)  # the requests in flight now go unanswered, and are asked again
+            decide.start()
+            await wait_until(lambda: len(returned) >= answered_by_the_kill + 300, 300, "300 answers after the restart")
+            stop.set()
+            await asyncio.gather(*routers)
+    finally:
+        stop.set()
+        decide.stop()
+    crossing = [request_id for asked, answered, request_id in returned if asked < killed_at < answered]
+    assert crossing, "no request was in flight when decide was killed"
+    async with await nats.connect(nats_server.url) as nc:
+        recorded = await recorded_request_ids(nc, decide_settings(nats_server.url).stream.decisions_stream)
+    assert len(recorded) == len(set(recorded))  # each once: a retry under the same id is deduplicated
+    assert set(recorded) == {request_id for _, _, request_id in returned} | {"first"}

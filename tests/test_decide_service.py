@@ -14,7 +14,11 @@ import nats
 import pytest
 
 from engines import wait_until
-from kvledger.decision_codec import ANSWER_DECODER, answer_of, decision_to_json, request_from_json
+from kvledger.decision_codec import (
+    ANSWER_DECODER, RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, answer_of, decision_to_json, record_ack_subject,
+    request_from_json,
+)
+from kvledger.runtime.jetstream_ack import read_ack
 from kvledger.events import WorkerId, encode_batch
 from kvledger.fold import InventoryFold
 from kvledger.reuse import ReuseRequest, decide
@@ -152,6 +156,46 @@ async def test_every_answer_of_a_batch_is_its_own_record_and_a_missing_decisions
             await ensure_stream(js, decisions_stream(settings.stream))
             assert (await ask(nc, DECIDE_SUBJECT, request_body("recorded-again")))["request_id"] == "recorded-again"
             assert (await js.stream_info(decisions)).state.messages == 1
+
+
+async def test_a_caller_taking_its_records_ack_gets_the_answer_at_once_and_the_ack_from_jetstream(nats_server) -> None:
+    settings = decide_settings(nats_server.url)
+    decisions = settings.stream.decisions_stream
+    take_the_ack = {RECORD_ACK_HEADER: RECORD_ACK_TO_CALLER}
+    async with await nats.connect(nats_server.url) as nc:
+        js = nc.jetstream()
+        async with DecideService(settings) as service:
+            await service.wait_ready(DEADLINE_S)
+            inbox = nc.new_inbox()
+            received: asyncio.Queue = asyncio.Queue()
+            await nc.subscribe(inbox + ".>", cb=received.put)
+
+            reply_to = inbox + ".1"
+            await nc.publish(DECIDE_SUBJECT, json.dumps(request_body("taker-1")).encode(), reply=reply_to,
+                             headers=take_the_ack)
+            messages = {message.subject: message for message in
+                        [await asyncio.wait_for(received.get(), DEADLINE_S) for _ in range(2)]}
+            assert sorted(messages) == sorted([reply_to, record_ack_subject(reply_to)])
+            answer = messages[reply_to]
+            assert answer.headers == take_the_ack  # says the ack comes on its own
+            assert json.loads(answer.data)["request_id"] == "taker-1"
+            ack = read_ack(None, "", messages[record_ack_subject(reply_to)].data)
+            assert (ack.stream, ack.seq, ack.duplicate) == (decisions, 1, False)
+            record = await js.get_msg(decisions, 1)
+            assert (record.data, record.headers["Nats-Msg-Id"]) == (answer.data, "taker-1")
+
+            # A refusal is no answer: not recorded, so no header and no ack.
+            await nc.publish(DECIDE_SUBJECT, b'{"request_id": "refused-1"}', reply=inbox + ".2", headers=take_the_ack)
+            refusal = await asyncio.wait_for(received.get(), DEADLINE_S)
+            assert refusal.subject == inbox + ".2" and RECORD_ACK_HEADER not in (refusal.headers or {})
+            assert json.loads(refusal.data)["error"]["field"] == "block_size"
+
+            # A plain request gets its reply once decide saw the record acknowledged: no header.
+            plain = await nc.request(DECIDE_SUBJECT, json.dumps(request_body("plain-1")).encode(), timeout=DEADLINE_S)
+            assert RECORD_ACK_HEADER not in (plain.headers or {})
+            assert (await js.get_msg(decisions, 2)).headers["Nats-Msg-Id"] == "plain-1"
+            await nc.flush()
+            assert received.empty()  # no ack went to the caller but for the one that asked
 
 
 async def test_malformed_requests_get_an_error_naming_the_field_and_the_service_goes_on(nats_server) -> None:
