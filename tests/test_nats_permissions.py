@@ -17,6 +17,7 @@ from decide.service import DecideService
 from engines import wait_until
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
+from kvledger.client import NO_RETRIES, DecideClient, DecideRequest
 from kvledger.events import Provenance, WorkerId
 from kvledger.runtime.streams import DECIDE_SUBJECT
 from kvledger.settings import load_settings
@@ -104,11 +105,15 @@ async def test_each_service_works_with_its_own_user(locked_down_nats, sqlite_url
                 nc = await nats.connect(locked_down_nats, user="router", password=PASSWORDS["router"])
                 try:
                     reply = await nc.request(DECIDE_SUBJECT, b'{"request_id": "p", "local_hashes": [], "block_size": 16}', timeout=10)
+                    # kvledger.client takes its record's ack from JetStream under the router's own inbox
+                    async with await DecideClient.connect_nats(nc, retry=NO_RETRIES) as client:
+                        taken = await client.decide(DecideRequest(request_id="q", local_hashes=(), block_size=16))
                 finally:
                     await nc.close()
                 assert decide.started_from is not None  # decide's user read the snapshot
                 answer = json.loads(reply.data)
                 assert answer["request_id"] == "p" and answer["inventory_seq"] == 20, answer
+                assert (taken.request_id, taken.inventory_seq) == ("q", 20)
         finally:
             store_stop.set()
             await store_task
