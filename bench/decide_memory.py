@@ -12,7 +12,8 @@ counted: decide's `InventoryIndex` (with the `InventoryFold` it owns) from canon
 per residency (the process's resident memory after the build minus before it, over the
 residencies), the build's blocks per second, and decide / Dynamo ratios; then, for
 decide, the objects the garbage collector tracks, how long one full collection takes, and
-the bytes of its arrays (compact records, bitmask rows, hash table) per residency. decide's
+the bytes of its arrays (compact records, rows' holders, bitmask rows of rows with many
+holders, rows' hashes and counts, hash table) per residency. decide's
 kernels are compiled (or loaded) before the first reading, as the service does before it
 reports ready.
 """
@@ -87,7 +88,8 @@ def build_decide(residencies: int, workers: int, chain: int, seed: int) -> dict[
     gc.collect()
     # What one full collection stalls decide for, with this inventory held.
     collect_ms = (time.perf_counter() - collect_started) * 1e3
-    arrays = {"compact": index.compact.nbytes(), "masks": index.masks.nbytes,
+    arrays = {"compact": index.compact.nbytes(), "rows' holders": index.holders.nbytes,
+              "bitmask rows": index.spilled.nbytes, "row hashes and counts": index.row_hash.nbytes + index.row_bits.nbytes,
               "table": index.table_keys.nbytes + index.table_rows.nbytes}
     return {"bytes": resident_bytes() - before, "seconds": elapsed, "hashes": index.size, "arrays": arrays,
             "promoted": len(index.promoted_workers),

@@ -29,18 +29,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import numba
 import numpy as np
 
 from kvledger.events import Provenance, Tier, WorkerId
 from kvledger.fold import BlockRecord
 from kvledger.runtime.memory import mapped_zeros
 
-import decide.kernels  # noqa: F401  (sets numba's kernel cache folder before the kernels below are decorated)
+from decide.compiled import compiled as _compiled, inlined as _inlined
 from decide.kernels import chain_hash, probe
+from decide.rows import has_bit
 
-_compiled = numba.njit(cache=True, nogil=True)
-_inlined = numba.njit(cache=True, nogil=True, inline="always")
 
 TIERS: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 TIER_CODE = {tier: code for code, tier in enumerate(TIERS)}
@@ -147,7 +145,7 @@ def _copy_of(keys, tags, first_owner, key):
 @_compiled
 def store_blocks(keys, tags, sequences, parents, count, limit, first_owner, tier,
                  engines, local, has_tokens, parent_engine, has_parent,
-                 index_keys, index_rows, index_bits, masks, position, word, bit,
+                 index_keys, index_rows, index_bits, holders, spilled, position, slot,
                  out_sequences, out_new, counts):
     """One plain `Stored` event of one worker, as `InventoryFold._store` applies it.
 
@@ -201,8 +199,7 @@ def store_blocks(keys, tags, sequences, parents, count, limit, first_owner, tier
             if copy >= 0 and (sequences[copy] != sequence or parents[copy] != block_parents[block]
                               or ((tags[copy] & _HAS_PARENT) != 0) != block_has_parent[block]):
                 return NOT_PLAIN, 0  # the engine re-parented a block it holds on another tier
-            row = probe(index_keys, index_rows, index_bits, sequence)
-            if (masks[row, position, word] >> np.uint64(bit)) & np.uint64(1):
+            if has_bit(holders, spilled, probe(index_keys, index_rows, index_bits, sequence), position, slot):
                 return NOT_PLAIN, 0  # another engine hash already holds this sequence hash here
         if has_tokens:
             parent_sequence, chained = sequence, True
@@ -317,29 +314,6 @@ def lookup_rows(table_keys, table_rows, table_bits, sequences):
     return rows
 
 
-@_compiled
-def flip_bits(masks, row_bits, rows, position, word, bit, wanted, changed):
-    """Set (`wanted`) or clear one worker's bit in each existing row; `changed[i]` says whether row i's bit moved.
-
-    Rows that do not exist yet (MISSING_ROW, 0) are left to the caller, which makes them.
-    """
-    flag = np.uint64(1) << np.uint64(bit)
-    for item in range(rows.size):
-        row = rows[item]
-        changed[item] = False
-        if row == 0:
-            continue
-        held = (masks[row, position, word] & flag) != 0
-        if wanted and not held:
-            masks[row, position, word] |= flag
-            row_bits[row] += 1
-            changed[item] = True
-        elif held and not wanted:
-            masks[row, position, word] &= ~flag
-            row_bits[row] -= 1
-            changed[item] = True
-
-
 def entries_of(tags: np.ndarray, first: int, last: int) -> np.ndarray:
     """Positions of the entries whose owner is in [first, last]."""
     owners = tags & _OWNER
@@ -386,12 +360,11 @@ class CompactInventory:
               parent: int | None, index_arrays: tuple, position: int,
               out_sequences: np.ndarray, out_new: np.ndarray) -> int:
         """`store_blocks` for one event, growing the table as needed: STORED or NOT_PLAIN."""
-        word, bit = divmod(slot, 64)
         while True:
             result, added = store_blocks(
                 *self.arrays, self.count, self.limit, np.uint32(self.first_owner(slot)), TIER_CODE[tier],
                 engines, local, has_tokens, np.uint64(parent or 0), parent is not None,
-                *index_arrays, position, word, bit, out_sequences, out_new, self.counts,
+                *index_arrays, position, slot, out_sequences, out_new, self.counts,
             )
             if result != FULL:
                 if added:

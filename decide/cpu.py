@@ -18,7 +18,7 @@ from kvledger.decision_codec import MAX_RELIED_BLOCKS
 from kvledger.reuse import Decision, ReuseRequest
 from kvledger.settings import ReuseSettings
 
-from decide import compact
+from decide import compact, rows
 from decide.index import InventoryIndex
 from decide.kernels import answer_requests, chain_hashes, rank_requests
 from decide.ranked import (
@@ -124,6 +124,7 @@ def compile_kernels(settings: ReuseSettings) -> None:
     AnswerTexts.of(backend.answer_batch([WARM_UP_REQUEST], settings))
     chain_hashes(np.zeros(1, dtype=np.uint64), np.array([0, 1], dtype=np.int64))
     compact.warm_up()  # the index's kernels for plain workers
+    rows.warm_up()  # and for its rows' holders
 
 
 def rank_batch(
@@ -156,5 +157,6 @@ def rank_arguments(
     # With no worker there is nothing to scan, and the reference never reads its clock.
     scan = index.worker_count == 0 or (clock() - started) * 1000.0 <= budget_ms
     return (flat, offsets, target, named.view(np.uint8), block_sizes,
-            index.table_keys, index.table_rows, index.table_bits, index.masks, index.slots_in_order, index.order_rank,
+            index.table_keys, index.table_rows, index.table_bits, index.holders, index.spilled, index.slots_in_order,
+            index.order_rank,
             scan, *_kernel_settings(settings))

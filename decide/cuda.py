@@ -3,9 +3,9 @@
 Kernels live in `cuda/*.cu` and are compiled at run time by NVRTC (through cuda.core) to a
 CUBIN for the device's own `sm_<major><minor>`: PTX from a newer NVRTC may not load on an
 older driver, while a CUBIN for the exact architecture needs no JIT at all. Each
-architecture is compiled once per process. The table, rows and bitmasks live on the
-device; after the first upload only dirty table slots and rows travel, applied by the
-scatter kernels. The host side is shared with cpu: `decide.kernels.chain_hashes` chains the
+architecture is compiled once per process. The table and the rows live on the device,
+every row as bitmasks however the index keeps it (`InventoryIndex.dense_rows`); after the
+first upload only dirty table slots and rows travel, applied by the scatter kernels. The host side is shared with cpu: `decide.kernels.chain_hashes` chains the
 requests' hashes before the launch and `decide.ranked.AnswerBatch` writes the answers
 with the same compiled JSON writer.
 """
@@ -232,12 +232,12 @@ class CudaBackend:
     def sync_table(self) -> None:
         """Upload the whole table after a reallocation, else scatter only what changed."""
         index = self.index
-        shapes = (index.table_keys.size, index.masks.shape[0], index.words)
+        shapes = (index.table_keys.size, index.holders.shape[0], index.words)
         slots, rows = index.take_dirty()
         if self._generation != index.generation or self._shapes != shapes:
             self._arrays.upload("table_keys", index.table_keys)
             self._arrays.upload("table_rows", index.table_rows)
-            self._arrays.upload("masks", index.masks)
+            self._arrays.upload("masks", index.dense_rows())  # the device keeps every row as bitmasks
             self._generation, self._shapes = index.generation, shapes
             return
         self._scatter_table(slots)
@@ -267,7 +267,7 @@ class CudaBackend:
         index = self.index
         row_words = len(CLASSES) * index.words
         row_ids = self._arrays.upload("dirty_rows", rows.astype(np.int64))
-        values = self._arrays.upload("dirty_values", index.masks[rows].reshape(-1))
+        values = self._arrays.upload("dirty_values", index.dense_rows(rows).reshape(-1))
         total = rows.size * row_words
         self._launch(
             "scatter_rows", (total + SCATTER_THREADS - 1) // SCATTER_THREADS, SCATTER_THREADS,

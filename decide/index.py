@@ -1,8 +1,9 @@
-"""The decide index: every worker's inventory as a hash table from sequence hash to bitmasks.
+"""The decide index: every worker's inventory as a hash table from sequence hash to its holders.
 
-One row per sequence hash holds four classes of worker bitmasks (native device, native
-host, native disk, retained device), `words` 64-bit words per class so any number of
-workers fits. The index owns its own `InventoryFold`, which runs every sequence rule for
+One row per sequence hash says which workers hold it in each of four classes (native
+device, native host, native disk, retained device): a short list of holders, or beyond
+`decide.rows.INLINE` of them a bitmask row of `words` 64-bit words per class, so any
+number of workers fits and a row costs what its holders need. The index owns its own `InventoryFold`, which runs every sequence rule for
 every worker. A plain worker's records (native, group 0, no ownership: nearly every
 worker) are held in `decide.compact`'s arrays, whose kernels set and clear the bits as
 each event is applied; the first announcement beyond the plain case promotes the worker
@@ -37,9 +38,12 @@ from kvledger.fold import (
 from kvledger.runtime.memory import mapped_zeros
 
 from decide.compact import (
-    MAX_SLOTS, NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, flip_bits, lookup_rows, plain_placement, plain_records,
+    MAX_SLOTS, NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, lookup_rows, plain_placement, plain_records,
 )
 from decide.kernels import fill_table
+from decide.rows import (
+    CHANGED, INLINE, NO_ROOM, PLANES, change_bits, dense_planes, rows_with_bit, spill, spilled_into,
+)
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
 
@@ -69,7 +73,7 @@ def slot_of(key: int, bits: int) -> int:
 
 
 class InventoryIndex:
-    """Sequence hash → per-class worker bitmasks, following an `InventoryFold`.
+    """Sequence hash → which workers hold it in each class, following an `InventoryFold`.
 
     Started from a fold (a snapshot's), the index owns it: its plain workers' records move
     to `compact` and leave the fold.
@@ -85,13 +89,18 @@ class InventoryIndex:
         self.slots_in_order = np.zeros(0, dtype=np.int32)  # worker slots sorted by worker order
         self.order_rank = np.zeros(0, dtype=np.int32)  # slot -> its position in worker order
         self.words = 1
-        # Per row: its sequence hash, and the bits set in it over every class and worker (0:
-        # free). Arrays, not Python objects: a fleet's index has a row per distinct block.
+        # Per row: its holders (decide.rows), its sequence hash, and the bits set in it over
+        # every class and worker (0: free). Arrays, not Python objects: a fleet's index has a
+        # row per distinct block.
         self.live_rows = 0
-        self._rows_used = 1  # row 0 is the all-zero row of hashes nobody holds
+        self._rows_used = 1  # row 0 is the row of hashes nobody holds: it lists no one
         self._free_rows: list[int] = []
-        self._set_masks(mapped_zeros((1024, len(CLASSES), self.words), np.uint64),
-                        mapped_zeros(1024, np.uint64), mapped_zeros(1024, np.int32))
+        self._set_rows(mapped_zeros((1024, INLINE), np.uint32), mapped_zeros(1024, np.uint64),
+                       mapped_zeros(1024, np.int32))
+        # The bitmask rows of rows with more holders than a row lists (pool row 0 unused).
+        self.spilled = mapped_zeros((16, PLANES, self.words), np.uint64)
+        self._spilled_used = 1
+        self._free_spilled: list[int] = []
         self.table_bits = _MIN_TABLE_BITS
         self._set_table(_MIN_TABLE_BITS)
         # What the device mirror has not seen yet; `generation` changes when the arrays
@@ -116,7 +125,7 @@ class InventoryIndex:
     # --- following the fold ------------------------------------------------------------
 
     def apply(self, batch: EventBatch, stream_seq: int) -> list[Fact]:
-        """Fold one KV_EVENTS batch and bring the bitmasks up to date with what it changed.
+        """Fold one KV_EVENTS batch and bring the rows up to date with what it changed.
 
         Returns the fold's facts; a plain worker's stores and removals, held in `compact`,
         make none.
@@ -221,7 +230,7 @@ class InventoryIndex:
             new = np.empty(engines.size, dtype=np.bool_)
             result = self.compact.store(
                 slot, event.tier, engines, local, has_tokens, event.parent_hash,
-                (self.table_keys, self.table_rows, self.table_bits, self.masks), position, sequences, new,
+                (self.table_keys, self.table_rows, self.table_bits, self.holders, self.spilled), position, sequences, new,
             )
             if result == NOT_PLAIN:
                 return False
@@ -261,9 +270,8 @@ class InventoryIndex:
         (their last bit cleared) here."""
         if rows is None:
             rows = lookup_rows(self.table_keys, self.table_rows, self.table_bits, sequences)
-        changed = np.empty(rows.size, dtype=np.bool_)
-        word, bit = divmod(slot, 64)
-        flip_bits(self.masks, self.row_bits, rows, position, word, bit, wanted, changed)
+        changed = self._change_bits(rows, np.full(rows.size, position, np.int64), np.full(rows.size, slot, np.int64),
+                                    wanted) == CHANGED
         if self.track_dirty:
             self.dirty_rows.update(rows[changed].tolist())
         if wanted:
@@ -273,6 +281,33 @@ class InventoryIndex:
             emptied = changed & (self.row_bits[rows] == 0)
             for sequence_hash, row in zip(sequences[emptied].tolist(), rows[emptied].tolist()):
                 self._release_row(sequence_hash, row)
+
+    def _change_bits(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray, wanted: bool) -> np.ndarray:
+        """Set or clear a bit of each existing row (`decide.rows.change_bits`), spilling a row
+        whose list of holders is full into a bitmask row; what became of each (UNCHANGED, CHANGED)."""
+        status = np.empty(rows.size, dtype=np.int8)
+        change_bits(self.holders, self.spilled, self.row_bits, rows, positions, slots, wanted, status)
+        for item in np.flatnonzero(status == NO_ROOM).tolist():
+            self._spill(int(rows[item]))
+            part = slice(item, item + 1)
+            change_bits(self.holders, self.spilled, self.row_bits, rows[part], positions[part], slots[part], wanted,
+                        status[part])
+        return status
+
+    def _spill(self, row: int) -> None:
+        if spilled_into(self._holder_items[row * INLINE]):
+            return  # spilled already (by an earlier item of the same call)
+        if self._free_spilled:
+            dense = self._free_spilled.pop()
+        else:
+            dense = self._spilled_used
+            self._spilled_used += 1
+            if dense >= self.spilled.shape[0]:
+                # By a quarter: at 1 024 workers a bitmask row is 512 bytes, and few rows spill.
+                grown = mapped_zeros((self.spilled.shape[0] * 5 // 4 + 1, PLANES, self.words), np.uint64)
+                grown[: self.spilled.shape[0]] = self.spilled
+                self.spilled = grown
+        spill(self.holders, self.spilled, row, dense)
 
     def _clear_plain(self, slot: int, tier: Tier | None) -> None:
         """A plain worker's records on one tier (or all) went away: their bits and entries."""
@@ -318,8 +353,8 @@ class InventoryIndex:
 
     @property
     def array_bytes(self) -> int:
-        """Bytes of the index's arrays: the compact records, the rows (bitmasks, hashes, bit counts), the table."""
-        rows = self.masks.nbytes + self.row_hash.nbytes + self.row_bits.nbytes
+        """Bytes of the index's arrays: the compact records, the rows (holders, bitmask rows, hashes, bit counts), the table."""
+        rows = self.holders.nbytes + self.spilled.nbytes + self.row_hash.nbytes + self.row_bits.nbytes
         return self.compact.nbytes() + rows + self.table_keys.nbytes + self.table_rows.nbytes
 
     @property
@@ -346,20 +381,15 @@ class InventoryIndex:
         """Set or clear one bit; `row` when the caller has already looked it up (MISSING_ROW: none yet)."""
         if row is None:
             row = self.row_of(sequence_hash)
-        word, bit = divmod(slot, 64)
         if row == MISSING_ROW:
             if not wanted:
                 return
             row = self._new_row(sequence_hash)
-        at = (row * _CLASS_COUNT + position) * self.words + word
-        if wanted == bool(self._mask_words[at] >> bit & 1):
+            self._holder_items[row * INLINE] = slot << 4 | 1 << position  # its first holder
+            self._row_bit_counts[row] = 1
+        elif self._change_bits(np.array([row], np.int32), np.array([position], np.int64),
+                               np.array([slot], np.int64), wanted)[0] != CHANGED:
             return
-        if wanted:
-            self._mask_words[at] |= 1 << bit
-            self._row_bit_counts[row] += 1
-        else:
-            self._mask_words[at] &= ~(1 << bit) & _U64
-            self._row_bit_counts[row] -= 1
         if self.track_dirty:
             self.dirty_rows.add(row)
         if not self._row_bit_counts[row]:
@@ -374,11 +404,13 @@ class InventoryIndex:
         return self.row_hash[self._rows_with_bit(slot, position)].tolist()
 
     def _rows_with_bit(self, slot: int, position: int) -> np.ndarray:
-        word, bit = divmod(slot, 64)
-        return np.flatnonzero(self.masks[:, position, word] & np.uint64(1 << bit))
+        return rows_with_bit(self.holders, self.spilled, self._rows_used, position, slot)
 
     def _index_all_records(self, records: Iterable[BlockRecord]) -> None:
         holds = self.fold.holds
+        rows: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
         for record in records:
             position = _CLASS_OF.get((record.provenance, record.tier))
             if position is None or not record.indexable:
@@ -388,13 +420,13 @@ class InventoryIndex:
             slot = self._slot_of_worker[record.worker]
             row = self.row_of(record.sequence_hash)
             if row == MISSING_ROW:
-                row = self._new_row(record.sequence_hash)
-            word, bit = divmod(slot, 64)
-            at = (row * _CLASS_COUNT + position) * self.words + word
-            if self._mask_words[at] >> bit & 1:
-                continue  # the same block in another group
-            self._mask_words[at] |= 1 << bit
-            self._row_bit_counts[row] += 1
+                self._set_bit(slot, record.sequence_hash, position, True, MISSING_ROW)
+            else:  # set together below; a bit already set is the same block in another group
+                rows.append(row)
+                positions.append(position)
+                slots.append(slot)
+        if rows:
+            self._change_bits(np.array(rows, np.int32), np.array(positions, np.int64), np.array(slots, np.int64), True)
         self.generation += 1
 
     # --- workers -------------------------------------------------------------------------
@@ -407,10 +439,10 @@ class InventoryIndex:
         if slot >= MAX_SLOTS:
             self._promoted.add(slot)  # beyond what an entry's owner field holds: folded as objects
         if len(self.workers) > self.words * 64:
-            grown = mapped_zeros((self.masks.shape[0], len(CLASSES), self.words * 2), np.uint64)
-            grown[:, :, : self.words] = self.masks
+            grown = mapped_zeros((self.spilled.shape[0], PLANES, self.words * 2), np.uint64)
+            grown[:, :, : self.words] = self.spilled
             self.words *= 2
-            self._set_masks(grown, self.row_hash, self.row_bits)
+            self.spilled = grown
             self.generation += 1
         ordered = sorted(range(len(self.workers)), key=self.workers.__getitem__)
         self.slots_in_order = np.array(ordered, dtype=np.int32)
@@ -453,13 +485,13 @@ class InventoryIndex:
         else:
             row = self._rows_used
             self._rows_used += 1
-            if row >= self.masks.shape[0]:
-                rows = self.masks.shape[0] * 2
-                grown = mapped_zeros((rows, len(CLASSES), self.words), np.uint64)
-                grown[: self.masks.shape[0]] = self.masks
+            if row >= self.holders.shape[0]:
+                rows = self.holders.shape[0] * 2
+                holders = mapped_zeros((rows, INLINE), np.uint32)
+                holders[: self.holders.shape[0]] = self.holders
                 row_hash, row_bits = mapped_zeros(rows, np.uint64), mapped_zeros(rows, np.int32)
                 row_hash[: self.row_hash.size], row_bits[: self.row_bits.size] = self.row_hash, self.row_bits
-                self._set_masks(grown, row_hash, row_bits)
+                self._set_rows(holders, row_hash, row_bits)
                 self.generation += 1
         self._row_hash_items[row] = sequence_hash
         self.live_rows += 1
@@ -477,6 +509,10 @@ class InventoryIndex:
         # so the key stays pointing at the all-zero row 0 until the next rebuild.
         self.live_rows -= 1
         self._free_rows.append(row)
+        dense = spilled_into(self._holder_items[row * INLINE])
+        if dense:  # its bitmask row is all zero again (an emptied listed row lists no one)
+            self._free_spilled.append(dense)
+            self._holder_items[row * INLINE] = 0
         position = self._table_find(sequence_hash)
         self._table_row_items[position] = MISSING_ROW
         if self.track_dirty:
@@ -487,11 +523,11 @@ class InventoryIndex:
 
     _dead_slots = 0
 
-    def _set_masks(self, masks: np.ndarray, row_hash: np.ndarray, row_bits: np.ndarray) -> None:
-        """The rows' arrays (grown together): bitmasks, each row's hash, each row's set bits."""
-        self.masks, self.row_hash, self.row_bits = masks, row_hash, row_bits
+    def _set_rows(self, holders: np.ndarray, row_hash: np.ndarray, row_bits: np.ndarray) -> None:
+        """The rows' arrays (grown together): holders, each row's hash, each row's set bits."""
+        self.holders, self.row_hash, self.row_bits = holders, row_hash, row_bits
         # The same memory as Python ints: one item costs far less than a numpy scalar.
-        self._mask_words = memoryview(masks).cast("B").cast("Q")
+        self._holder_items = memoryview(holders).cast("B").cast("I")
         self._row_hash_items = memoryview(row_hash).cast("B").cast("Q")
         self._row_bit_counts = memoryview(row_bits).cast("B").cast("i")
 
@@ -528,6 +564,12 @@ class InventoryIndex:
         fill_table(self.row_hash[rows], rows, self.table_keys, self.table_rows, self.table_bits)
         self.generation += 1
         self.dirty_table_slots.clear()
+
+    def dense_rows(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """Rows as bitmask planes (rows × PLANES × words), every row's when none are named: the device's copy."""
+        if rows is None:
+            rows = np.arange(self.holders.shape[0], dtype=np.int64)
+        return dense_planes(self.holders, self.spilled, rows.astype(np.int64, copy=False), self.words)
 
     def take_dirty(self) -> tuple[np.ndarray, np.ndarray]:
         """Hand the device mirror the table slots and rows changed since the last call."""

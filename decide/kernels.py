@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
-import tempfile
-from pathlib import Path
 
 import numba
 import numpy as np
@@ -25,30 +22,9 @@ import numpy as np
 from kvledger import cost
 from kvledger.hashing import HASH_SEED
 
-
-def kernel_cache_dir() -> str:
-    """Where compiled kernels are kept: numba's NUMBA_CACHE_DIR when set, else a folder of
-    the user's cache, else one in the temporary directory (site-packages is often not writable)."""
-    if numba.config.CACHE_DIR:
-        return numba.config.CACHE_DIR
-    user = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
-    for candidate in (Path.home() / ".cache" / "kvledger" / "kernels",
-                      Path(tempfile.gettempdir()) / f"kvledger-kernels{user}"):
-        try:
-            candidate.mkdir(parents=True, exist_ok=True)
-            if os.access(candidate, os.W_OK):
-                return str(candidate)
-        except (OSError, RuntimeError):  # RuntimeError: no home directory to be found
-            continue
-    return ""  # numba then tries beside the source and in its own user-wide folder
-
-
-# Read by numba when each kernel below is decorated.
-numba.config.CACHE_DIR = kernel_cache_dir()
-_compiled = numba.njit(cache=True, nogil=True)
-# Small helpers are inlined where they are used: a call that passes arrays pays their
-# reference counts (atomic), which cost more than what the helpers do.
-_inlined = numba.njit(cache=True, nogil=True, inline="always")
+# Sets numba's kernel cache folder before any kernel below is decorated.
+from decide.compiled import compiled as _compiled, inlined as _inlined, kernel_cache_dir  # noqa: F401
+from decide.rows import load_planes
 
 # The cost model, compiled from its one definition.
 _recompute_ms = _inlined(cost.recompute_ms)
@@ -214,7 +190,7 @@ def _sort_candidates(start, stop, slot, tier, prefix, transfer, recompute, trans
 @_compiled
 def rank_requests(
     local, offsets, given_target, named, block_sizes,
-    table_keys, table_rows, table_bits, masks, slots_in_order, order_rank,
+    table_keys, table_rows, table_bits, holders, spilled, slots_in_order, order_rank,
     scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
 ):
     """Rank every request against the index; see `decide.ranked.RankedBatch` for what comes back.
@@ -224,11 +200,13 @@ def rank_requests(
     worker bits loses a worker where its prefix ends, and the walk stops once no worker
     holds the prefix in any class. Credit adds each native block's best tier weight in block
     order, as the reference does. `weight_of[tiers held]` is that best weight for a 3-bit
-    set of native tiers (device 1, host 2, disk 4).
+    set of native tiers (device 1, host 2, disk 4). Each walked row is read into `planes`
+    as bitmasks (`decide.rows.load_planes`), however the index keeps it.
     """
     count = offsets.size - 1
     workers = slots_in_order.size
-    words = masks.shape[2]
+    words = spilled.shape[2]
+    planes = np.zeros((4, words), dtype=np.uint64)
     target_out = np.full(count, -1, dtype=np.int32)
     credited = np.zeros(count, dtype=np.float64)
     baseline_out = np.zeros(count, dtype=np.int32)
@@ -270,16 +248,16 @@ def rank_requests(
             sequence_hash = local[start]
             sequence[start] = sequence_hash
             rows_from, rows_until = 0, 0
-            row = probe(table_keys, table_rows, table_bits, sequence_hash)
+            load_planes(holders, spilled, probe(table_keys, table_rows, table_bits, sequence_hash), planes)
             for word in range(words):
-                device = masks[row, _NATIVE_DEVICE, word]
-                host = masks[row, _NATIVE_HOST, word]
-                disk = masks[row, _NATIVE_DISK, word]
+                device = planes[_NATIVE_DEVICE, word]
+                host = planes[_NATIVE_HOST, word]
+                disk = planes[_NATIVE_DISK, word]
                 alive[0, word] = device
                 alive[1, word] = host
                 alive[2, word] = disk
                 alive[3, word] = device | host | disk
-                alive[4, word] = device | masks[row, _RETAINED_DEVICE, word]
+                alive[4, word] = device | planes[_RETAINED_DEVICE, word]
                 # The workers holding any prefix at all are the ones an answer shows.
                 shown = alive[3, word] | alive[4, word]
                 while shown:
@@ -301,11 +279,11 @@ def rank_requests(
                         flag = _ONE << np.uint64(bit)
                         holding ^= flag
                         tiers = 0
-                        if masks[row, _NATIVE_DEVICE, word] & flag:
+                        if planes[_NATIVE_DEVICE, word] & flag:
                             tiers |= 1
-                        if masks[row, _NATIVE_HOST, word] & flag:
+                        if planes[_NATIVE_HOST, word] & flag:
                             tiers |= 2
-                        if masks[row, _NATIVE_DISK, word] & flag:
+                        if planes[_NATIVE_DISK, word] & flag:
                             tiers |= 4
                         credit[word * 64 + bit] += weight_of[tiers]
                 going_on = False
@@ -323,15 +301,15 @@ def rank_requests(
                         sequence_hash = chain_hash(sequence_hash, local[start + ahead])
                         sequence[start + ahead] = sequence_hash
                         rows_ahead[ahead - rows_from] = probe(table_keys, table_rows, table_bits, sequence_hash)
-                row = rows_ahead[walked - rows_from]
+                load_planes(holders, spilled, rows_ahead[walked - rows_from], planes)
                 for word in range(words):
-                    device = masks[row, _NATIVE_DEVICE, word]
-                    host = masks[row, _NATIVE_HOST, word]
-                    disk = masks[row, _NATIVE_DISK, word]
-                    planes = (device, host, disk, device | host | disk, device | masks[row, _RETAINED_DEVICE, word])
+                    device = planes[_NATIVE_DEVICE, word]
+                    host = planes[_NATIVE_HOST, word]
+                    disk = planes[_NATIVE_DISK, word]
+                    held = (device, host, disk, device | host | disk, device | planes[_RETAINED_DEVICE, word])
                     for prefix_class in range(5):
                         before = alive[prefix_class, word]
-                        after = before & planes[prefix_class]
+                        after = before & held[prefix_class]
                         ended = before & ~after
                         while ended:
                             bit = _lowest_bit(ended)
@@ -914,7 +892,7 @@ def write_ranked_answers(
 @numba.njit(cache=True)  # not nogil, as write_ranked_answers
 def answer_requests(
     local, offsets, given_target, named, block_sizes,
-    table_keys, table_rows, table_bits, masks, slots_in_order, order_rank,
+    table_keys, table_rows, table_bits, holders, spilled, slots_in_order, order_rank,
     scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
     ids, id_bounds, inventory_target, names, name_bounds, sources, source_bounds, unknown, unknown_bounds,
     endings, ending_bounds, max_relied_blocks,
@@ -929,7 +907,7 @@ def answer_requests(
     (target, credited, baseline, reason, overlap_bounds, overlap_slot, overlap_lengths, candidate_bounds,
      c_slot, c_tier, c_prefix, c_transfer, c_recompute, c_transfer_ms, c_saving, flagged, sequence) = rank_requests(
         local, offsets, given_target, named, block_sizes,
-        table_keys, table_rows, table_bits, masks, slots_in_order, order_rank,
+        table_keys, table_rows, table_bits, holders, spilled, slots_in_order, order_rank,
         scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
     )
     reason_counts = np.zeros(6, dtype=np.int64)

@@ -18,6 +18,7 @@ from builders import BLOCK_SIZE, Stream, local_hashes
 from decide.compact import REFS_MAX
 from decide.index import CLASSES, MISSING_ROW, InventoryIndex
 from decide.kernels import probe
+from decide.rows import spilled_into
 
 
 def crowded_index() -> tuple[InventoryIndex, list[int]]:
@@ -54,14 +55,16 @@ def test_the_probe_finds_the_row_each_hash_was_given() -> None:
 
 
 def held_by_class(index: InventoryIndex) -> dict[tuple[int, str, int], int]:
-    """Every set bit of the index as (sequence hash, worker name, class) -> 1, read through the probe."""
+    """Every set bit of the index as (sequence hash, worker name, class) -> 1, read through the probe
+    and the rows as the ranking walk reads them (listed holders or a bitmask row)."""
     held = {}
     for sequence_hash in index.sequence_hashes():
         row = int(probe(index.table_keys, index.table_rows, index.table_bits, np.uint64(sequence_hash)))
+        [planes] = index.dense_rows(np.array([row]))
         for slot, worker in enumerate(index.workers):
             word, bit = divmod(slot, 64)
             for position in range(len(CLASSES)):
-                if int(index.masks[row, position, word]) >> bit & 1:
+                if int(planes[position, word]) >> bit & 1:
                     held[(sequence_hash, worker.name, position)] = 1
     return held
 
@@ -267,3 +270,46 @@ def test_clearing_a_worker_in_place_leaves_every_other_entry_reachable() -> None
         assert unknown == (len(engines) if gone else 0)
         assert gone or sequences.tolist() == [engine ^ 1 for engine in engines]
     assert compact.count == 0
+
+
+def test_rows_held_by_many_workers_spill_into_bitmask_rows_and_give_them_back() -> None:
+    """150 workers (three mask words) on shared prefixes: rows listing a few holders, rows past
+    `INLINE` holders in bitmask rows, a promoted worker beside plain ones, removals and clears
+    that empty rows again; batch by batch the index equals one built from the fold."""
+    rng = random.Random(15)
+    stream, index, fold = Stream(), InventoryIndex(), InventoryFold()
+
+    def apply(batch) -> None:
+        index.apply(*batch)
+        fold.apply(*batch)
+
+    workers = [WorkerId(f"w{number:03d}") for number in range(150)]
+    prefixes = [tuple(rng.getrandbits(64) for _ in range(6)) for _ in range(5)]
+    for number, worker in enumerate(workers):
+        prefix = prefixes[0] if number % 2 else prefixes[1 + number % 4]  # half the fleet shares prefix 0
+        apply(stream.batch(worker, Stored(Tier.DEVICE, tuple(range(1, 7)), None, BLOCK_SIZE, prefix)))
+        apply(stream.batch(worker, Stored(Tier.HOST, (1, 2), None, BLOCK_SIZE, ())))
+    apply(stream.batch(workers[7], Stored(Tier.DEVICE, (99,), None, BLOCK_SIZE, (5,), group_idx=1)))  # promoted
+    _agrees_with_the_fold(index, fold)
+    assert index.promoted_workers == [workers[7]]
+    spilled_rows = {spilled_into(int(first)) for first in index.holders[1:index._rows_used, 0]} - {0}
+    assert len(spilled_rows) >= 8  # prefix 0's six blocks, and the host copies of two blocks of several prefixes
+    in_pool = index._spilled_used
+
+    for number, worker in enumerate(workers):
+        if number % 3 == 0:
+            apply(stream.batch(worker, Removed(Tier.DEVICE, (4, 5, 6))))
+        elif number % 3 == 1:
+            apply(stream.batch(worker, Cleared(Tier.HOST)))
+        if number % 25 == 0:
+            _agrees_with_the_fold(index, fold)
+    for worker in workers:
+        apply(stream.batch(worker, Cleared(None)))
+    _agrees_with_the_fold(index, fold)
+    assert index.size == 0 and not index.holders[1:index._rows_used].any() and not index.spilled.any()
+    assert sorted(index._free_spilled) == list(range(1, in_pool))  # every bitmask row given back
+
+    for worker in workers[:20]:  # rows made again reuse them
+        apply(stream.batch(worker, Stored(Tier.DEVICE, tuple(range(1, 7)), None, BLOCK_SIZE, prefixes[0])))
+    _agrees_with_the_fold(index, fold)
+    assert index._spilled_used == in_pool
