@@ -13,7 +13,7 @@ per residency (the process's resident memory after the build minus before it, ov
 residencies), the build's blocks per second, and decide / Dynamo ratios; then, for
 decide, the objects the garbage collector tracks, how long one full collection takes, and
 the bytes of its arrays (compact records, rows' holders, bitmask rows of rows with many
-holders, rows' hashes and counts, hash table) per residency. decide's
+holders, hash table) per residency. decide's
 kernels are compiled (or loaded) before the first reading, as the service does before it
 reports ready.
 """
@@ -89,7 +89,7 @@ def build_decide(residencies: int, workers: int, chain: int, seed: int) -> dict[
     # What one full collection stalls decide for, with this inventory held.
     collect_ms = (time.perf_counter() - collect_started) * 1e3
     arrays = {"compact": index.compact.nbytes(), "rows' holders": index.holders.nbytes,
-              "bitmask rows": index.spilled.nbytes, "row hashes and counts": index.row_hash.nbytes + index.row_bits.nbytes,
+              "bitmask rows": index.spilled.nbytes,
               "table": index.table_keys.nbytes + index.table_rows.nbytes}
     return {"bytes": resident_bytes() - before, "seconds": elapsed, "hashes": index.size, "arrays": arrays,
             "promoted": len(index.promoted_workers),

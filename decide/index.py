@@ -42,7 +42,8 @@ from decide.compact import (
 )
 from decide.kernels import fill_table
 from decide.rows import (
-    CHANGED, INLINE, NO_ROOM, PLANES, change_bits, dense_planes, rows_with_bit, spill, spilled_into,
+    CHANGED, EMPTIED, INLINE, NO_ROOM, PLANES, UNCHANGED, change_bits, dense_planes, rows_with_bit, spill,
+    spilled_into,
 )
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
@@ -89,14 +90,13 @@ class InventoryIndex:
         self.slots_in_order = np.zeros(0, dtype=np.int32)  # worker slots sorted by worker order
         self.order_rank = np.zeros(0, dtype=np.int32)  # slot -> its position in worker order
         self.words = 1
-        # Per row: its holders (decide.rows), its sequence hash, and the bits set in it over
-        # every class and worker (0: free). Arrays, not Python objects: a fleet's index has a
-        # row per distinct block.
+        # Per row: its holders (decide.rows; none: the row is free), an array, not Python
+        # objects: a fleet's index has a row per distinct block. Its sequence hash is the
+        # table's key that leads to it.
         self.live_rows = 0
         self._rows_used = 1  # row 0 is the row of hashes nobody holds: it lists no one
         self._free_rows: list[int] = []
-        self._set_rows(mapped_zeros((1024, INLINE), np.uint32), mapped_zeros(1024, np.uint64),
-                       mapped_zeros(1024, np.int32))
+        self._set_holders(mapped_zeros((1024, INLINE), np.uint32))
         # The bitmask rows of rows with more holders than a row lists (pool row 0 unused).
         self.spilled = mapped_zeros((16, PLANES, self.words), np.uint64)
         self._spilled_used = 1
@@ -270,28 +270,27 @@ class InventoryIndex:
         (their last bit cleared) here."""
         if rows is None:
             rows = lookup_rows(self.table_keys, self.table_rows, self.table_bits, sequences)
-        changed = self._change_bits(rows, np.full(rows.size, position, np.int64), np.full(rows.size, slot, np.int64),
-                                    wanted) == CHANGED
+        status = self._change_bits(rows, np.full(rows.size, position, np.int64), np.full(rows.size, slot, np.int64),
+                                   wanted)
         if self.track_dirty:
-            self.dirty_rows.update(rows[changed].tolist())
+            self.dirty_rows.update(rows[(status == CHANGED) | (status == EMPTIED)].tolist())
         if wanted:
             for sequence_hash in sequences[rows == MISSING_ROW].tolist():
                 self._set_bit(slot, sequence_hash, position, True, MISSING_ROW)
         else:
-            emptied = changed & (self.row_bits[rows] == 0)
+            emptied = status == EMPTIED
             for sequence_hash, row in zip(sequences[emptied].tolist(), rows[emptied].tolist()):
                 self._release_row(sequence_hash, row)
 
     def _change_bits(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray, wanted: bool) -> np.ndarray:
         """Set or clear a bit of each existing row (`decide.rows.change_bits`), spilling a row
-        whose list of holders is full into a bitmask row; what became of each (UNCHANGED, CHANGED)."""
+        whose list of holders is full into a bitmask row; what became of each (UNCHANGED, CHANGED, EMPTIED)."""
         status = np.empty(rows.size, dtype=np.int8)
-        change_bits(self.holders, self.spilled, self.row_bits, rows, positions, slots, wanted, status)
+        change_bits(self.holders, self.spilled, rows, positions, slots, wanted, status)
         for item in np.flatnonzero(status == NO_ROOM).tolist():
             self._spill(int(rows[item]))
             part = slice(item, item + 1)
-            change_bits(self.holders, self.spilled, self.row_bits, rows[part], positions[part], slots[part], wanted,
-                        status[part])
+            change_bits(self.holders, self.spilled, rows[part], positions[part], slots[part], wanted, status[part])
         return status
 
     def _spill(self, row: int) -> None:
@@ -317,7 +316,7 @@ class InventoryIndex:
         for cleared in tiers:
             position = _CLASS_OF[(NATIVE, cleared)]
             rows = self._rows_with_bit(slot, position).astype(np.int32)
-            self._set_bits(slot, self.row_hash[rows], position, False, rows)
+            self._set_bits(slot, self._hashes_of(rows), position, False, rows)
         self.compact.clear(slot, tier)
 
     def _promote(self, slot: int) -> None:
@@ -354,7 +353,7 @@ class InventoryIndex:
     @property
     def array_bytes(self) -> int:
         """Bytes of the index's arrays: the compact records, the rows (holders, bitmask rows, hashes, bit counts), the table."""
-        rows = self.holders.nbytes + self.spilled.nbytes + self.row_hash.nbytes + self.row_bits.nbytes
+        rows = self.holders.nbytes + self.spilled.nbytes
         return self.compact.nbytes() + rows + self.table_keys.nbytes + self.table_rows.nbytes
 
     @property
@@ -386,13 +385,15 @@ class InventoryIndex:
                 return
             row = self._new_row(sequence_hash)
             self._holder_items[row * INLINE] = slot << 4 | 1 << position  # its first holder
-            self._row_bit_counts[row] = 1
-        elif self._change_bits(np.array([row], np.int32), np.array([position], np.int64),
-                               np.array([slot], np.int64), wanted)[0] != CHANGED:
-            return
+            status = CHANGED
+        else:
+            status = self._change_bits(np.array([row], np.int32), np.array([position], np.int64),
+                                       np.array([slot], np.int64), wanted)[0]
+            if status == UNCHANGED:
+                return
         if self.track_dirty:
             self.dirty_rows.add(row)
-        if not self._row_bit_counts[row]:
+        if status == EMPTIED:
             self._release_row(sequence_hash, row)
 
     def _hashes_with_bit(self, slot: int, position: int) -> list[int]:
@@ -401,7 +402,7 @@ class InventoryIndex:
         A scan of one bitmask column (rare: a clear or a restart), where a set per worker and
         class kept beside the bits cost tens of bytes per residency.
         """
-        return self.row_hash[self._rows_with_bit(slot, position)].tolist()
+        return self._hashes_of(self._rows_with_bit(slot, position)).tolist()
 
     def _rows_with_bit(self, slot: int, position: int) -> np.ndarray:
         return rows_with_bit(self.holders, self.spilled, self._rows_used, position, slot)
@@ -477,7 +478,7 @@ class InventoryIndex:
 
     def sequence_hashes(self) -> list[int]:
         """Every sequence hash someone holds."""
-        return self.row_hash[np.flatnonzero(self.row_bits[: self._rows_used])].tolist()
+        return self.table_keys[self.table_rows > MISSING_ROW].tolist()
 
     def _new_row(self, sequence_hash: int) -> int:
         if self._free_rows:
@@ -489,18 +490,15 @@ class InventoryIndex:
                 rows = self.holders.shape[0] * 2
                 holders = mapped_zeros((rows, INLINE), np.uint32)
                 holders[: self.holders.shape[0]] = self.holders
-                row_hash, row_bits = mapped_zeros(rows, np.uint64), mapped_zeros(rows, np.int32)
-                row_hash[: self.row_hash.size], row_bits[: self.row_bits.size] = self.row_hash, self.row_bits
-                self._set_rows(holders, row_hash, row_bits)
+                self._set_holders(holders)
                 self.generation += 1
-        self._row_hash_items[row] = sequence_hash
         self.live_rows += 1
         if self.live_rows + self._dead_slots > _MAX_LOAD * len(self.table_keys):
             # Past the load limit: purge the dead slots at the same size while they are a good
             # part of it; only live keys make the table grow (else churn alone doubles it).
             grow = self.live_rows > _MAX_LOAD * len(self.table_keys) / 2
             self._rebuild_table(self.table_bits + 1 if grow else self.table_bits)
-        # After a rebuild too: the rebuild took the rows with bits set, and this one has none yet.
+        # After a rebuild too: the rebuild took the keys the table had, and this one was not among them.
         self._table_insert(sequence_hash, row)
         return row
 
@@ -523,13 +521,10 @@ class InventoryIndex:
 
     _dead_slots = 0
 
-    def _set_rows(self, holders: np.ndarray, row_hash: np.ndarray, row_bits: np.ndarray) -> None:
-        """The rows' arrays (grown together): holders, each row's hash, each row's set bits."""
-        self.holders, self.row_hash, self.row_bits = holders, row_hash, row_bits
+    def _set_holders(self, holders: np.ndarray) -> None:
+        self.holders = holders
         # The same memory as Python ints: one item costs far less than a numpy scalar.
         self._holder_items = memoryview(holders).cast("B").cast("I")
-        self._row_hash_items = memoryview(row_hash).cast("B").cast("Q")
-        self._row_bit_counts = memoryview(row_bits).cast("B").cast("i")
 
     def _set_table(self, bits: int) -> None:
         self.table_keys = mapped_zeros(1 << bits, np.uint64)
@@ -557,13 +552,22 @@ class InventoryIndex:
             self.dirty_table_slots.add(position)
 
     def _rebuild_table(self, bits: int) -> None:
+        live = self.table_rows > MISSING_ROW  # the keys of live rows, taken over from the old table
+        keys, rows = self.table_keys[live], self.table_rows[live]
         self.table_bits = max(bits, _MIN_TABLE_BITS)
         self._set_table(self.table_bits)
         self._dead_slots = 0
-        rows = np.flatnonzero(self.row_bits[: self._rows_used]).astype(np.int32)
-        fill_table(self.row_hash[rows], rows, self.table_keys, self.table_rows, self.table_bits)
+        fill_table(keys, rows, self.table_keys, self.table_rows, self.table_bits)
         self.generation += 1
         self.dirty_table_slots.clear()
+
+    def _hashes_of(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's sequence hash, read off the table in one pass (for clears, which are rare:
+        a hash kept per row cost 8 bytes a row)."""
+        live = self.table_rows > MISSING_ROW
+        by_row = np.zeros(self._rows_used, dtype=np.uint64)
+        by_row[self.table_rows[live]] = self.table_keys[live]
+        return by_row[rows]
 
     def dense_rows(self, rows: np.ndarray | None = None) -> np.ndarray:
         """Rows as bitmask planes (rows × PLANES × words), every row's when none are named: the device's copy."""

@@ -22,8 +22,8 @@ from decide.compiled import compiled as _compiled, inlined as _inlined
 
 INLINE = 8  # holders listed in a row before it spills into a bitmask row
 PLANES = 4
-# Results of changing one bit.
-UNCHANGED, CHANGED, NO_ROOM = 0, 1, 2
+# Results of changing one bit (EMPTIED: cleared, and the row is held by no one now).
+UNCHANGED, CHANGED, NO_ROOM, EMPTIED = 0, 1, 2, 3
 
 _PLANE_BITS = np.uint32(15)
 
@@ -62,8 +62,9 @@ def has_bit(holders, spilled, row, position, slot):
 
 @_inlined
 def change_bit(holders, spilled, row, position, slot, wanted):
-    """Set (`wanted`) or clear one bit of an existing row: UNCHANGED, CHANGED, or NO_ROOM (a
-    listed row that is full; the caller spills it and asks again)."""
+    """Set (`wanted`) or clear one bit of an existing row: UNCHANGED, CHANGED, EMPTIED (the
+    row's last bit cleared), or NO_ROOM (a listed row that is full; the caller spills it and
+    asks again)."""
     dense = spilled_row(holders, row)
     if dense:
         word = slot >> 6
@@ -73,9 +74,13 @@ def change_bit(holders, spilled, row, position, slot, wanted):
             return UNCHANGED
         if wanted:
             spilled[dense, position, word] |= flag
-        else:
-            spilled[dense, position, word] &= ~flag
-        return CHANGED
+            return CHANGED
+        spilled[dense, position, word] &= ~flag
+        for plane in range(PLANES):
+            for other in range(spilled.shape[2]):
+                if spilled[dense, plane, other]:
+                    return CHANGED
+        return EMPTIED
     plane = np.uint32(1) << np.uint32(position)
     listed = holders.shape[1]
     for k in range(listed):
@@ -102,23 +107,20 @@ def change_bit(holders, spilled, row, position, slot, wanted):
             last += 1
         holders[row, k] = holders[row, last]
         holders[row, last] = 0
-        return CHANGED
+        return CHANGED if holders[row, 0] else EMPTIED
     return NO_ROOM if wanted else UNCHANGED
 
 
 @_compiled
-def change_bits(holders, spilled, row_bits, rows, positions, slots, wanted, status):
-    """`change_bit` for each (row, position, slot), keeping each row's count of set bits;
-    `status[i]` says what became of item i. Rows not made yet (MISSING_ROW, 0) are left."""
+def change_bits(holders, spilled, rows, positions, slots, wanted, status):
+    """`change_bit` for each (row, position, slot); `status[i]` says what became of item i.
+    Rows not made yet (MISSING_ROW, 0) are left."""
     for item in range(rows.size):
         row = rows[item]
         if row == 0:
             status[item] = UNCHANGED
             continue
-        result = change_bit(holders, spilled, row, positions[item], slots[item], wanted)
-        if result == CHANGED:
-            row_bits[row] += 1 if wanted else -1
-        status[item] = result
+        status[item] = change_bit(holders, spilled, row, positions[item], slots[item], wanted)
 
 
 @_compiled
@@ -192,11 +194,10 @@ def warm_up() -> None:
     """Compile (or load) every kernel here, on arrays of the types the index passes."""
     holders = np.zeros((4, INLINE), dtype=np.uint32)
     spilled = np.zeros((2, PLANES, 1), dtype=np.uint64)
-    row_bits = np.zeros(4, dtype=np.int32)
     rows = np.array([1], dtype=np.int32)
     status = np.empty(1, dtype=np.int8)
     one = np.zeros(1, dtype=np.int64)
-    change_bits(holders, spilled, row_bits, rows, one, one, True, status)
+    change_bits(holders, spilled, rows, one, one, True, status)
     spill(holders, spilled, 1, 1)
     rows_with_bit(holders, spilled, 4, 0, 0)
     dense_planes(holders, spilled, rows, 1)

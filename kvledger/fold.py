@@ -174,17 +174,40 @@ class _TopologyEntry(msgspec.Struct, gc=False):
     refs: int
 
 
+class _DictPerTier(dict):
+    """A dict per tier, made when first written through: most workers use one or two of the
+    four tiers, and a fleet of a thousand workers kept thousands of empty containers. Reads
+    that must not make one use `.get`. (No attributes: an instance dict would cost more
+    than the containers saved.)"""
+
+    __slots__ = ()
+
+    def __missing__(self, tier: Tier) -> dict:
+        made = self[tier] = {}
+        return made
+
+
+class _SetPerTier(dict):
+    """A set per tier, made when first written through (as `_DictPerTier`)."""
+
+    __slots__ = ()
+
+    def __missing__(self, tier: Tier) -> set:
+        made = self[tier] = set()
+        return made
+
+
 @attrs.define
 class _ProvenanceState:
     """Everything one provenance of one worker announced."""
 
-    records: dict[Tier, dict[BlockKey, BlockRecord]] = attrs.field(factory=lambda: {tier: {} for tier in Tier})
+    records: dict[Tier, dict[BlockKey, BlockRecord]] = attrs.field(factory=_DictPerTier)
     # group -> sequence hash -> number of indexable records of that group on that tier
     # (several engine hashes or ownerships can share one sequence hash)
-    held: dict[Tier, dict[int, Counter[int]]] = attrs.field(factory=lambda: {tier: {} for tier in Tier})
+    held: dict[Tier, dict[int, Counter[int]]] = attrs.field(factory=_DictPerTier)
     # the groups that have stored on each tier since it was last cleared: a group whose
     # blocks all left a tier still holds none of them there (snapshots and SQL keep it)
-    tier_groups: dict[Tier, set[int]] = attrs.field(factory=lambda: {tier: set() for tier in Tier})
+    tier_groups: dict[Tier, set[int]] = attrs.field(factory=_SetPerTier)
     # each KV-cache group's kind as its stores last declared it (a property of the engine's
     # configuration, so it outlives the records that declared it; snapshots and SQL keep it)
     group_kinds: dict[int, str] = attrs.field(factory=dict)
@@ -210,13 +233,13 @@ class _ProvenanceState:
 
     def block_count(self, tier: Tier | None = None) -> int:
         if tier is not None:
-            return len(self.records[tier])
+            return len(self.records.get(tier, ()))
         return sum(len(blocks) for blocks in self.records.values())
 
     def rule(self, tier: Tier) -> ResidencyRule:
         rule = self.rules.get(tier)
         if rule is None:
-            rule = self.rules[tier] = rule_for(self.tier_groups[tier], self.group_kinds)
+            rule = self.rules[tier] = rule_for(self.tier_groups.get(tier, ()), self.group_kinds)
         return rule
 
 
@@ -367,8 +390,8 @@ class InventoryFold:
     def release_records(self, worker: WorkerId, provenance: Provenance) -> None:
         """Forget one provenance's records (another holder has taken them), keeping everything else of it."""
         own = self._workers[worker].by_provenance[provenance]
-        own.records = {tier: {} for tier in Tier}
-        own.held = {tier: {} for tier in Tier}
+        own.records = _DictPerTier()
+        own.held = _DictPerTier()
         own.topology = {}
         own.waiting = {}
 
@@ -559,10 +582,10 @@ class InventoryFold:
         blocks = own.block_count(tier)
         if tier is not None:
             # A tier-scoped clear (vLLM's reset of its GPU pool): other tiers keep their blocks.
-            for record in list(own.records[tier].values()):
+            for record in list(own.records.get(tier, {}).values()):
                 _detach(own, record)
-            own.held[tier] = {}
-            own.tier_groups[tier] = set()
+            own.held.pop(tier, None)
+            own.tier_groups.pop(tier, None)
             own.rules.pop(tier, None)
             facts.append(InventoryClearedFact(state.worker, provenance, cause, stream_seq, blocks, tier))
             if own.uncertain_since is not None and not own.block_count():
@@ -699,7 +722,7 @@ class InventoryFold:
         state = self._workers.get(worker)
         if state is None:
             return []
-        return sorted(state.by_provenance[provenance].records[tier].values(), key=_record_order)
+        return sorted(state.by_provenance[provenance].records.get(tier, {}).values(), key=_record_order)
 
     def iter_worker_records(self, worker: WorkerId) -> Iterator[BlockRecord]:
         for provenance in Provenance:
@@ -712,7 +735,7 @@ class InventoryFold:
 
 
 def _holds(own: _ProvenanceState, tier: Tier, sequence_hash: int) -> bool:
-    by_group = own.held[tier]
+    by_group = own.held.get(tier)
     if not by_group:
         return False
     rule = own.rule(tier)

@@ -21,10 +21,12 @@ from decide.kernels import probe
 from decide.rows import spilled_into
 
 
-def crowded_index() -> tuple[InventoryIndex, list[int]]:
-    """20 000 sequence hashes in 40 chains, then a quarter removed: their keys stay in the table as dead slots."""
+def crowded_index() -> tuple[InventoryIndex, dict[int, int], list[int]]:
+    """20 000 sequence hashes in 40 chains, then a quarter removed: their keys stay in the table
+    as dead slots. Returns the index, the slot holding each live hash, and the dead hashes."""
     rng = random.Random(5)
     stream, index = Stream(), InventoryIndex()
+    holder: dict[int, int] = {}
     dead: list[int] = []
     for chain in range(40):
         worker = WorkerId(f"w{chain % 8}")
@@ -32,14 +34,16 @@ def crowded_index() -> tuple[InventoryIndex, list[int]]:
         local = tuple(rng.getrandbits(64) for _ in range(500))
         index.apply(*stream.batch(worker, Stored(Tier.DEVICE, tuple(engine), None, BLOCK_SIZE, local)))
         index.apply(*stream.batch(worker, Removed(Tier.DEVICE, tuple(engine[375:]))))
-        dead.extend(sequence_hashes(local)[375:])
-    return index, dead
+        chained = sequence_hashes(local)
+        holder.update(dict.fromkeys(chained[:375], index.slot(worker)))
+        dead.extend(chained[375:])
+    return index, holder, dead
 
 
 def test_the_probe_finds_the_row_each_hash_was_given() -> None:
-    index, dead = crowded_index()
+    index, holder, dead = crowded_index()
     live = index.sequence_hashes()
-    assert len(live) == 40 * 375
+    assert sorted(live) == sorted(holder) and len(live) == 40 * 375
     rng = random.Random(6)
     strangers = [rng.getrandbits(64) for _ in range(5000)] + [0, 2**64 - 1]
     keys = live + dead + strangers + live[:100]
@@ -47,11 +51,16 @@ def test_the_probe_finds_the_row_each_hash_was_given() -> None:
     def row_of(key: int) -> int:
         return int(probe(index.table_keys, index.table_rows, index.table_bits, np.uint64(key)))
 
-    # The rows' own record of their hashes, independent of the table.
-    rows = {int(index.row_hash[row]): int(row) for row in np.flatnonzero(index.row_bits)}
-    assert [row_of(key) for key in keys] == [rows.get(key, MISSING_ROW) for key in keys]
-    assert [index.row_of(key) for key in keys] == [rows.get(key, MISSING_ROW) for key in keys]
-    assert {row_of(key) for key in dead} == {MISSING_ROW}
+    found = [row_of(key) for key in keys]
+    assert [index.row_of(key) for key in keys] == found
+    # Each live hash has a row of its own, which lists the one worker that stored it, and nothing else has one.
+    rows_of_live = {key: row for key, row in zip(keys, found) if key in holder}
+    assert len(set(rows_of_live.values())) == len(holder) and MISSING_ROW not in rows_of_live.values()
+    planes = index.dense_rows(np.array(list(rows_of_live.values())))
+    for (key, _), row_planes in zip(rows_of_live.items(), planes):
+        word, bit = divmod(holder[key], 64)
+        assert int(row_planes[0, word]) == 1 << bit and not row_planes[1:].any() and not np.delete(row_planes[0], word).any()
+    assert {row for key, row in zip(keys, found) if key not in holder} == {MISSING_ROW}
 
 
 def held_by_class(index: InventoryIndex) -> dict[tuple[int, str, int], int]:
