@@ -42,8 +42,8 @@ from decide.compact import (
 )
 from decide.kernels import fill_table
 from decide.rows import (
-    CHANGED, EMPTIED, INLINE, NO_ROOM, PLANES, UNCHANGED, change_bits, dense_planes, rows_with_bit, spill,
-    spilled_into,
+    CHANGED, EMPTIED, INLINE, NO_ROOM, PLANES, UNCHANGED, change_bits, change_worker_bits, dense_planes,
+    rows_with_bit, spill, spilled_into,
 )
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
@@ -270,8 +270,11 @@ class InventoryIndex:
         (their last bit cleared) here."""
         if rows is None:
             rows = lookup_rows(self.table_keys, self.table_rows, self.table_bits, sequences)
-        status = self._change_bits(rows, np.full(rows.size, position, np.int64), np.full(rows.size, slot, np.int64),
-                                   wanted)
+        status = np.empty(rows.size, dtype=np.int8)
+        if change_worker_bits(self.holders, self.spilled, rows, position, slot, wanted, status):
+            full = np.flatnonzero(status == NO_ROOM)
+            status[full] = self._change_bits(rows[full], np.full(full.size, position, np.int64),
+                                             np.full(full.size, slot, np.int64), True)
         if self.track_dirty:
             self.dirty_rows.update(rows[(status == CHANGED) | (status == EMPTIED)].tolist())
         if wanted:

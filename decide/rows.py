@@ -124,6 +124,22 @@ def change_bits(holders, spilled, rows, positions, slots, wanted, status):
 
 
 @_compiled
+def change_worker_bits(holders, spilled, rows, position, slot, wanted, status):
+    """`change_bits` for one worker's bit of one class in each of `rows` (an event's blocks);
+    returns how many rows had NO_ROOM, so the common case costs its caller no scan."""
+    full = 0
+    for item in range(rows.size):
+        row = rows[item]
+        if row == 0:
+            status[item] = UNCHANGED
+            continue
+        status[item] = change_bit(holders, spilled, row, position, slot, wanted)
+        if status[item] == NO_ROOM:
+            full += 1
+    return full
+
+
+@_compiled
 def spill(holders, spilled, row, dense):
     """Move a listed row's holders into pool row `dense` (all zero), which it names from now on."""
     for k in range(holders.shape[1]):
@@ -198,6 +214,7 @@ def warm_up() -> None:
     status = np.empty(1, dtype=np.int8)
     one = np.zeros(1, dtype=np.int64)
     change_bits(holders, spilled, rows, one, one, True, status)
+    change_worker_bits(holders, spilled, rows, 0, 0, False, status)
     spill(holders, spilled, 1, 1)
     rows_with_bit(holders, spilled, 4, 0, 0)
     dense_planes(holders, spilled, rows, 1)
