@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from urllib.parse import urlsplit
 
@@ -407,46 +407,88 @@ async def recorded_request_ids(nc: nats.NATS, stream: str) -> list[str]:
     return ids
 
 
+async def routers_asking_through(nats_url: str, fault: Callable[[], Awaitable[None]]) -> list[tuple[float, float, str]]:
+    """16 routers ask decide (a process of its own) without pause through one DecideClient;
+    after 300 answers `fault()` runs, and after 300 more the routers stop. Returns every
+    answer's (asked, answered, request id), with ("fault", start, end) of the fault first."""
+    patient = RetryPolicy(attempts=10_000, first_backoff=timedelta(milliseconds=20), max_backoff=timedelta(milliseconds=100))
+    returned: list[tuple[float, float, str]] = []
+    stop = asyncio.Event()
+    async with await DecideClient.connect_nats(nats_url, timeout=timedelta(milliseconds=500), retry=patient,
+                                               max_reconnect_attempts=-1, reconnect_time_wait=0.2) as client:
+        # The first start may compile the kernels: the patient retries wait for it.
+        await asyncio.wait_for(client.decide(typed_request("first", target=None)), 300)
+
+        async def router(number: int) -> None:
+            asked = 0
+            while not stop.is_set():
+                request = typed_request(f"r{number}-{asked}", target=None)
+                started = time.monotonic()
+                answer = await client.decide(request)
+                assert answer.request_id == request.request_id
+                returned.append((started, time.monotonic(), answer.request_id))
+                asked += 1
+
+        routers = [asyncio.create_task(router(number)) for number in range(16)]
+        try:
+            await wait_until(lambda: len(returned) >= 300, 60, "300 answers before the fault")
+            fault_started = time.monotonic()
+            answered_by_then = len(returned)
+            await fault()
+            fault_ended = time.monotonic()
+            await wait_until(lambda: len(returned) >= answered_by_then + 300, 300, "300 answers after the fault")
+        finally:
+            stop.set()
+            await asyncio.gather(*routers, return_exceptions=True)
+    for task in routers:
+        task.result()  # a router that failed fails the test
+    return [(fault_started, fault_ended, "fault"), *returned]
+
+
+async def assert_every_returned_answer_is_on_record_once(nats_url: str, returned: list[tuple[float, float, str]]) -> None:
+    (fault_started, fault_ended, _), *answers = returned
+    # Asked before the service was back, answered after: each took more than one attempt.
+    crossing = [request_id for asked, answered, request_id in answers if asked < fault_ended < answered]
+    assert crossing, "no request had to outlast the fault"
+    assert any(answered < fault_started for _, answered, _ in answers)
+    async with await nats.connect(nats_url) as nc:
+        recorded = await recorded_request_ids(nc, decide_settings(nats_url).stream.decisions_stream)
+    assert len(recorded) == len(set(recorded))  # each once: a retry under the same id is deduplicated
+    assert set(recorded) == {request_id for _, _, request_id in answers} | {"first"}
+
+
 async def test_every_answer_a_client_returned_is_on_record_across_a_kill_9_of_decide(nats_server) -> None:
-    """16 routers ask without pause; decide is SIGKILLed mid-stream and started again. Every
-    answer DecideClient returned, before, across and after the kill, is in KV_DECISIONS, once."""
+    """decide is SIGKILLed mid-stream and started again: every answer DecideClient returned,
+    before, across and after the kill, is in KV_DECISIONS, once."""
     decide = DecideProcess(nats_server.url)
     decide.start()
-    patient = RetryPolicy(attempts=10_000, first_backoff=timedelta(milliseconds=20), max_backoff=timedelta(milliseconds=100))
-    returned: list[tuple[float, float, str]] = []  # (asked, answered, request id)
-    stop = asyncio.Event()
+
+    async def kill_and_restart_decide() -> None:
+        decide.kill()
+        await asyncio.sleep(0.3)  # the requests in flight now go unanswered, and are asked again
+        decide.start()
+
     try:
-        async with await DecideClient.connect_nats(nats_server.url, timeout=timedelta(milliseconds=500),
-                                                   retry=patient) as client:
-            # The first start may compile the kernels: the patient retries wait for it.
-            await asyncio.wait_for(client.decide(typed_request("first", target=None)), 300)
-
-            async def router(number: int) -> None:
-                asked = 0
-                while not stop.is_set():
-                    request = typed_request(f"r{number}-{asked}", target=None)
-                    started = time.monotonic()
-                    answer = await client.decide(request)
-                    assert answer.request_id == request.request_id
-                    returned.append((started, time.monotonic(), answer.request_id))
-                    asked += 1
-
-            routers = [asyncio.create_task(router(number)) for number in range(16)]
-            await wait_until(lambda: len(returned) >= 300, 60, "300 answers before the kill")
-            killed_at = time.monotonic()
-            decide.kill()
-            answered_by_the_kill = len(returned)
-            await asyncio.sleep(0.3)  # the requests in flight now go unanswered, and are asked again
-            decide.start()
-            await wait_until(lambda: len(returned) >= answered_by_the_kill + 300, 300, "300 answers after the restart")
-            stop.set()
-            await asyncio.gather(*routers)
+        returned = await routers_asking_through(nats_server.url, kill_and_restart_decide)
     finally:
-        stop.set()
         decide.stop()
-    crossing = [request_id for asked, answered, request_id in returned if asked < killed_at < answered]
-    assert crossing, "no request was in flight when decide was killed"
-    async with await nats.connect(nats_server.url) as nc:
-        recorded = await recorded_request_ids(nc, decide_settings(nats_server.url).stream.decisions_stream)
-    assert len(recorded) == len(set(recorded))  # each once: a retry under the same id is deduplicated
-    assert set(recorded) == {request_id for _, _, request_id in returned} | {"first"}
+    await assert_every_returned_answer_is_on_record_once(nats_server.url, returned)
+
+
+async def test_every_answer_a_client_returned_is_on_record_across_a_kill_9_of_nats_server(nats_server) -> None:
+    """nats-server (JetStream, KV_DECISIONS) is SIGKILLed mid-stream and restarted on its store:
+    the acks a client took were for stored records, and the ones lost with the server are
+    asked for again under the same ids."""
+    decide = DecideProcess(nats_server.url)
+    decide.start()
+
+    async def kill_and_restart_nats() -> None:
+        nats_server.kill()
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(nats_server.restart)
+
+    try:
+        returned = await routers_asking_through(nats_server.url, kill_and_restart_nats)
+    finally:
+        decide.stop()
+    await assert_every_returned_answer_is_on_record_once(nats_server.url, returned)
