@@ -33,14 +33,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import nats
-from nats.js.api import ConsumerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvledger.client import DecideClient, DecideRequest, RetryPolicy  # noqa: E402
 from kvledger.runtime.embedded import EmbeddedNats  # noqa: E402
 from kvledger.settings import StreamSettings  # noqa: E402
-from kvledger.runtime.streams import DECIDE_SUBJECT, DECISIONS_SUBJECT  # noqa: E402
+from kvledger.runtime.streams import DECIDE_SUBJECT, DECISIONS_SUBJECT, message_ids  # noqa: E402
 
 BLOCK_SIZE = 16
 BARE_SUBJECT = "bench.bare"
@@ -115,23 +114,9 @@ async def load_with_client(url: str, clients: int, seconds: float, answered: set
 
 
 async def recorded_ids(url: str, stream: str) -> set[str]:
-    """The Nats-Msg-Id of every answer in KV_DECISIONS (headers only, one ordered pass)."""
+    """The Nats-Msg-Id of every answer in KV_DECISIONS."""
     async with await nats.connect(url) as nc:
-        js = nc.jetstream()
-        last_seq = (await js.stream_info(stream)).state.last_seq
-        ids: set[str] = set()
-        read_all = asyncio.Event()
-
-        async def collect(msg) -> None:
-            ids.add(msg.headers["Nats-Msg-Id"])
-            if msg.metadata.sequence.stream >= last_seq:
-                read_all.set()
-
-        subscription = await js.subscribe(DECISIONS_SUBJECT, stream=stream, cb=collect, ordered_consumer=True,
-                                          config=ConsumerConfig(headers_only=True))
-        await asyncio.wait_for(read_all.wait(), 120)
-        await subscription.unsubscribe()
-        return ids
+        return set(await message_ids(nc.jetstream(), stream, DECISIONS_SUBJECT))
 
 
 def percentile(values: list[float], q: float) -> float:

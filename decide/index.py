@@ -73,6 +73,23 @@ def slot_of(key: int, bits: int) -> int:
     return ((key * HASH_MULTIPLIER) & _U64) >> (64 - bits)
 
 
+class _Numbers:
+    """Numbers of rows handed out from 1 up (0 is kept back), those given back first."""
+
+    def __init__(self) -> None:
+        self.used = 1  # every number below this has been handed out
+        self.free: list[int] = []
+
+    def take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        self.used += 1
+        return self.used - 1
+
+    def give_back(self, number: int) -> None:
+        self.free.append(number)
+
+
 class InventoryIndex:
     """Sequence hash → which workers hold it in each class, following an `InventoryFold`.
 
@@ -94,13 +111,11 @@ class InventoryIndex:
         # objects: a fleet's index has a row per distinct block. Its sequence hash is the
         # table's key that leads to it.
         self.live_rows = 0
-        self._rows_used = 1  # row 0 is the row of hashes nobody holds: it lists no one
-        self._free_rows: list[int] = []
+        self._rows = _Numbers()  # row 0 is the row of hashes nobody holds: it lists no one
         self._set_holders(mapped_zeros((1024, INLINE), np.uint32))
         # The bitmask rows of rows with more holders than a row lists (pool row 0 unused).
         self.spilled = mapped_zeros((16, PLANES, self.words), np.uint64)
-        self._spilled_used = 1
-        self._free_spilled: list[int] = []
+        self._pool_rows = _Numbers()
         self.table_bits = _MIN_TABLE_BITS
         self._set_table(_MIN_TABLE_BITS)
         # What the device mirror has not seen yet; `generation` changes when the arrays
@@ -299,16 +314,12 @@ class InventoryIndex:
     def _spill(self, row: int) -> None:
         if spilled_into(self._holder_items[row * INLINE]):
             return  # spilled already (by an earlier item of the same call)
-        if self._free_spilled:
-            dense = self._free_spilled.pop()
-        else:
-            dense = self._spilled_used
-            self._spilled_used += 1
-            if dense >= self.spilled.shape[0]:
-                # By a quarter: at 1 024 workers a bitmask row is 512 bytes, and few rows spill.
-                grown = mapped_zeros((self.spilled.shape[0] * 5 // 4 + 1, PLANES, self.words), np.uint64)
-                grown[: self.spilled.shape[0]] = self.spilled
-                self.spilled = grown
+        dense = self._pool_rows.take()
+        if dense >= self.spilled.shape[0]:
+            # By a quarter: at 1 024 workers a bitmask row is 512 bytes, and few rows spill.
+            grown = mapped_zeros((self.spilled.shape[0] * 5 // 4 + 1, PLANES, self.words), np.uint64)
+            grown[: self.spilled.shape[0]] = self.spilled
+            self.spilled = grown
         spill(self.holders, self.spilled, row, dense)
 
     def _clear_plain(self, slot: int, tier: Tier | None) -> None:
@@ -408,7 +419,7 @@ class InventoryIndex:
         return self._hashes_of(self._rows_with_bit(slot, position)).tolist()
 
     def _rows_with_bit(self, slot: int, position: int) -> np.ndarray:
-        return rows_with_bit(self.holders, self.spilled, self._rows_used, position, slot)
+        return rows_with_bit(self.holders, self.spilled, self._rows.used, position, slot)
 
     def _index_all_records(self, records: Iterable[BlockRecord]) -> None:
         holds = self.fold.holds
@@ -484,17 +495,12 @@ class InventoryIndex:
         return self.table_keys[self.table_rows > MISSING_ROW].tolist()
 
     def _new_row(self, sequence_hash: int) -> int:
-        if self._free_rows:
-            row = self._free_rows.pop()
-        else:
-            row = self._rows_used
-            self._rows_used += 1
-            if row >= self.holders.shape[0]:
-                rows = self.holders.shape[0] * 2
-                holders = mapped_zeros((rows, INLINE), np.uint32)
-                holders[: self.holders.shape[0]] = self.holders
-                self._set_holders(holders)
-                self.generation += 1
+        row = self._rows.take()
+        if row >= self.holders.shape[0]:
+            holders = mapped_zeros((self.holders.shape[0] * 2, INLINE), np.uint32)
+            holders[: self.holders.shape[0]] = self.holders
+            self._set_holders(holders)
+            self.generation += 1
         self.live_rows += 1
         if self.live_rows + self._dead_slots > _MAX_LOAD * len(self.table_keys):
             # Past the load limit: purge the dead slots at the same size while they are a good
@@ -509,10 +515,10 @@ class InventoryIndex:
         # Linear probing cannot simply empty a slot (later keys would become unreachable),
         # so the key stays pointing at the all-zero row 0 until the next rebuild.
         self.live_rows -= 1
-        self._free_rows.append(row)
+        self._rows.give_back(row)
         dense = spilled_into(self._holder_items[row * INLINE])
         if dense:  # its bitmask row is all zero again (an emptied listed row lists no one)
-            self._free_spilled.append(dense)
+            self._pool_rows.give_back(dense)
             self._holder_items[row * INLINE] = 0
         position = self._table_find(sequence_hash)
         self._table_row_items[position] = MISSING_ROW
@@ -568,7 +574,7 @@ class InventoryIndex:
         """Each row's sequence hash, read off the table in one pass (for clears, which are rare:
         a hash kept per row cost 8 bytes a row)."""
         live = self.table_rows > MISSING_ROW
-        by_row = np.zeros(self._rows_used, dtype=np.uint64)
+        by_row = np.zeros(self._rows.used, dtype=np.uint64)
         by_row[self.table_rows[live]] = self.table_keys[live]
         return by_row[rows]
 

@@ -30,8 +30,7 @@ from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.lifetime import cancel_and_wait
 from kvledger.settings import Settings
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, decisions_stream, ensure_stream
-from kvledger.runtime.streams import events_stream
-from nats.js.api import ConsumerConfig
+from kvledger.runtime.streams import events_stream, message_ids
 from kvledger.sim.workload import CacheChange, EngineCache, Request
 from builders import BLOCK_SIZE, local_hashes
 from engines import wait_until
@@ -388,25 +387,6 @@ class DecideProcess:
             self.process.wait(30)
 
 
-async def recorded_request_ids(nc: nats.NATS, stream: str) -> list[str]:
-    """The Nats-Msg-Id of every record in KV_DECISIONS, in stream order."""
-    js = nc.jetstream()
-    last_seq = (await js.stream_info(stream)).state.last_seq
-    ids: list[str] = []
-    read_all = asyncio.Event()
-
-    async def collect(msg) -> None:
-        ids.append(msg.headers["Nats-Msg-Id"])
-        if msg.metadata.sequence.stream >= last_seq:
-            read_all.set()
-
-    subscription = await js.subscribe(DECISIONS_SUBJECT, stream=stream, cb=collect, ordered_consumer=True,
-                                      config=ConsumerConfig(headers_only=True))
-    await asyncio.wait_for(read_all.wait(), 30)
-    await subscription.unsubscribe()
-    return ids
-
-
 async def routers_asking_through(nats_url: str, fault: Callable[[], Awaitable[None]]) -> list[tuple[float, float, str]]:
     """16 routers ask decide (a process of its own) without pause through one DecideClient;
     after 300 answers `fault()` runs, and after 300 more the routers stop. Returns every
@@ -452,7 +432,7 @@ async def assert_every_returned_answer_is_on_record_once(nats_url: str, returned
     assert crossing, "no request had to outlast the fault"
     assert any(answered < fault_started for _, answered, _ in answers)
     async with await nats.connect(nats_url) as nc:
-        recorded = await recorded_request_ids(nc, decide_settings(nats_url).stream.decisions_stream)
+        recorded = await message_ids(nc.jetstream(), decide_settings(nats_url).stream.decisions_stream, DECISIONS_SUBJECT)
     assert len(recorded) == len(set(recorded))  # each once: a retry under the same id is deduplicated
     assert set(recorded) == {request_id for _, _, request_id in answers} | {"first"}
 

@@ -301,9 +301,9 @@ def test_rows_held_by_many_workers_spill_into_bitmask_rows_and_give_them_back() 
     apply(stream.batch(workers[7], Stored(Tier.DEVICE, (99,), None, BLOCK_SIZE, (5,), group_idx=1)))  # promoted
     _agrees_with_the_fold(index, fold)
     assert index.promoted_workers == [workers[7]]
-    spilled_rows = {spilled_into(int(first)) for first in index.holders[1:index._rows_used, 0]} - {0}
+    spilled_rows = {spilled_into(int(first)) for first in index.holders[1:index._rows.used, 0]} - {0}
     assert len(spilled_rows) >= 8  # prefix 0's six blocks, and the host copies of two blocks of several prefixes
-    in_pool = index._spilled_used
+    in_pool = index._pool_rows.used
 
     for number, worker in enumerate(workers):
         if number % 3 == 0:
@@ -315,10 +315,10 @@ def test_rows_held_by_many_workers_spill_into_bitmask_rows_and_give_them_back() 
     for worker in workers:
         apply(stream.batch(worker, Cleared(None)))
     _agrees_with_the_fold(index, fold)
-    assert index.size == 0 and not index.holders[1:index._rows_used].any() and not index.spilled.any()
-    assert sorted(index._free_spilled) == list(range(1, in_pool))  # every bitmask row given back
+    assert index.size == 0 and not index.holders[1:index._rows.used].any() and not index.spilled.any()
+    assert sorted(index._pool_rows.free) == list(range(1, in_pool))  # every bitmask row given back
 
     for worker in workers[:20]:  # rows made again reuse them
         apply(stream.batch(worker, Stored(Tier.DEVICE, tuple(range(1, 7)), None, BLOCK_SIZE, prefixes[0])))
     _agrees_with_the_fold(index, fold)
-    assert index._spilled_used == in_pool
+    assert index._pool_rows.used == in_pool

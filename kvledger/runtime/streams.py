@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import attrs
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import StorageType, StreamConfig
+from nats.js.api import ConsumerConfig, StorageType, StreamConfig
 
 from kvledger.events import DEAD_LETTER_SUBJECT_PREFIX, EVENTS_SUBJECT_PREFIX, EventBatch, encode_batch
 from kvledger.settings import StreamSettings
@@ -126,6 +126,29 @@ async def publish_batches(js: JetStreamContext, batches: Iterable[EventBatch], w
     if pending:
         last = max(last, *(ack.seq for ack in await asyncio.gather(*pending)))
     return last
+
+
+async def message_ids(js: JetStreamContext, stream: str, subject: str, timeout_s: float = 120.0) -> list[str]:
+    """The Nats-Msg-Id of every message of `stream` on `subject`, in stream order (one
+    ordered pass, headers only): what a benchmark or a test checks KV_DECISIONS with."""
+    last_seq = (await js.stream_info(stream)).state.last_seq
+    ids: list[str] = []
+    if not last_seq:
+        return ids
+    read_all = asyncio.Event()
+
+    async def collect(msg) -> None:
+        ids.append(msg.headers["Nats-Msg-Id"])
+        if msg.metadata.sequence.stream >= last_seq:
+            read_all.set()
+
+    subscription = await js.subscribe(subject, stream=stream, cb=collect, ordered_consumer=True,
+                                      config=ConsumerConfig(headers_only=True))
+    try:
+        await asyncio.wait_for(read_all.wait(), timeout_s)
+    finally:
+        await subscription.unsubscribe()
+    return ids
 
 
 def dead_letter_subject(publisher: str) -> str:
