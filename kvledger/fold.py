@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
 import msgspec
@@ -177,24 +177,22 @@ class _TopologyEntry(msgspec.Struct, gc=False):
 class _DictPerTier(dict):
     """A dict per tier, made when first written through: most workers use one or two of the
     four tiers, and a fleet of a thousand workers kept thousands of empty containers. Reads
-    that must not make one use `.get`. (No attributes: an instance dict would cost more
-    than the containers saved.)"""
+    that must not make one use `.get`. (What is made is a class attribute: an instance
+    dict would cost more than the containers saved.)"""
 
     __slots__ = ()
+    _make: Callable[[], object] = dict
 
-    def __missing__(self, tier: Tier) -> dict:
-        made = self[tier] = {}
+    def __missing__(self, tier: Tier):
+        made = self[tier] = self._make()
         return made
 
 
-class _SetPerTier(dict):
-    """A set per tier, made when first written through (as `_DictPerTier`)."""
+class _SetPerTier(_DictPerTier):
+    """A set per tier, made when first written through."""
 
     __slots__ = ()
-
-    def __missing__(self, tier: Tier) -> set:
-        made = self[tier] = set()
-        return made
+    _make = set
 
 
 @attrs.define
