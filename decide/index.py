@@ -3,8 +3,8 @@
 One row per sequence hash says which workers hold it in each of four classes (native
 device, native host, native disk, retained device): a short list of holders, or beyond
 `decide.rows.INLINE` of them a bitmask row of `words` 64-bit words per class, so any
-number of workers fits and a row costs what its holders need. The index owns its own `InventoryFold`, which runs every sequence rule for
-every worker. A plain worker's records (native, group 0, no ownership: nearly every
+number of workers fits and a row costs what its holders need. The index owns its own
+`InventoryFold`, which runs every sequence rule for every worker. A plain worker's records (native, group 0, no ownership: nearly every
 worker) are held in `decide.compact`'s arrays, whose kernels set and clear the bits as
 each event is applied; the first announcement beyond the plain case promotes the worker
 into the fold for good. For a promoted worker the index re-reads, after each batch, the
@@ -327,10 +327,12 @@ class InventoryIndex:
         tiers = TIERS if tier is None else (tier,) if tier in TIER_CODE else ()
         if not tiers or not self.compact.held_by(slot):
             return
+        # Read once: a row emptied on one tier held none of this worker's bits on the others.
+        hash_of_row = self._hash_of_row()
         for cleared in tiers:
             position = _CLASS_OF[(NATIVE, cleared)]
             rows = self._rows_with_bit(slot, position).astype(np.int32)
-            self._set_bits(slot, self._hashes_of(rows), position, False, rows)
+            self._set_bits(slot, hash_of_row[rows], position, False, rows)
         self.compact.clear(slot, tier)
 
     def _promote(self, slot: int) -> None:
@@ -366,7 +368,7 @@ class InventoryIndex:
 
     @property
     def array_bytes(self) -> int:
-        """Bytes of the index's arrays: the compact records, the rows (holders, bitmask rows, hashes, bit counts), the table."""
+        """Bytes of the index's arrays: the compact records, the rows (holders, bitmask rows), the table."""
         rows = self.holders.nbytes + self.spilled.nbytes
         return self.compact.nbytes() + rows + self.table_keys.nbytes + self.table_rows.nbytes
 
@@ -416,7 +418,7 @@ class InventoryIndex:
         A scan of one bitmask column (rare: a clear or a restart), where a set per worker and
         class kept beside the bits cost tens of bytes per residency.
         """
-        return self._hashes_of(self._rows_with_bit(slot, position)).tolist()
+        return self._hash_of_row()[self._rows_with_bit(slot, position)].tolist()
 
     def _rows_with_bit(self, slot: int, position: int) -> np.ndarray:
         return rows_with_bit(self.holders, self.spilled, self._rows.used, position, slot)
@@ -570,13 +572,13 @@ class InventoryIndex:
         self.generation += 1
         self.dirty_table_slots.clear()
 
-    def _hashes_of(self, rows: np.ndarray) -> np.ndarray:
-        """Each row's sequence hash, read off the table in one pass (for clears, which are rare:
-        a hash kept per row cost 8 bytes a row)."""
+    def _hash_of_row(self) -> np.ndarray:
+        """Every live row's sequence hash by row, read off the table in one pass (for clears,
+        which are rare: a hash kept per row cost 8 bytes a row)."""
         live = self.table_rows > MISSING_ROW
         by_row = np.zeros(self._rows.used, dtype=np.uint64)
         by_row[self.table_rows[live]] = self.table_keys[live]
-        return by_row[rows]
+        return by_row
 
     def dense_rows(self, rows: np.ndarray | None = None) -> np.ndarray:
         """Rows as bitmask planes (rows × PLANES × words), every row's when none are named: the device's copy."""

@@ -24,7 +24,7 @@ from kvledger.hashing import HASH_SEED
 
 # Sets numba's kernel cache folder before any kernel below is decorated.
 from decide.compiled import compiled as _compiled, inlined as _inlined, kernel_cache_dir  # noqa: F401
-from decide.rows import load_planes
+from decide.rows import PLANES, load_planes
 
 # The cost model, compiled from its one definition.
 _recompute_ms = _inlined(cost.recompute_ms)
@@ -206,7 +206,7 @@ def rank_requests(
     count = offsets.size - 1
     workers = slots_in_order.size
     words = spilled.shape[2]
-    planes = np.zeros((4, words), dtype=np.uint64)
+    planes = np.zeros((PLANES, words), dtype=np.uint64)
     target_out = np.full(count, -1, dtype=np.int32)
     credited = np.zeros(count, dtype=np.float64)
     baseline_out = np.zeros(count, dtype=np.int32)

@@ -26,14 +26,13 @@ PLANES = 4
 UNCHANGED, CHANGED, NO_ROOM, EMPTIED = 0, 1, 2, 3
 
 _PLANE_BITS = np.uint32(15)
+_FOUR = np.uint32(4)
+_ONE = np.uint64(1)
 
 
 def spilled_into(first_entry: int) -> int:
-    """The pool row a row's first entry names, 0 when the row lists its holders (from Python)."""
+    """`spilled_row` from Python, given the row's first entry."""
     return first_entry >> 4 if first_entry and not first_entry & 15 else 0
-
-_FOUR = np.uint32(4)
-_ONE = np.uint64(1)
 
 
 @_inlined
@@ -157,10 +156,9 @@ def spill(holders, spilled, row, dense):
 @_inlined
 def load_planes(holders, spilled, row, planes):
     """Row `row` as bitmask planes into `planes` (PLANES × words), whichever way it is kept."""
-    first = holders[row, 0]
+    dense = spilled_row(holders, row)
     words = planes.shape[1]
-    if first != 0 and (first & _PLANE_BITS) == 0:
-        dense = np.int64(first >> _FOUR)
+    if dense:
         for position in range(PLANES):
             for word in range(words):
                 planes[position, word] = spilled[dense, position, word]
