@@ -596,15 +596,58 @@ def _put_json_string(out, position, text):
 
 _POWERS_OF_TEN = np.array([10.0 ** power for power in range(16)])
 _EXACT_INTEGERS = 9007199254740992.0  # 2**53: every integer below is a double
+_POWERS_OF_FIVE = np.array([5**power for power in range(27)], dtype=np.uint64)
+_SEVENTEEN_DIGITS_FROM, _SEVENTEEN_DIGITS_UNTIL = np.int64(10**16), np.int64(10**17)
+_MANTISSA_SCALE = 9007199254740992.0  # 2**53, as a double
+_FIFTY_THREE = 53
+
+
+@_inlined
+def _exactly_scaled(value, decimals):
+    """`value × 10**decimals` rounded to the nearest integer (ties to even), computed exactly,
+    for 0 < value and 1 <= decimals <= 26; -1 when the result would not fit 64 bits.
+
+    value = m·2**e with a 53-bit integer m, so value·10**d = (m·5**d)·2**(e + d): a 128-bit
+    product of two 64-bit words, then a shift that rounds.
+    """
+    fraction, exponent = math.frexp(value)
+    mantissa = np.uint64(fraction * _MANTISSA_SCALE)  # exact: fraction has 53 significant bits
+    shift = exponent - _FIFTY_THREE + decimals
+    five = _POWERS_OF_FIVE[decimals]
+    a0, a1 = mantissa & _U32, mantissa >> _S32
+    b0, b1 = five & _U32, five >> _S32
+    ll, lh, hl = a0 * b0, a0 * b1, a1 * b0
+    middle = (ll >> _S32) + (lh & _U32) + (hl & _U32)
+    low = (ll & _U32) | ((middle & _U32) << _S32)
+    high = a1 * b1 + (lh >> _S32) + (hl >> _S32) + (middle >> _S32)
+    if shift >= 0:
+        # Shifts of 64 or more are undefined: the result must stay below 2**63 anyway.
+        if high != 0 or shift >= 63 or low >> np.uint64(63 - shift) != 0:
+            return np.int64(-1)
+        return np.int64(low << np.uint64(shift))
+    right = -shift
+    if right >= 64 or high >> np.uint64(right) != 0:
+        return np.int64(-1)
+    quotient = (low >> np.uint64(right)) | (high << np.uint64(64 - right))
+    remainder = low & ((_ONE << np.uint64(right)) - _ONE)
+    half = _ONE << np.uint64(right - 1)
+    if remainder > half or (remainder == half and quotient & _ONE):
+        quotient += _ONE
+    if quotient >> np.uint64(63):
+        return np.int64(-1)
+    return np.int64(quotient)
 
 
 @_inlined
 def _shortest_fixed(value):
     """(digits, decimals) with `digits / 10**decimals` the shortest text that reads back as `value` (> 0),
-    or (-1, -1) where `repr` is needed: exponent notation, 17 digits, or two texts equally short.
+    or (-1, -1) where `repr` is needed: exponent notation, or two texts equally short.
 
     `float(digits) / 10**decimals` is the correctly rounded value of that decimal text (both
-    operands are exact doubles), so the test is exactly "reads back as `value`".
+    operands are exact doubles), so the test is exactly "reads back as `value`". Where no
+    text of up to 16 significant digits reads back, 17 always do, and `repr` writes the 17
+    digits nearest the value: `_exactly_scaled` computes them. (Where 16 digits could not
+    be tested, their integer being above 2**53, Python writes the text.)
     """
     if value >= 1e16 or value < 1e-4:
         return -1, -1
@@ -612,6 +655,11 @@ def _shortest_fixed(value):
         scale = _POWERS_OF_TEN[decimals]
         product = value * scale
         if product >= _EXACT_INTEGERS:
+            if product >= 1e16 and decimals > 0:
+                # Every shorter text failed: the 17 digits, if this scaling really gives 17.
+                digits = _exactly_scaled(value, decimals)
+                if _SEVENTEEN_DIGITS_FROM <= digits < _SEVENTEEN_DIGITS_UNTIL:
+                    return digits, decimals
             return -1, -1
         nearest = np.int64(np.rint(product))
         found, hits = -1, 0
