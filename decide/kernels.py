@@ -602,7 +602,7 @@ _MANTISSA_SCALE = 9007199254740992.0  # 2**53, as a double
 _FIFTY_THREE = 53
 
 
-@_inlined
+@_compiled  # not inlined: called for one float in a few, it would grow every place a float is written
 def _exactly_scaled(value, decimals):
     """`value × 10**decimals` rounded to the nearest integer (ties to even), computed exactly,
     for 0 < value and 1 <= decimals <= 26; -1 when the result would not fit 64 bits.
