@@ -753,7 +753,7 @@ def _longest(bounds):
     return longest
 
 
-@_inlined
+@_compiled  # called, not inlined: two inlined copies of its three floats doubled the writer's compile time
 def _put_candidate(out, position, item, sources, source_bounds, c_slot, c_tier, c_prefix, c_transfer,
                    recompute, recompute_text, transfer, transfer_text, saving, saving_text, repr_texts, repr_bounds):
     position = _put_slice(out, position, sources, source_bounds, c_slot[item])
