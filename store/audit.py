@@ -160,16 +160,25 @@ _JUDGED = """WITH judged AS (
   FROM decisions d
 ),
 blocks AS (
-  SELECT v.stream_seq, v.role, v.position,
-         MAX(CASE WHEN v.stored_seq <= j.horizon_seq AND (v.removed_seq IS NULL OR v.removed_seq > j.horizon_seq)
+  SELECT b.stream_seq, b.role, b.position,
+         MAX(CASE WHEN s.stored_seq <= j.horizon_seq AND (s.removed_seq IS NULL OR s.removed_seq > j.horizon_seq)
                   THEN 1 ELSE 0 END) AS held,
-         MIN(CASE WHEN v.stored_seq <= v.inventory_seq AND v.removed_seq > v.inventory_seq
-                   AND v.removed_seq <= j.horizon_seq THEN v.removed_ts END) AS first_removed_ts,
-         MAX(CASE WHEN v.removed_seq > v.inventory_seq AND v.removed_seq <= j.horizon_seq
-                  THEN v.removed_ts END) AS last_removed_ts
-  FROM decision_block_stays v JOIN judged j ON j.stream_seq = v.stream_seq
+         MIN(CASE WHEN s.stored_seq <= j.inventory_seq AND s.removed_seq > j.inventory_seq
+                   AND s.removed_seq <= j.horizon_seq THEN s.removed_ts END) AS first_removed_ts,
+         MAX(CASE WHEN s.removed_seq > j.inventory_seq AND s.removed_seq <= j.horizon_seq
+                  THEN s.removed_ts END) AS last_removed_ts
+  FROM judged j
+  JOIN decision_blocks b ON b.stream_seq = j.stream_seq
+  JOIN decisions d ON d.stream_seq = b.stream_seq
+  LEFT JOIN block_residency s
+    ON s.sequence_hash = b.sequence_hash AND s.provenance = 'native'
+   AND s.publisher = CASE WHEN b.role = 'source' THEN d.chosen_source ELSE d.target_publisher END
+   AND s.dp_rank = CASE WHEN b.role = 'source' THEN d.chosen_dp_rank ELSE d.target_dp_rank END
+   AND s.tier IN ('device', 'host', 'disk')
+   AND (b.role = 'target' OR s.tier = d.chosen_tier)
+   AND s.stored_seq <= j.horizon_seq AND (s.removed_seq IS NULL OR s.removed_seq > j.inventory_seq)
   WHERE j.horizon_seq IS NOT NULL
-  GROUP BY v.stream_seq, v.role, v.position
+  GROUP BY b.stream_seq, b.role, b.position
 ),
 quality AS (
   SELECT j.stream_seq, j.request_id, j.decided_ts, j.reason, j.target, j.chosen_source, j.chosen_dp_rank,

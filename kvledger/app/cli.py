@@ -279,7 +279,9 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
             nonlocal score
             nc = await nats.connect(**connect_options(settings.nats, name="kvledger-demo"))
             try:
-                await _wait_decide_ready(nc)
+                await _wait_decide_ready(nc, on_slow=lambda: console.print(
+                    "[dim]decide is compiling its kernels: about a minute the first time on a machine; "
+                    "later starts load them from its kernel cache in about a second...[/]"))
                 ask = decide_asker(await DecideClient.connect_nats(nc, timeout=datetime.timedelta(seconds=10)))
                 with Live(progress_line(score), console=console, refresh_per_second=4) as live:
                     score = await run_closed_loop(
@@ -296,6 +298,8 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
         await run_services({**services, "demo": driver}, stop)
 
     counts = ledger_counts(settings.db.url)
+    console.print(f"[dim]judging {counts['decisions']} decisions at their "
+                  f"{settings.store.quality_horizon_s * 1000:g} ms horizon (SQL)...[/]")
     quality = quality_totals(settings.db.url, settings.store.quality_horizon_s)
     horizon_ms = settings.store.quality_horizon_s * 1000
     bridged, events, inventory, decisions = counts["batches"], counts["events"], counts["blocks_held"], counts["decisions"]
@@ -339,15 +343,26 @@ def _rate(part: int, whole: int, of: str) -> str:
     return f"{part / whole:.1%} of {whole} {of}" if whole else f"n/a (no {of} judged)"
 
 
-async def _wait_decide_ready(nc) -> None:
-    """The decision service answers once it is up; until then requests find no responder."""
+# A first start compiles decide's kernels: 40-70 s on a two-core machine.
+DECIDE_READY_TIMEOUT_S = 600
+_SLOW_START_S = 3.0
+
+
+async def _wait_decide_ready(nc, on_slow: Callable[[], None] = lambda: None) -> None:
+    """The decision service answers once it is up; until then requests find no responder.
+    `on_slow` is called once if that takes more than a few seconds."""
     import nats.errors
 
     from kvledger.runtime.streams import DECIDE_SUBJECT
 
-    deadline = asyncio.get_running_loop().time() + 60
+    started = asyncio.get_running_loop().time()
+    deadline = started + DECIDE_READY_TIMEOUT_S
+    told = False
     attempt = 0
     while True:
+        if not told and asyncio.get_running_loop().time() - started > _SLOW_START_S:
+            on_slow()
+            told = True
         attempt += 1
         # Each probe its own id: decisions are de-duplicated in KV_DECISIONS by request id.
         probe = json.dumps({"request_id": f"demo-probe-{attempt}", "local_hashes": [], "block_size": 16}).encode()
