@@ -605,7 +605,7 @@ _FIFTY_THREE = 53
 @_compiled  # not inlined: called for one float in a few, it would grow every place a float is written
 def _exactly_scaled(value, decimals):
     """`value × 10**decimals` rounded to the nearest integer (ties to even), computed exactly,
-    for 0 < value and 1 <= decimals <= 26; -1 when the result would not fit 64 bits.
+    for 0 < value and 1 <= decimals <= 26; -1 when the result would not fit a signed 64-bit integer.
 
     value = m·2**e with a 53-bit integer m, so value·10**d = (m·5**d)·2**(e + d): a 128-bit
     product of two 64-bit words, then a shift that rounds.
