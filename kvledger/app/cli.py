@@ -298,10 +298,9 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
         await run_services({**services, "demo": driver}, stop)
 
     counts = ledger_counts(settings.db.url)
-    console.print(f"[dim]judging {counts['decisions']} decisions at their "
-                  f"{settings.store.quality_horizon_s * 1000:g} ms horizon (SQL)...[/]")
-    quality = quality_totals(settings.db.url, settings.store.quality_horizon_s)
     horizon_ms = settings.store.quality_horizon_s * 1000
+    console.print(f"[dim]judging {counts['decisions']} decisions at their {horizon_ms:g} ms horizon (SQL)...[/]")
+    quality = quality_totals(settings.db.url, settings.store.quality_horizon_s)
     bridged, events, inventory, decisions = counts["batches"], counts["events"], counts["blocks_held"], counts["decisions"]
     summary = Table(title="kvledger demo", show_header=False, min_width=72)
     summary.add_column(style="bold")
