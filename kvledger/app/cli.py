@@ -280,8 +280,8 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
             nc = await nats.connect(**connect_options(settings.nats, name="kvledger-demo"))
             try:
                 await _wait_decide_ready(nc, on_slow=lambda: console.print(
-                    "[dim]decide is compiling its kernels: about a minute the first time on a machine; "
-                    "later starts load them from its kernel cache in about a second...[/]"))
+                    "[dim]waiting for decide (its first start on a machine compiles its kernels, "
+                    "about a minute; later starts load them)...[/]"))
                 ask = decide_asker(await DecideClient.connect_nats(nc, timeout=datetime.timedelta(seconds=10)))
                 with Live(progress_line(score), console=console, refresh_per_second=4) as live:
                     score = await run_closed_loop(
@@ -344,7 +344,7 @@ def _rate(part: int, whole: int, of: str) -> str:
 
 # A first start compiles decide's kernels: 40-70 s on a two-core machine.
 DECIDE_READY_TIMEOUT_S = 600
-_SLOW_START_S = 3.0
+_SLOW_START_S = 5.0
 
 
 async def _wait_decide_ready(nc, on_slow: Callable[[], None] = lambda: None) -> None:
