@@ -4,8 +4,8 @@ One row per sequence hash says which workers hold it in each of four classes (na
 device, native host, native disk, retained device): a short list of holders, or beyond
 `decide.rows.INLINE` of them a bitmask row of `words` 64-bit words per class, so any
 number of workers fits and a row costs what its holders need. The index owns its own
-`InventoryFold`, which runs every sequence rule for every worker. A plain worker's records (native, group 0, no ownership: nearly every
-worker) are held in `decide.compact`'s arrays, whose kernels set and clear the bits as
+`InventoryFold`, which runs every sequence rule for every worker. A plain worker's records
+(native, group 0, no ownership: nearly every worker) are held in `decide.compact`'s arrays, whose kernels set and clear the bits as
 each event is applied; the first announcement beyond the plain case promotes the worker
 into the fold for good. For a promoted worker the index re-reads, after each batch, the
 fold's `holds` for the (worker, sequence hash) pairs the batch touched, so every fold rule

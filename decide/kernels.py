@@ -61,16 +61,22 @@ def _byteswap(value):
 
 
 @_inlined
+def _wide_product(a, b):
+    """The 128-bit product of two u64 words, as (high word, low word)."""
+    a0, a1 = a & _U32, a >> _S32
+    b0, b1 = b & _U32, b >> _S32
+    ll, lh, hl = a0 * b0, a0 * b1, a1 * b0
+    middle = (ll >> _S32) + (lh & _U32) + (hl & _U32)
+    return a1 * b1 + (lh >> _S32) + (hl >> _S32) + (middle >> _S32), a * b
+
+
+@_inlined
 def chain_hash(parent, local):
     """`kvledger.hashing.chain_hash`: xxh3_64(parent ‖ local as little-endian u64s, seed 1337)."""
     low = parent ^ _BITFLIP_PARENT
     high = local ^ _BITFLIP_LOCAL
-    a0, a1 = low & _U32, low >> _S32
-    b0, b1 = high & _U32, high >> _S32
-    ll, lh, hl = a0 * b0, a0 * b1, a1 * b0
-    carry = ((ll >> _S32) + (lh & _U32) + (hl & _U32)) >> _S32
-    product_high = a1 * b1 + (lh >> _S32) + (hl >> _S32) + carry
-    folded = product_high ^ (low * high)
+    product_high, product_low = _wide_product(low, high)
+    folded = product_high ^ product_low
     acc = _byteswap(low) + high + _SIXTEEN + folded
     acc ^= acc >> _S37
     acc *= _AVALANCHE
@@ -613,13 +619,7 @@ def _exactly_scaled(value, decimals):
     fraction, exponent = math.frexp(value)
     mantissa = np.uint64(fraction * _MANTISSA_SCALE)  # exact: fraction has 53 significant bits
     shift = exponent - _FIFTY_THREE + decimals
-    five = _POWERS_OF_FIVE[decimals]
-    a0, a1 = mantissa & _U32, mantissa >> _S32
-    b0, b1 = five & _U32, five >> _S32
-    ll, lh, hl = a0 * b0, a0 * b1, a1 * b0
-    middle = (ll >> _S32) + (lh & _U32) + (hl & _U32)
-    low = (ll & _U32) | ((middle & _U32) << _S32)
-    high = a1 * b1 + (lh >> _S32) + (hl >> _S32) + (middle >> _S32)
+    high, low = _wide_product(mantissa, _POWERS_OF_FIVE[decimals])
     if shift >= 0:
         # Shifts of 64 or more are undefined: the result must stay below 2**63 anyway.
         if high != 0 or shift >= 63 or low >> np.uint64(63 - shift) != 0:
