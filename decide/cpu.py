@@ -21,6 +21,7 @@ from kvledger.settings import ReuseSettings
 from decide import compact, rows
 from decide.index import InventoryIndex
 from decide.kernels import answer_requests, chain_hashes, rank_requests
+from decide.packed import packed_local_hashes
 from decide.ranked import (
     REASONS, AnswerBatch, AnswerTexts, Clock, PerSettings, RankedBatch, WorkerTexts, answer_endings, answer_pieces,
     digest_of, local_hashes_of, requested_targets, source_tier_codes, split_texts,
@@ -123,6 +124,7 @@ def compile_kernels(settings: ReuseSettings) -> None:
     backend.answer_texts([WARM_UP_REQUEST], settings)
     AnswerTexts.of(backend.answer_batch([WARM_UP_REQUEST], settings))
     chain_hashes(np.zeros(1, dtype=np.uint64), np.array([0, 1], dtype=np.int64))
+    packed_local_hashes([WARM_UP_REQUEST, WARM_UP_REQUEST])  # how a batch's hashes reach the kernels
     compact.warm_up()  # the index's kernels for plain workers
     rows.warm_up()  # and for its rows' holders
 

@@ -25,6 +25,7 @@ from kvledger.settings import ReuseSettings, settings_digest
 
 from decide.index import InventoryIndex
 from decide.kernels import chain_hashes, relied_prefix_texts, repr_positions, write_ranked_answers
+from decide.packed import packed_local_hashes
 
 # Prefix classes reported per worker: the three native tiers alone, any native tier, and
 # native ∪ retained device (the target's baseline).
@@ -102,6 +103,9 @@ def local_hashes_of(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.nd
     if len(requests) == 1:  # the service's single requests: fewer numpy calls
         local = np.array(requests[0].local_hashes, dtype=np.uint64)
         return local, np.array([0, local.size], dtype=np.int64)
+    packed = packed_local_hashes(requests)
+    if packed is not None:
+        return packed
     lengths = np.fromiter(map(len, (request.local_hashes for request in requests)), dtype=np.int64,
                           count=len(requests))
     offsets = np.zeros(len(requests) + 1, dtype=np.int64)

@@ -1,17 +1,22 @@
-"""decide's compiled chaining: XXH3 over many requests equals `sequence_hashes`, bit for bit."""
+"""decide's compiled chaining: XXH3 over many requests equals `sequence_hashes`, bit for bit;
+and a batch's hashes packed through MessagePack read back as numpy would convert them."""
 
 from __future__ import annotations
 
 import struct
 
 import numpy as np
+import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvledger.hashing import HASH_SEED, sequence_hashes
+from kvledger.reuse import ReuseRequest
 
 from decide.kernels import chain_hash, chain_hashes
+from decide.packed import packed_local_hashes, unpacked_hashes
+from decide.ranked import local_hashes_of
 
 U64 = st.integers(min_value=0, max_value=2**64 - 1)
 # Edges of the 64×64→128 multiply's limbs and of the sign bit, besides random words.
@@ -51,3 +56,41 @@ def test_a_few_long_requests_among_many_short_ones() -> None:
     requests += [rng.integers(0, 2**64, size=2, dtype=np.uint64).tolist() for _ in range(20_000)]
     local, offsets = flat(requests)
     assert chain_hashes(local, offsets).tolist() == [h for r in requests for h in sequence_hashes(r)]
+
+
+# Every width MessagePack writes an unsigned integer in: fixint, 8, 16, 32 and 64 bits.
+PACKED_WIDTHS = st.sampled_from([0, 127, 128, 255, 256, 2**16 - 1, 2**16, 2**32 - 1, 2**32, 2**64 - 1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests=st.lists(st.lists(st.one_of(U64, PACKED_WIDTHS), max_size=20), min_size=2, max_size=20))
+def test_a_batch_packed_through_messagepack_reads_back_as_numpy_converts_it(requests: list[list[int]]) -> None:
+    batch = [ReuseRequest(f"r{number}", tuple(hashes), 16) for number, hashes in enumerate(requests)]
+    hashes, offsets = packed_local_hashes(batch)
+    expected_hashes, expected_offsets = flat(requests)
+    assert hashes.dtype == np.uint64 and hashes.tolist() == expected_hashes.tolist()
+    assert offsets.tolist() == expected_offsets.tolist()
+
+
+def test_lists_longer_than_messagepacks_short_headers_read_back() -> None:
+    # 16 items need a 16-bit array header, 65 536 a 32-bit one; 17 lists need one outside.
+    requests = [list(range(length)) for length in (15, 16, 65_536)] + [[2**63]] * 14
+    hashes, offsets = packed_local_hashes([ReuseRequest("r", tuple(r), 16) for r in requests])
+    assert hashes.tolist() == [h for r in requests for h in r]
+    assert offsets.tolist() == flat(requests)[1].tolist()
+
+
+@pytest.mark.parametrize("value", [-1, 2**64, True, 1.5, "7"])
+def test_a_hash_that_is_not_an_unsigned_64_bit_integer_is_left_to_numpy_to_name(value) -> None:
+    batch = [ReuseRequest("good", (1, 2), 16), ReuseRequest("bad", (3, value), 16)]
+    assert packed_local_hashes(batch) is None
+    # The general conversion then raises on what it cannot convert.
+    if value in (-1, 2**64):
+        with pytest.raises(OverflowError):
+            local_hashes_of(batch)
+
+
+def test_a_truncated_buffer_is_reported_not_read_past() -> None:
+    for packed in (b"\x91\x91\xcf\x01", b"\x92\x91\x01", b"\xdc\x00", b""):
+        hashes, _, bad = unpacked_hashes(np.frombuffer(packed, dtype=np.uint8))
+        assert bad >= 0 and hashes.size == 0
