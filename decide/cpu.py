@@ -20,11 +20,11 @@ from kvledger.settings import ReuseSettings
 
 from decide import compact, rows
 from decide.index import InventoryIndex
-from decide.kernels import answer_requests, chain_hashes, rank_requests
-from decide.packed import packed_local_hashes
+from decide.kernels import answer_request, answer_requests, chain_hashes, rank_requests
 from decide.ranked import (
-    REASONS, AnswerBatch, AnswerTexts, Clock, PerSettings, RankedBatch, WorkerTexts, answer_endings, answer_pieces,
-    digest_of, local_hashes_of, requested_targets, source_tier_codes, split_texts,
+    NO_TARGET, NO_TEXT, REASONS, AnswerBatch, AnswerTexts, Clock, PerSettings, RankedBatch, WorkerTexts, answer_endings,
+    answer_pieces, digest_of, inventory_target_text, json_string_text, local_hashes_of, requested_targets,
+    source_tier_codes, split_texts,
 )
 
 INT64_MAX = 2**63 - 1
@@ -65,6 +65,8 @@ class CpuBackend:
         count = len(requests)
         if not count:
             return AnswerTexts([], [], {})
+        if count == 1:
+            return self._answer_text(requests[0], settings, clock, started)
         index = self.index
         arguments = rank_arguments(index, requests, settings, clock, started)
         target = arguments[2]
@@ -76,6 +78,29 @@ class CpuBackend:
             split_texts(answers, answer_bounds, count), split_texts(relied, relied_bounds, count),
             {REASONS[code]: number for code, number in enumerate(reason_counts.tolist()) if number},
         )
+
+    def _answer_text(self, request: ReuseRequest, settings: ReuseSettings, clock: Clock, started: float) -> AnswerTexts:
+        """`answer_texts` for a single request, the service's usual case: `answer_request` takes
+        its values as scalars, sparing the dozen small arrays a batch of one would make."""
+        index = self.index
+        local = np.array(request.local_hashes, dtype=np.uint64)
+        target = request.target
+        if target is None:
+            slot, unknown = NO_TARGET, NO_TEXT
+        else:
+            slot = index.slot_by_key.get((target.publisher, target.dp_rank), NO_TARGET)
+            unknown = NO_TEXT if slot >= 0 else json_string_text(target.name)
+        worker_texts = WorkerTexts.of(index)
+        texts, relied_from, reason = answer_request(
+            local, slot, target is not None, request.block_size,
+            index.table_keys, index.table_rows, index.table_bits, index.holders, index.spilled, index.slots_in_order,
+            index.order_rank, _scan(index, settings, clock, started, 1), *_kernel_settings(settings),
+            np.frombuffer(request.request_id.encode(), dtype=np.uint8), inventory_target_text(index.inventory_seq),
+            *worker_texts.name_texts, *worker_texts.sources, unknown,
+            *answer_endings(index.uncertain_names(), self.name, digest_of(settings)), MAX_RELIED_BLOCKS,
+        )
+        data = texts.tobytes()
+        return AnswerTexts([data[:relied_from]], [data[relied_from:]], {REASONS[reason]: 1})
 
     def decide_batch(
         self, requests: Sequence[ReuseRequest], settings: ReuseSettings, *, clock: Clock = time.perf_counter,
@@ -122,9 +147,9 @@ def compile_kernels(settings: ReuseSettings) -> None:
     index's for plain workers."""
     backend = CpuBackend(InventoryIndex())
     backend.answer_texts([WARM_UP_REQUEST], settings)
+    backend.answer_texts([WARM_UP_REQUEST, WARM_UP_REQUEST], settings)  # batches take another way in
     AnswerTexts.of(backend.answer_batch([WARM_UP_REQUEST], settings))
     chain_hashes(np.zeros(1, dtype=np.uint64), np.array([0, 1], dtype=np.int64))
-    packed_local_hashes([WARM_UP_REQUEST, WARM_UP_REQUEST])  # how a batch's hashes reach the kernels
     compact.warm_up()  # the index's kernels for plain workers
     rows.warm_up()  # and for its rows' holders
 
@@ -155,10 +180,13 @@ def rank_arguments(
     target, named = requested_targets(index, requests)
     block_sizes = (np.array([requests[0].block_size], dtype=np.int64) if count == 1
                    else np.fromiter(map(_block_size, requests), dtype=np.int64, count=count))
-    budget_ms = settings.transfer_source_lookup_budget_ms * max(count, 1)
-    # With no worker there is nothing to scan, and the reference never reads its clock.
-    scan = index.worker_count == 0 or (clock() - started) * 1000.0 <= budget_ms
     return (flat, offsets, target, named.view(np.uint8), block_sizes,
             index.table_keys, index.table_rows, index.table_bits, index.holders, index.spilled, index.slots_in_order,
             index.order_rank,
-            scan, *_kernel_settings(settings))
+            _scan(index, settings, clock, started, count), *_kernel_settings(settings))
+
+
+def _scan(index: InventoryIndex, settings: ReuseSettings, clock: Clock, started: float, count: int) -> bool:
+    """Whether the batch's lookup budget (per request, times its size) still allows the scan."""
+    # With no worker there is nothing to scan, and the reference never reads its clock.
+    return index.worker_count == 0 or (clock() - started) * 1000.0 <= settings.transfer_source_lookup_budget_ms * max(count, 1)

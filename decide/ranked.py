@@ -168,6 +168,19 @@ def _texts(texts: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
 
 
 _NO_TEXTS = _texts([])
+NO_TEXT = _NO_TEXTS[0]
+
+
+def json_string_text(text: str) -> np.ndarray:
+    """A string as JSON, as the kernels take texts."""
+    return np.frombuffer(_json_string(text), dtype=np.uint8)
+
+
+@functools.lru_cache(maxsize=4)
+def inventory_target_text(inventory_seq: int) -> np.ndarray:
+    """What an answer says between its request id and its target (the same for every answer
+    until the index changes)."""
+    return np.frombuffer(f',"inventory_seq":{inventory_seq},"target":'.encode(), dtype=np.uint8)
 
 
 @attrs.frozen
@@ -356,7 +369,7 @@ def answer_pieces(requests: Sequence[ReuseRequest], target: np.ndarray, inventor
                 unknown_names[position] = _json_string(named.name)
     unknown = _texts(unknown_names) if any(unknown_names) else (_NO_TEXTS[0], _zeros(count + 1))
     return (np.frombuffer(id_text, dtype=np.uint8), id_bounds,
-            np.frombuffer(f',"inventory_seq":{inventory_seq},"target":'.encode(), dtype=np.uint8),
+            inventory_target_text(inventory_seq),
             *worker_texts.name_texts, *worker_texts.sources, *unknown)
 
 

@@ -92,6 +92,10 @@ def test_every_answer_equals_the_reference_model(backend_name: str, stream, aske
     assert answers.relied_prefixes() == [relied_prefix(request, answer) for request, answer in zip(asked, expected)]
     # What the service sends and records, ranked and written in one call on cpu.
     assert backend.answer_texts(asked, reuse) == AnswerTexts.of(answers)
+    # A request alone takes the single-request way in: the same texts.
+    assert [backend.answer_texts([request], reuse) for request in asked] == [
+        AnswerTexts([text], [relied], {answer.reason: 1})
+        for text, relied, answer in zip(answers.encoded(), answers.relied_prefixes(), expected)]
     for answer in expected:
         event(f"reason {answer.reason}")
         event(f"uncertain workers: {bool(answer.uncertain_workers)}; credit {answer.credited_blocks > 0}")
@@ -185,6 +189,7 @@ def test_long_prefixes_and_extreme_costs_encode_like_the_codec(backend_name: str
         assert answers.encoded() == [service_json(answer) for answer in expected]
         # Floats only Python writes (1e13 µs per token) are written from inside the one call on cpu.
         assert backend.answer_texts(asked, reuse) == AnswerTexts.of(answers)
+        assert backend.answer_texts(asked[:1], reuse).answers == answers.encoded()[:1]
 
 
 def test_an_exhausted_budget_stops_the_scan_like_the_reference(backend_name: str) -> None:
