@@ -21,10 +21,11 @@ from kvledger.settings import ReuseSettings
 from decide import compact, rows
 from decide.index import InventoryIndex
 from decide.kernels import answer_request, answer_requests, chain_hashes, rank_requests
+from decide.packed import split_texts
 from decide.ranked import (
     NO_TARGET, NO_TEXT, REASONS, AnswerBatch, AnswerTexts, Clock, PerSettings, RankedBatch, WorkerTexts, answer_endings,
     answer_pieces, digest_of, inventory_target_text, json_string_text, local_hashes_of, requested_targets,
-    source_tier_codes, split_texts,
+    source_tier_codes,
 )
 
 INT64_MAX = 2**63 - 1

@@ -1,4 +1,6 @@
-"""A batch's local hashes, from Python integers to one uint64 array, by way of MessagePack.
+"""Between Python objects and the kernels' arrays, by way of MessagePack, where numpy is slow.
+
+A batch's local hashes, from Python integers to one uint64 array:
 
 Turning Python integers into machine words costs numpy (`np.fromiter`, `np.array`) about
 20–30 ns an integer, reading each one through the interpreter's generic item protocol; at
@@ -9,6 +11,11 @@ the encoder writes for a list of hash tuples is read: an array of arrays of unsi
 integers. Anything else (a negative number, a bool, a float, an integer of more than
 64 bits, which the encoder refuses) sends the caller back to numpy's conversion, which
 says what is wrong.
+
+A kernel's texts, end to end in one buffer, back to one bytes value each: slicing them in a
+Python loop cost about 140 ns a text (an answer of 450 bytes); `framed_texts` puts a
+MessagePack `bin 32` header before each (a copy of the buffer, 20 ns a text) and msgspec's
+decoder makes the bytes values in C (60 ns).
 
 Compiled by numba and cached with the other kernels.
 """
@@ -24,12 +31,14 @@ import numpy as np
 from decide.compiled import compiled as _compiled, inlined as _inlined
 
 _encode = msgspec.msgpack.Encoder().encode
+_decode_texts = msgspec.msgpack.Decoder(list[bytes]).decode
 _local_hashes = operator.attrgetter("local_hashes")
 
 _FIXARRAY, _FIXARRAY_LAST = 0x90, 0x9F
 _ARRAY16, _ARRAY32 = 0xDC, 0xDD
 _FIXINT_LAST = 0x7F
 _UINT8, _UINT16, _UINT32, _UINT64 = 0xCC, 0xCD, 0xCE, 0xCF
+_BIN32 = 0xC6
 _NOT_AN_ARRAY = -1
 
 
@@ -118,3 +127,38 @@ def packed_local_hashes(requests: Sequence) -> tuple[np.ndarray, np.ndarray] | N
         return None
     hashes, offsets, bad = unpacked_hashes(np.frombuffer(packed, dtype=np.uint8))
     return (hashes, offsets) if bad < 0 else None
+
+
+@_inlined
+def _put_big_endian_32(out, position, value):
+    for offset in range(4):
+        out[position + offset] = (value >> (8 * (3 - offset))) & 0xFF
+
+
+@_compiled
+def framed_texts(buffer, bounds):
+    """MessagePack of a list of `bin` items, item i being `buffer[bounds[i]:bounds[i + 1]]`."""
+    count = bounds.size - 1
+    out = np.empty(5 + 5 * count + (bounds[count] - bounds[0]), dtype=np.uint8)
+    out[0] = _ARRAY32
+    _put_big_endian_32(out, 1, count)
+    position = 5
+    for item in range(count):
+        length = bounds[item + 1] - bounds[item]
+        out[position] = _BIN32
+        _put_big_endian_32(out, position + 1, length)
+        position += 5
+        # Unsigned indices: no negative-index wrap-around per byte, so the copy vectorises
+        # (a slice assignment copied byte by byte, slower than the Python loop this replaces).
+        to, start = np.uint64(position), np.uint64(bounds[item])
+        for offset in range(np.uint64(length)):
+            out[to + offset] = buffer[start + offset]
+        position += length
+    return out
+
+
+def split_texts(buffer: np.ndarray, bounds: np.ndarray, count: int) -> list[bytes]:
+    """A kernel's texts written end to end, as one bytes value per item (`bounds[i]:bounds[i + 1]`)."""
+    if count == 1:
+        return [buffer[bounds[0]:bounds[1]].tobytes()]
+    return _decode_texts(framed_texts(buffer, bounds))

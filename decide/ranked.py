@@ -25,7 +25,7 @@ from kvledger.settings import ReuseSettings, settings_digest
 
 from decide.index import InventoryIndex
 from decide.kernels import chain_hashes, relied_prefix_texts, repr_positions, write_ranked_answers
-from decide.packed import packed_local_hashes
+from decide.packed import packed_local_hashes, split_texts
 
 # Prefix classes reported per worker: the three native tiers alone, any native tier, and
 # native ∪ retained device (the target's baseline).
@@ -385,15 +385,6 @@ class AnswerTexts:
     @classmethod
     def of(cls, batch: AnswerBatch) -> AnswerTexts:
         return cls(batch.encoded(), batch.relied_prefixes(), dict(collections.Counter(batch.reasons())))
-
-
-def split_texts(buffer: np.ndarray, bounds: np.ndarray, count: int) -> list[bytes]:
-    """A kernel's texts written end to end, as one bytes value per item (`bounds[i]:bounds[i + 1]`)."""
-    data = buffer.tobytes()
-    if count == 1:
-        return [data]
-    edges = bounds.tolist()
-    return [data[begin:end] for begin, end in zip(edges[:-1], edges[1:])]
 
 
 def _json_string(text: str) -> bytes:

@@ -1,5 +1,5 @@
 """decide's compiled chaining: XXH3 over many requests equals `sequence_hashes`, bit for bit;
-and a batch's hashes packed through MessagePack read back as numpy would convert them."""
+and a batch's hashes and a kernel's texts, passed through MessagePack, come back as they went in."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvledger.hashing import HASH_SEED, sequence_hashes
 from kvledger.reuse import ReuseRequest
 
 from decide.kernels import chain_hash, chain_hashes
-from decide.packed import packed_local_hashes, unpacked_hashes
+from decide.packed import packed_local_hashes, split_texts, unpacked_hashes
 from decide.ranked import local_hashes_of
 
 U64 = st.integers(min_value=0, max_value=2**64 - 1)
@@ -94,3 +94,12 @@ def test_a_truncated_buffer_is_reported_not_read_past() -> None:
     for packed in (b"\x91\x91\xcf\x01", b"\x92\x91\x01", b"\xdc\x00", b""):
         hashes, _, bad = unpacked_hashes(np.frombuffer(packed, dtype=np.uint8))
         assert bad >= 0 and hashes.size == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts=st.lists(st.binary(max_size=300), max_size=20))
+def test_texts_end_to_end_split_back_into_the_same_bytes(texts: list[bytes]) -> None:
+    bounds = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum([len(text) for text in texts], out=bounds[1:])
+    buffer = np.frombuffer(b"".join(texts), dtype=np.uint8)
+    assert split_texts(buffer, bounds, len(texts)) == texts
