@@ -490,6 +490,9 @@ _RECOMPUTE = _text(',"recompute_ms":')
 _TRANSFER_MS = _text(',"transfer_ms":')
 _SAVING = _text(',"saving_ms":')
 _HEX_DIGITS = _text("0123456789abcdef")
+# A byte's two hex digits read as one 16-bit word in the machine's order, so that storing
+# the word writes them in order.
+_HEX_PAIRS = np.frombuffer("".join(f"{byte:02x}" for byte in range(256)).encode(), dtype=np.uint16).copy()
 _SHORT_ESCAPES = np.zeros(32, dtype=np.uint8)
 for _code, _letter in ((8, "b"), (9, "t"), (10, "n"), (12, "f"), (13, "r")):
     _SHORT_ESCAPES[_code] = ord(_letter)
@@ -891,15 +894,15 @@ def relied_prefix_texts(sequence, offsets, target, overlap_bounds, overlap_slot,
     for request in range(count):
         bounds[request + 1] = bounds[request] + lengths[request] * 16
     out = np.empty(bounds[count], dtype=np.uint8)
+    # Two hex digits per byte, stored at once: every text starts at an even position.
+    pairs = out.view(np.uint16)
     for request in range(count):
-        position = bounds[request]
+        pair = bounds[request] // 2
         for block in range(offsets[request], offsets[request] + lengths[request]):
             value = sequence[block]
             for byte in range(8):
-                octet = (value >> np.uint64(8 * byte)) & np.uint64(0xFF)
-                out[position] = _HEX_DIGITS[octet >> np.uint64(4)]
-                out[position + 1] = _HEX_DIGITS[octet & np.uint64(0xF)]
-                position += 2
+                pairs[pair + byte] = _HEX_PAIRS[(value >> np.uint64(8 * byte)) & _BYTE]
+            pair += 8
     return out, bounds
 
 
