@@ -190,4 +190,5 @@ def rank_arguments(
 def _scan(index: InventoryIndex, settings: ReuseSettings, clock: Clock, started: float, count: int) -> bool:
     """Whether the batch's lookup budget (per request, times its size) still allows the scan."""
     # With no worker there is nothing to scan, and the reference never reads its clock.
-    return index.worker_count == 0 or (clock() - started) * 1000.0 <= settings.transfer_source_lookup_budget_ms * max(count, 1)
+    budget_ms = settings.transfer_source_lookup_budget_ms * max(count, 1)
+    return index.worker_count == 0 or (clock() - started) * 1000.0 <= budget_ms

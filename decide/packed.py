@@ -1,16 +1,14 @@
 """Between Python objects and the kernels' arrays, by way of MessagePack, where numpy is slow.
 
-A batch's local hashes, from Python integers to one uint64 array:
-
-Turning Python integers into machine words costs numpy (`np.fromiter`, `np.array`) about
-20–30 ns an integer, reading each one through the interpreter's generic item protocol; at
-30 blocks a request that was a fifth of a batched answer's time. msgspec's MessagePack
-encoder writes the same integers in C, a 9-byte big-endian record each, in about a
-third of the time, and `unpacked_hashes` reads them back into words. Only the shape
-the encoder writes for a list of hash tuples is read: an array of arrays of unsigned
-integers. Anything else (a negative number, a bool, a float, an integer of more than
-64 bits, which the encoder refuses) sends the caller back to numpy's conversion, which
-says what is wrong.
+A batch's local hashes, from Python integers to one uint64 array: numpy (`np.fromiter`,
+`np.array`) converts about 20–30 ns an integer, reading each one through the
+interpreter's generic item protocol; at 30 blocks a request that was a fifth of a batched
+answer's time. msgspec's MessagePack encoder writes the same integers in C, a 9-byte
+big-endian record each, and `unpacked_hashes` reads them back into words: about half the
+time in all. Only the shape the encoder writes for a list of hash tuples is read: an array
+of arrays of unsigned integers. Anything else (a negative number, a bool, a float, an
+integer of more than 64 bits, which the encoder refuses) sends the caller back to numpy's
+conversion, which says what is wrong.
 
 A kernel's texts, end to end in one buffer, back to one bytes value each: slicing them in a
 Python loop cost about 140 ns a text (an answer of 450 bytes); `framed_texts` puts a
@@ -83,8 +81,9 @@ def _width_of(tag):
 
 @_compiled
 def unpacked_hashes(packed):
-    """(hashes end to end, offsets where each list starts, position of the first bad item or -1)
-    from MessagePack of a list of lists of unsigned integers."""
+    """(hashes end to end, offsets where each list starts, -1 or the number of good items
+    before the first that is not an unsigned integer or runs past the end) from MessagePack of
+    a list of lists of unsigned integers."""
     lists, position = _array_header(packed, 0)
     if lists < 0:
         return np.zeros(0, dtype=np.uint64), np.zeros(1, dtype=np.int64), np.int64(0)
