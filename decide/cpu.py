@@ -23,9 +23,9 @@ from decide.index import InventoryIndex
 from decide.kernels import answer_request, answer_requests, chain_hashes, rank_requests
 from decide.packed import split_texts
 from decide.ranked import (
-    NO_TARGET, NO_TEXT, REASONS, AnswerBatch, AnswerTexts, Clock, PerSettings, RankedBatch, WorkerTexts, answer_endings,
+    NO_TEXT, REASONS, AnswerBatch, AnswerTexts, Clock, PerSettings, RankedBatch, WorkerTexts, answer_endings,
     answer_pieces, digest_of, inventory_target_text, json_string_text, local_hashes_of, requested_targets,
-    source_tier_codes,
+    source_tier_codes, target_slot,
 )
 
 INT64_MAX = 2**63 - 1
@@ -86,11 +86,8 @@ class CpuBackend:
         index = self.index
         local = np.array(request.local_hashes, dtype=np.uint64)
         target = request.target
-        if target is None:
-            slot, unknown = NO_TARGET, NO_TEXT
-        else:
-            slot = index.slot_by_key.get((target.publisher, target.dp_rank), NO_TARGET)
-            unknown = NO_TEXT if slot >= 0 else json_string_text(target.name)
+        slot = target_slot(index, target)
+        unknown = NO_TEXT if target is None or slot >= 0 else json_string_text(target.name)
         worker_texts = WorkerTexts.of(index)
         texts, relied_from, reason = answer_request(
             local, slot, target is not None, request.block_size,

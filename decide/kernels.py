@@ -500,7 +500,8 @@ _LONGEST_LABELS = 160  # the fixed text of one overlap or candidate, numbers asi
 
 
 @_inlined
-def _copy(out, position, source, start, length):
+def copy_bytes(out, position, source, start, length):
+    """`source[start:start + length]` into `out` at `position`; the position after it."""
     # Unsigned indices: no negative-index wrap-around per byte, so the loop vectorises.
     to, at = np.uint64(position), np.uint64(start)
     for offset in range(np.uint64(length)):
@@ -510,12 +511,12 @@ def _copy(out, position, source, start, length):
 
 @_inlined
 def _put(out, position, text):
-    return _copy(out, position, text, 0, text.size)
+    return copy_bytes(out, position, text, 0, text.size)
 
 
 @_inlined
 def _put_slice(out, position, buffer, bounds, item):
-    return _copy(out, position, buffer, bounds[item], bounds[item + 1] - bounds[item])
+    return copy_bytes(out, position, buffer, bounds[item], bounds[item + 1] - bounds[item])
 
 
 _TEN = np.uint64(10)

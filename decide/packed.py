@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 
 from decide.compiled import compiled as _compiled, inlined as _inlined
+from decide.kernels import copy_bytes
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_texts = msgspec.msgpack.Decoder(list[bytes]).decode
@@ -146,13 +147,9 @@ def framed_texts(buffer, bounds):
         length = bounds[item + 1] - bounds[item]
         out[position] = _BIN32
         _put_big_endian_32(out, position + 1, length)
-        position += 5
-        # Unsigned indices: no negative-index wrap-around per byte, so the copy vectorises
-        # (a slice assignment copied byte by byte, slower than the Python loop this replaces).
-        to, start = np.uint64(position), np.uint64(bounds[item])
-        for offset in range(np.uint64(length)):
-            out[to + offset] = buffer[start + offset]
-        position += length
+        # Not a slice assignment: numba copies those byte by byte, slower than the Python loop
+        # this replaces.
+        position = copy_bytes(out, position + 5, buffer, bounds[item], length)
     return out
 
 
