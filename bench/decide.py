@@ -331,6 +331,105 @@ async def service_figures(batches: list[EventBatch], queries: list[ReuseRequest]
     return runs
 
 
+def dynamo_unavailable_reason() -> str | None:
+    """None when Dynamo's RadixTree can be imported, else why not (the yardstick is then left out)."""
+    try:
+        import dynamo._core  # noqa: F401
+    except ImportError as error:
+        return f"ai-dynamo-runtime is not installed here ({error})"
+    return None
+
+
+def gpu_figures(index, queries: list[ReuseRequest], batches: list[EventBatch], workers: int,
+                reuse: ReuseSettings, args: argparse.Namespace) -> list[str]:
+    """The cuda backend at one fleet size, beside cpu on the same index: rates, p99 per batch,
+    parity on every query, device bytes per indexed block, the time to apply dirty slots, and
+    (with --gpu-profile) where one pass of full answers spends its host time."""
+    from decide.cpu import CpuBackend
+    from decide.cuda import CudaBackend
+
+    lines = []
+    cpu = CpuBackend(index)
+    with CudaBackend(index) as cuda:
+        cuda.decide_batch(queries[: args.batch], reuse)  # upload, warm up
+        checked = cuda.decide_batch(queries, reuse)
+        expected = cpu.decide_batch(queries, reuse)
+        differing = sum(attrs.evolve(a, backend="cpu") != b for a, b in zip(checked, expected))
+        runs = interleaved(args.repeats, {
+            "full": lambda: time_batches(lambda qs: cuda.answer_texts(qs, reuse).answers, queries, args.batch,
+                                         args.rounds),
+            "ranked": lambda: time_batches(lambda qs: cuda.rank_batch(qs, reuse).reason, queries, args.batch,
+                                           args.rounds),
+            "cpu": lambda: time_batches(lambda qs: cpu.answer_texts(qs, reuse).answers, queries, args.batch,
+                                        args.rounds),
+        })
+        print(row(f"cuda ({cuda.arch}), batches of {args.batch}, full answers as JSON bytes (latency per batch), "
+                  f"{workers} workers", runs["full"]))
+        print(row(f"cuda ({cuda.arch}), batches of {args.batch}, ranking only (no Python answers), {workers} workers",
+                  runs["ranked"]))
+        print(row(f"cpu beside it, batches of {args.batch}, full answers as JSON bytes, {workers} workers", runs["cpu"]))
+        device_bytes = cuda.table_device_bytes
+        lines.append(f"cuda vs cpu on all {len(queries)} queries at {workers} workers: "
+                     f"{'identical' if not differing else f'{differing} DIFFER'}")
+        lines.append(f"cuda at {workers} workers: full JSON answers {median_run(runs['full'])['per_s']:,.0f}/s "
+                     f"(goal >= 1,000,000/s at 256), {median_run(runs['full'])['per_s'] / median_run(runs['cpu'])['per_s']:.2f}x cpu; "
+                     f"device table and rows {device_bytes / 2**20:.1f} MiB = {device_bytes / max(index.size, 1):.0f} "
+                     f"bytes per indexed block ({index.size} blocks)")
+        if args.gpu_profile:
+            import cProfile
+            import pstats
+
+            profile = cProfile.Profile()
+            profile.runcall(lambda: [cuda.answer_texts(queries[start:start + args.batch], reuse)
+                                     for start in range(0, len(queries), args.batch)])
+            print(f"\nwhere one pass of cuda full answers spends its time, {workers} workers (cProfile, tottime):")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+    lines += dirty_apply_figures(batches, workers, args.dirty_chunk)
+    return lines
+
+
+def dirty_apply_figures(batches: list[EventBatch], workers: int, chunk: int) -> list[str]:
+    """Time to bring the device mirror up to date after each `chunk` further event batches.
+
+    The mirror is built from all but the last batches, uploaded whole, then the held-back
+    batches are applied `chunk` at a time, each followed by `sync_table` (scatter of the
+    dirty table slots and rows, waited for). A change of the arrays' shape re-uploads all.
+    """
+    from decide.cuda import CudaBackend
+    from decide.index import InventoryIndex
+
+    held_back = min(len(batches) // 2, 40 * chunk)
+    mirror = InventoryIndex()
+    stream_seq = 0
+    for stream_seq, batch in enumerate(batches[: len(batches) - held_back], 1):
+        mirror.apply(batch, stream_seq)
+    scatters, uploads = [], []
+    with CudaBackend(mirror) as cuda:
+        cuda.sync_table()
+        cuda.stream.sync()
+        for start in range(len(batches) - held_back, len(batches), chunk):
+            generation = mirror.generation
+            for batch in batches[start:start + chunk]:
+                stream_seq += 1
+                mirror.apply(batch, stream_seq)
+            dirty = len(mirror.dirty_table_slots) + len(mirror.dirty_rows)
+            began = time.perf_counter()
+            cuda.sync_table()
+            cuda.stream.sync()
+            elapsed_ms = (time.perf_counter() - began) * 1000.0
+            (uploads if mirror.generation != generation else scatters).append((dirty, elapsed_ms))
+    if not scatters:
+        return [f"dirty slots at {workers} workers: every step re-uploaded the arrays ({len(uploads)} uploads)"]
+    times = sorted(ms for _, ms in scatters)
+    dirty_mean = sum(d for d, _ in scatters) / len(scatters)
+    line = (f"applying {chunk} event batches at {workers} workers: {dirty_mean:.0f} dirty table slots and rows on "
+            f"average, scattered in p50 {times[len(times) // 2]:.3f} ms, p99 {times[int(len(times) * 0.99)]:.3f} ms "
+            f"({len(scatters)} steps)")
+    if uploads:
+        line += f"; {len(uploads)} steps grew the arrays and re-uploaded them: {max(ms for _, ms in uploads):.2f} ms at most"
+    return [line]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -344,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--no-service", action="store_true", help="skip the end-to-end service figures")
     parser.add_argument("--parity-sample", type=int, default=100, help="answers checked against the reference")
+    parser.add_argument("--gpu-profile", action="store_true", help="print where one cuda pass spends its host time")
+    parser.add_argument("--dirty-chunk", type=int, default=16, help="event batches applied between device updates")
     args = parser.parse_args(argv)
 
     from decide.cpu import CpuBackend
@@ -352,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     # Reuse on, default thresholds and budget: full decisions with candidates and ranking.
     reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)
     t0 = time.perf_counter()
-    index, queries, batches, dynamo_events = build_inventory(trace, args.workers, args.seed, with_dynamo=True)
+    dynamo_missing = dynamo_unavailable_reason()
+    with_dynamo = dynamo_missing is None
+    index, queries, batches, dynamo_events = build_inventory(trace, args.workers, args.seed, with_dynamo=with_dynamo)
     # Both sides read queries just received: Dynamo's process unpickles its sequences, and
     # these are unpickled here, laid out as a service's just-decoded requests are, not spread
     # over the heap among the inventory's objects (about 5 % of a batched answer's time).
@@ -360,15 +463,19 @@ def main(argv: list[str] | None = None) -> int:
     sequences = [list(q.local_hashes) for q in queries]
     import multiprocessing
 
-    dynamo_side, dynamo_connection = multiprocessing.Pipe()
-    dynamo_worker = multiprocessing.get_context("spawn").Process(
-        target=dynamo_process, args=(dynamo_connection, dynamo_events, sequences, args.rounds), daemon=True)
-    dynamo_worker.start()
-    dynamo_refused = dynamo_side.recv()
+    if with_dynamo:
+        dynamo_side, dynamo_connection = multiprocessing.Pipe()
+        dynamo_worker = multiprocessing.get_context("spawn").Process(
+            target=dynamo_process, args=(dynamo_connection, dynamo_events, sequences, args.rounds), daemon=True)
+        dynamo_worker.start()
+        dynamo_line = (f"Dynamo refused {dynamo_side.recv()} of {len(dynamo_events)} device events "
+                       "(see docs/benchmarks.md)")
+    else:
+        dynamo_line = f"Dynamo not measured: {dynamo_missing}"
     print(f"trace {args.trace} : {len(trace)} requests, 512-token blocks (not re-blocked); "
           f"{args.workers} workers (LRU device 600 / host 1500 blocks each); "
           f"index {index.size} sequence hashes, inventory_seq {index.inventory_seq}; built in {time.perf_counter() - t0:.1f}s; "
-          f"Dynamo refused {dynamo_refused} of {len(dynamo_events)} device events (see docs/benchmarks.md)")
+          f"{dynamo_line}")
 
     cpu = CpuBackend(index)
     sample = queries[:: max(1, len(queries) // args.parity_sample)][: args.parity_sample]
@@ -424,14 +531,16 @@ def main(argv: list[str] | None = None) -> int:
         "ranking": (f"cpu, batches of {args.batch}, ranking only (arrays, no Python answers), {args.workers} workers",
                     lambda: time_batches(lambda qs: rank_batch(index, qs, reuse).reason, queries, args.batch,
                                          args.rounds)),
-        "dynamo": (f"Dynamo RadixTree.find_matches, single, in its own process (one core), {args.workers} workers "
-                   "(overlap scores only)", lambda: (dynamo_side.send("run"), dynamo_side.recv())[1]),
     }
+    if with_dynamo:
+        paths["dynamo"] = (f"Dynamo RadixTree.find_matches, single, in its own process (one core), {args.workers} "
+                           "workers (overlap scores only)", lambda: (dynamo_side.send("run"), dynamo_side.recv())[1])
     print(f"\n{args.repeats} runs of each path, taken in turns, each after an idle {SETTLE_S:.0f} s and lasting at "
           f"least {MEASURE_S} s; shown: the median run's rate (the range of all runs), p50 and p99\n")
     runs = interleaved(args.repeats, {name: measure for name, (_, measure) in paths.items()})
-    dynamo_side.send("stop")
-    dynamo_worker.join(10)
+    if with_dynamo:
+        dynamo_side.send("stop")
+        dynamo_worker.join(10)
     print("| path | decisions (or queries) / s | p50 ms | p99 ms |")
     print("|---|---|---|---|")
     for name, (label, _) in paths.items():
@@ -454,41 +563,27 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for workers in sorted({args.workers, args.gpu_workers}):
                 if workers == args.workers:
-                    gpu_index, gpu_queries = index, queries
+                    gpu_index, gpu_queries, gpu_batches = index, queries, batches
                 else:
-                    gpu_index, gpu_queries, _, _ = build_inventory(trace, workers, args.seed, with_dynamo=False)
-                with CudaBackend(gpu_index) as cuda:
-                    cuda.decide_batch(gpu_queries[: args.batch], reuse)  # upload, warm up
-                    checked = cuda.decide_batch(gpu_queries, reuse)
-                    reference = CpuBackend(gpu_index).decide_batch(gpu_queries, reuse)
-                    differing = sum(attrs.evolve(a, backend="cpu") != b for a, b in zip(checked, reference))
-                    gpu_runs = interleaved(args.repeats, {
-                        "full": lambda: time_batches(lambda qs: cuda.answer_batch(qs, reuse).encoded(), gpu_queries,
-                                                     args.batch, args.rounds),
-                        "ranked": lambda: time_batches(lambda qs: cuda.rank_batch(qs, reuse).reason, gpu_queries,
-                                                       args.batch, args.rounds),
-                    })
-                    print(row(f"cuda ({cuda.arch}), batches of {args.batch}, full answers as JSON bytes, {workers} workers",
-                              gpu_runs["full"]))
-                    print(row(f"cuda ({cuda.arch}), batches of {args.batch}, ranking only (no Python answers), "
-                              f"{workers} workers", gpu_runs["ranked"]))
-                    gpu_lines.append(f"cuda vs cpu on all {len(gpu_queries)} queries at {workers} workers: "
-                                     f"{'identical' if not differing else f'{differing} DIFFER'}")
-                    if workers == args.gpu_workers:
-                        rate = median_run(gpu_runs["full"])["per_s"]
-                        gpu_lines.append(f"cuda batched full JSON answers at {workers} workers: {rate:,.0f}/s "
-                                         f"(goal >= 1,000,000/s)")
-                    mismatches += differing
+                    gpu_index, gpu_queries, gpu_batches, _ = build_inventory(trace, workers, args.seed, with_dynamo=False)
+                    gpu_queries = pickle.loads(pickle.dumps(gpu_queries))
+                gpu_lines += gpu_figures(gpu_index, gpu_queries, gpu_batches, workers, reuse, args)
+            mismatches += sum(line.endswith("DIFFER") for line in gpu_lines)
     print()
-    batched, dynamo = median_run(runs["batched"]), median_run(runs["dynamo"])
-    dynamo_rates = [run["per_s"] for run in runs["dynamo"]]
-    print(f"cpu batched JSON answers / Dynamo queries (medians): {batched['per_s'] / dynamo['per_s']:.2f}x (goal >= 3x); "
-          f"cpu single p99 {median_run(runs['single'])['p99_ms'] * 1000:.0f} µs (goal <= 50 µs, in process: "
-          f"the service adds NATS request/reply and the KV_DECISIONS ack)")
-    if max(dynamo_rates) > 2 * min(dynamo_rates) or dynamo["p50_ms"] > SLOW_HAND_OFF_MS:
-        print(f"WARNING: Dynamo ran slow or unevenly ({min(dynamo_rates):,.0f} – {max(dynamo_rates):,.0f}/s, "
-              f"p50 {dynamo['p50_ms'] * 1e3:.0f} µs per query; warm it is about 5 µs and 200 k/s here; load average "
-              f"{os.getloadavg()[0]:.1f}): the ratio is NOT trustworthy; run again on a quiet machine")
+    batched = median_run(runs["batched"])
+    single_p99 = f"cpu single p99 {median_run(runs['single'])['p99_ms'] * 1000:.0f} µs (goal <= 50 µs, in process: " \
+                 "the service adds NATS request/reply and the KV_DECISIONS ack)"
+    if not with_dynamo:
+        print(f"cpu batched JSON answers: {batched['per_s']:,.0f}/s (no Dynamo ratio: {dynamo_missing}); {single_p99}")
+    else:
+        dynamo = median_run(runs["dynamo"])
+        dynamo_rates = [run["per_s"] for run in runs["dynamo"]]
+        print(f"cpu batched JSON answers / Dynamo queries (medians): {batched['per_s'] / dynamo['per_s']:.2f}x "
+              f"(goal >= 3x); {single_p99}")
+        if max(dynamo_rates) > 2 * min(dynamo_rates) or dynamo["p50_ms"] > SLOW_HAND_OFF_MS:
+            print(f"WARNING: Dynamo ran slow or unevenly ({min(dynamo_rates):,.0f} – {max(dynamo_rates):,.0f}/s, "
+                  f"p50 {dynamo['p50_ms'] * 1e3:.0f} µs per query; warm it is about 5 µs and 200 k/s here; load "
+                  f"average {os.getloadavg()[0]:.1f}): the ratio is NOT trustworthy; run again on a quiet machine")
     for line in gpu_lines:
         print(line)
     return 0 if not mismatches else 1

@@ -155,6 +155,10 @@ class _DeviceArrays:
                                             self._stream.handle))
         return array
 
+    def size(self, names: Sequence[str]) -> int:
+        """Bytes allocated on the device for the named buffers."""
+        return sum(self._buffers[name].size for name in names if name in self._buffers)
+
     def close(self) -> None:
         for buffer in self._buffers.values():
             buffer.close(self._stream)
@@ -226,6 +230,12 @@ class CudaBackend:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    @property
+    def table_device_bytes(self) -> int:
+        """Device bytes holding the index: the hash table and every row's bitmasks (buffers
+        grow by doubling, so this is what is allocated, not only what is used)."""
+        return self._arrays.size(("table_keys", "table_rows", "masks"))
 
     # --- keeping the device table current --------------------------------------------------
 
