@@ -168,6 +168,25 @@ def _grown(values, needed):
     return grown
 
 
+_FEW_TO_SORT = 16
+
+
+@_inlined
+def _sort_ranks(ranks, count):
+    """Sort `ranks[:count]`: by insertion where there are few (a request shows a handful of
+    workers, and a library sort's call costs more than that), else by numpy's sort."""
+    if count > _FEW_TO_SORT:
+        ranks[:count].sort()
+        return
+    for position in range(1, count):
+        moving = ranks[position]
+        place = position
+        while place > 0 and ranks[place - 1] > moving:
+            ranks[place] = ranks[place - 1]
+            place -= 1
+        ranks[place] = moving
+
+
 @_inlined
 def _ranks_before(first, second, saving, prefix, tier, rank):
     """`kvledger.reuse.ranking_key` order: saving (higher first), longer prefix, tier, worker order."""
@@ -331,7 +350,7 @@ def rank_requests(
                         reaching ^= _ONE << np.uint64(bit)
                         lengths[prefix_class, word * 64 + bit] = walked
                     alive[prefix_class, word] = _ZERO
-            shown_ranks[:shown_count].sort()
+            _sort_ranks(shown_ranks, shown_count)
 
         # The target: the one given, or the first worker (in worker order) of highest credit.
         if choose and workers > 0:

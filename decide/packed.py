@@ -80,6 +80,15 @@ def _width_of(tag):
     return -1
 
 
+@_inlined
+def _eight_bytes(packed, position):
+    """The big-endian u64 at `position`, as one expression (a single load and byte swap)."""
+    return ((np.uint64(packed[position]) << np.uint64(56)) | (np.uint64(packed[position + 1]) << np.uint64(48))
+            | (np.uint64(packed[position + 2]) << np.uint64(40)) | (np.uint64(packed[position + 3]) << np.uint64(32))
+            | (np.uint64(packed[position + 4]) << np.uint64(24)) | (np.uint64(packed[position + 5]) << np.uint64(16))
+            | (np.uint64(packed[position + 6]) << np.uint64(8)) | np.uint64(packed[position + 7]))
+
+
 @_compiled
 def unpacked_hashes(packed):
     """(hashes end to end, offsets where each list starts, -1 or the number of good items
@@ -89,32 +98,33 @@ def unpacked_hashes(packed):
     if lists < 0:
         return np.zeros(0, dtype=np.uint64), np.zeros(1, dtype=np.int64), np.int64(0)
     offsets = np.zeros(lists + 1, dtype=np.int64)
-    # First pass: where each list starts, and that every item is an unsigned integer.
-    start = position
+    # One pass: every item takes at least one byte, so the bytes left bound the items.
+    hashes = np.empty(packed.size - position, dtype=np.uint64)
+    size = packed.size
     total = 0
     for item in range(lists):
         length, position = _array_header(packed, position)
         if length < 0:
             return np.zeros(0, dtype=np.uint64), offsets, np.int64(total)
         for _ in range(length):
-            width = _width_of(packed[position]) if position < packed.size else -1
-            if width < 0 or position + 1 + width > packed.size:
+            if position >= size:
                 return np.zeros(0, dtype=np.uint64), offsets, np.int64(total)
-            position += 1 + width
+            tag = packed[position]
+            if tag == _UINT64 and position + 9 <= size:  # what hashes mostly are
+                hashes[total] = _eight_bytes(packed, position + 1)
+                position += 9
+            elif tag <= _FIXINT_LAST:
+                hashes[total] = np.uint64(tag)
+                position += 1
+            else:
+                width = _width_of(tag)
+                if width <= 0 or position + 1 + width > size:
+                    return np.zeros(0, dtype=np.uint64), offsets, np.int64(total)
+                hashes[total] = _big_endian(packed, position + 1, width)
+                position += 1 + width
             total += 1
         offsets[item + 1] = total
-    hashes = np.empty(total, dtype=np.uint64)
-    position = start
-    written = 0
-    for item in range(lists):
-        length, position = _array_header(packed, position)
-        for _ in range(length):
-            tag = packed[position]
-            width = _width_of(tag)
-            hashes[written] = np.uint64(tag) if width == 0 else _big_endian(packed, position + 1, width)
-            position += 1 + width
-            written += 1
-    return hashes, offsets, np.int64(-1)
+    return hashes[:total], offsets, np.int64(-1)
 
 
 def packed_local_hashes(requests: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
