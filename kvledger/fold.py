@@ -863,6 +863,18 @@ def _copies(own: _ProvenanceState, engine_hash: int) -> list[BlockRecord]:
     return found
 
 
+_TIER_ORDER = {tier: position for position, tier in enumerate(reversed(Tier))}
+
+
+def _latest_first(record: BlockRecord) -> tuple:
+    """Which copy of a block is the latest: the highest stream seq; copies one batch stored
+    (a tie) by their content, device first, never by where the fold keeps them. Dict and set
+    order differ between a fold that saw the events and one that adopted or restored the same
+    records, and a tie broken by that order gave two folds different chain positions."""
+    return (record.stream_seq, _TIER_ORDER[record.tier], record.group_idx, record.ownership or "",
+            record.sequence_hash, record.parent_hash if record.parent_hash is not None else -1)
+
+
 def _detach(own: _ProvenanceState, record: BlockRecord) -> None:
     del own.records[record.tier][record.key]
     if record.unresolved:
@@ -891,5 +903,5 @@ def _detach(own: _ProvenanceState, record: BlockRecord) -> None:
     if (entry.sequence_hash, entry.parent_hash) == (record.sequence_hash, record.parent_hash):
         # The copy that set the chain position left: it is the latest remaining copy's, as
         # restoring in stored order leaves it (copies disagree only after a re-parenting).
-        latest = max(_copies(own, record.engine_hash), key=lambda copy: copy.stream_seq)
+        latest = max(_copies(own, record.engine_hash), key=_latest_first)
         entry.sequence_hash, entry.parent_hash, entry.local_hash = latest.sequence_hash, latest.parent_hash, latest.local_hash

@@ -63,6 +63,27 @@ def test_a_store_under_an_unknown_parent_starts_a_new_chain_and_is_counted() -> 
     assert fold.worker_state(W).counters["unknown_parent"] == 1
 
 
+def test_copies_one_batch_chained_differently_leave_one_chain_position_however_the_fold_keeps_its_tiers() -> None:
+    """Block 2 is stored on disk under a parent not yet held (a new chain) and on device under
+    block 1 in the same batch; the host copy that last set its chain position is cleared.
+    Which of the two tied copies is then the latest must not depend on the order the fold
+    happens to keep its tiers in (here: which tier a harmless earlier removal touched first)."""
+    children = []
+    for first_touched in (Tier.DISK, Tier.DEVICE):
+        s = Stream()
+        fold, _ = fold_with(
+            s.batch(W, removed([9], tier=first_touched)),
+            s.batch(W, stored([2], parent=1, tier=Tier.DISK), stored([1, 2])),
+            s.batch(W, stored([1, 2], tier=Tier.HOST)),
+            s.batch(W, Cleared(Tier.HOST)),
+            s.batch(W, stored([3], parent=2)),
+        )
+        [child] = [r for r in fold.records(W, NATIVE, Tier.DEVICE) if r.engine_hash == 3]
+        children.append(child.sequence_hash)
+    # The device copy wins the tie: the child chains under block 1 → 2.
+    assert children == [sequence_hashes(local_hashes([1, 2, 3]))[2]] * 2
+
+
 def test_removing_blocks_and_removing_unknown_blocks() -> None:
     s = Stream()
     fold, facts = fold_with(s.batch(W, stored([1, 2, 3])), s.batch(W, removed([3, 42])))
