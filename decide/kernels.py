@@ -24,7 +24,7 @@ from kvledger.hashing import HASH_SEED
 
 # Sets numba's kernel cache folder before any kernel below is decorated.
 from decide.compiled import compiled as _compiled, inlined as _inlined, kernel_cache_dir  # noqa: F401
-from decide.rows import PLANES, load_planes
+from decide.rows import row_word
 
 # The cost model, compiled from its one definition.
 _recompute_ms = _inlined(cost.recompute_ms)
@@ -98,6 +98,7 @@ def chain_hashes(local, offsets):
 _HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
 _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
+_ALL_BITS = np.uint64(0xFFFFFFFFFFFFFFFF)
 _EMPTY_ROW = -1
 _MISSING_ROW = 0
 
@@ -212,6 +213,19 @@ def _sort_candidates(start, stop, slot, tier, prefix, transfer, recompute, trans
             moving -= 1
 
 
+@_inlined
+def _prefixes_held(lengths, prefix_class, word, reaching, held, walked):
+    """The workers of `reaching` (one word) whose prefix in this class goes on through a block
+    held by `held`; each other one's prefix ends at `walked` blocks."""
+    going_on = reaching & held
+    ended = reaching & ~going_on
+    while ended:
+        bit = _lowest_bit(ended)
+        ended ^= _ONE << np.uint64(bit)
+        lengths[prefix_class, word * 64 + bit] = walked
+    return going_on
+
+
 @_compiled
 def rank_requests(
     local, offsets, given_target, named, block_sizes,
@@ -221,17 +235,17 @@ def rank_requests(
     """Rank every request against the index; see `decide.ranked.RankedBatch` for what comes back.
 
     `local` holds every request's local hashes end to end, chained into sequence hashes as
-    the walk goes. Per request, the blocks are walked once from the first: each class's prefix-AND of
-    worker bits loses a worker where its prefix ends, and the walk stops once no worker
-    holds the prefix in any class. Credit adds each native block's best tier weight in block
-    order, as the reference does. `weight_of[tiers held]` is that best weight for a 3-bit
-    set of native tiers (device 1, host 2, disk 4). Each walked row is read into `planes`
-    as bitmasks (`decide.rows.load_planes`), however the index keeps it.
+    the walk goes. Per request and per word of 64 workers, the blocks are walked from the
+    first: each class's prefix-AND of worker bits loses a worker where its prefix ends, and
+    the walk stops once no worker of the word holds a prefix in any class (each block is
+    probed once, by the first word's walk that reaches it). Credit adds each native block's
+    best tier weight in block order, as the reference does. `weight_of[tiers held]` is that
+    best weight for a 3-bit set of native tiers (device 1, host 2, disk 4). Each walked row's
+    word is read as four masks (`decide.rows.row_word`), however the index keeps the row.
     """
     count = offsets.size - 1
     workers = slots_in_order.size
     words = spilled.shape[2]
-    planes = np.zeros((PLANES, words), dtype=np.uint64)
     target_out = np.full(count, -1, dtype=np.int32)
     credited = np.zeros(count, dtype=np.float64)
     baseline_out = np.zeros(count, dtype=np.int32)
@@ -254,8 +268,7 @@ def rank_requests(
     # The sequence hashes as far as each walk chained them (at least the walked blocks):
     # the relied-on prefixes are read from here, not chained again.
     sequence = np.empty(local.size, dtype=np.uint64)
-    alive = np.zeros((5, words), dtype=np.uint64)
-    rows_ahead = np.empty(_ROWS_AHEAD, dtype=np.int64)
+    block_rows = np.empty(64, dtype=np.int64)  # the rows of a request's blocks, as far as probed
     lengths = np.zeros((5, max(workers, 1)), dtype=np.int32)  # per request, reset where written
     credit = np.zeros(max(workers, 1), dtype=np.float64)
     shown_ranks = np.empty(max(workers, 1) + 1, dtype=np.int64)
@@ -270,86 +283,72 @@ def rank_requests(
         shown_count = 0
         walked = 0
         if blocks > 0 and workers > 0:
+            block_rows = _grown(block_rows, blocks)
             sequence_hash = local[start]
             sequence[start] = sequence_hash
-            rows_from, rows_until = 0, 0
-            load_planes(holders, spilled, probe(table_keys, table_rows, table_bits, sequence_hash), planes)
+            block_rows[0] = probe(table_keys, table_rows, table_bits, sequence_hash)
+            rows_known = 1
+            # Each word of workers is walked on its own, its masks in registers: a worker's
+            # prefixes and credit depend on its own bits alone, and the rows one word's walk
+            # probed serve the next.
             for word in range(words):
-                device = planes[_NATIVE_DEVICE, word]
-                host = planes[_NATIVE_HOST, word]
-                disk = planes[_NATIVE_DISK, word]
-                alive[0, word] = device
-                alive[1, word] = host
-                alive[2, word] = disk
-                alive[3, word] = device | host | disk
-                alive[4, word] = device | planes[_RETAINED_DEVICE, word]
+                if choose:
+                    credited_bits = _ALL_BITS
+                elif target >= 0 and target // 64 == word:
+                    credited_bits = _ONE << np.uint64(target % 64)
+                else:
+                    credited_bits = _ZERO
+                device, host, disk, retained = row_word(holders, spilled, block_rows[0], word)
+                native_device, native_host, native_disk = device, host, disk
+                native_any = device | host | disk
+                retained_device = device | retained
                 # The workers holding any prefix at all are the ones an answer shows.
-                shown = alive[3, word] | alive[4, word]
+                shown = native_any | retained_device
                 while shown:
                     bit = _lowest_bit(shown)
                     shown ^= _ONE << np.uint64(bit)
                     shown_ranks[shown_count] = order_rank[word * 64 + bit]
                     shown_count += 1
-            walked = 1
-            while True:
-                # Credit of block `walked - 1` for every worker whose native prefix reaches it.
-                for word in range(words):
-                    holding = alive[3, word]
-                    if not choose:
-                        if target < 0 or target // 64 != word:
-                            continue
-                        holding &= _ONE << np.uint64(target % 64)
+                walked = 1
+                while True:
+                    # Credit of block `walked - 1` for every worker whose native prefix reaches it.
+                    holding = native_any & credited_bits
                     while holding:
                         bit = _lowest_bit(holding)
                         flag = _ONE << np.uint64(bit)
                         holding ^= flag
                         tiers = 0
-                        if planes[_NATIVE_DEVICE, word] & flag:
+                        if device & flag:
                             tiers |= 1
-                        if planes[_NATIVE_HOST, word] & flag:
+                        if host & flag:
                             tiers |= 2
-                        if planes[_NATIVE_DISK, word] & flag:
+                        if disk & flag:
                             tiers |= 4
                         credit[word * 64 + bit] += weight_of[tiers]
-                going_on = False
-                for prefix_class in range(5):
-                    for word in range(words):
-                        if alive[prefix_class, word]:
-                            going_on = True
-                if not going_on or walked == blocks:
-                    break
-                if walked >= rows_until:
-                    # The next blocks' rows at once: their probes do not wait on each other, so
-                    # their cache misses overlap instead of coming one after another.
-                    rows_from, rows_until = walked, min(walked + _ROWS_AHEAD, blocks)
-                    for ahead in range(rows_from, rows_until):
-                        sequence_hash = chain_hash(sequence_hash, local[start + ahead])
-                        sequence[start + ahead] = sequence_hash
-                        rows_ahead[ahead - rows_from] = probe(table_keys, table_rows, table_bits, sequence_hash)
-                load_planes(holders, spilled, rows_ahead[walked - rows_from], planes)
-                for word in range(words):
-                    device = planes[_NATIVE_DEVICE, word]
-                    host = planes[_NATIVE_HOST, word]
-                    disk = planes[_NATIVE_DISK, word]
-                    held = (device, host, disk, device | host | disk, device | planes[_RETAINED_DEVICE, word])
-                    for prefix_class in range(5):
-                        before = alive[prefix_class, word]
-                        after = before & held[prefix_class]
-                        ended = before & ~after
-                        while ended:
-                            bit = _lowest_bit(ended)
-                            ended ^= _ONE << np.uint64(bit)
-                            lengths[prefix_class, word * 64 + bit] = walked
-                        alive[prefix_class, word] = after
-                walked += 1
-            for prefix_class in range(5):
-                for word in range(words):
-                    reaching = alive[prefix_class, word]
-                    while reaching:
-                        bit = _lowest_bit(reaching)
-                        reaching ^= _ONE << np.uint64(bit)
-                        lengths[prefix_class, word * 64 + bit] = walked
-                    alive[prefix_class, word] = _ZERO
+                    if (native_any | retained_device) == _ZERO or walked == blocks:
+                        break
+                    if walked >= rows_known:
+                        # The next blocks' rows at once: their probes do not wait on each other,
+                        # so their cache misses overlap instead of coming one after another.
+                        rows_until = min(walked + _ROWS_AHEAD, blocks)
+                        for ahead in range(rows_known, rows_until):
+                            sequence_hash = chain_hash(sequence_hash, local[start + ahead])
+                            sequence[start + ahead] = sequence_hash
+                            block_rows[ahead] = probe(table_keys, table_rows, table_bits, sequence_hash)
+                        rows_known = rows_until
+                    device, host, disk, retained = row_word(holders, spilled, block_rows[walked], word)
+                    native_device = _prefixes_held(lengths, 0, word, native_device, device, walked)
+                    native_host = _prefixes_held(lengths, 1, word, native_host, host, walked)
+                    native_disk = _prefixes_held(lengths, 2, word, native_disk, disk, walked)
+                    native_any = _prefixes_held(lengths, 3, word, native_any, device | host | disk, walked)
+                    retained_device = _prefixes_held(lengths, 4, word, retained_device, device | retained, walked)
+                    walked += 1
+                # What reaches the last block walked ends there.
+                _prefixes_held(lengths, 0, word, native_device, _ZERO, walked)
+                _prefixes_held(lengths, 1, word, native_host, _ZERO, walked)
+                _prefixes_held(lengths, 2, word, native_disk, _ZERO, walked)
+                _prefixes_held(lengths, 3, word, native_any, _ZERO, walked)
+                _prefixes_held(lengths, 4, word, retained_device, _ZERO, walked)
             _sort_ranks(shown_ranks, shown_count)
 
         # The target: the one given, or the first worker (in worker order) of highest credit.

@@ -28,6 +28,7 @@ UNCHANGED, CHANGED, NO_ROOM, EMPTIED = 0, 1, 2, 3
 _PLANE_BITS = np.uint32(15)
 _FOUR = np.uint32(4)
 _ONE = np.uint64(1)
+_ZERO_WORD = np.uint64(0)
 
 
 def spilled_into(first_entry: int) -> int:
@@ -181,6 +182,33 @@ def load_planes(holders, spilled, row, planes):
             planes[2, word] |= flag
         if entry & np.uint32(8):
             planes[3, word] |= flag
+
+
+@_inlined
+def row_word(holders, spilled, row, word):
+    """Word `word` of row `row`'s planes as four scalars (native device, host, disk; retained
+    device), however the row is kept: what the ranking walk reads, one word at a time."""
+    dense = spilled_row(holders, row)
+    if dense:
+        return spilled[dense, 0, word], spilled[dense, 1, word], spilled[dense, 2, word], spilled[dense, 3, word]
+    device, host, disk, retained = _ZERO_WORD, _ZERO_WORD, _ZERO_WORD, _ZERO_WORD
+    for k in range(holders.shape[1]):
+        entry = holders[row, k]
+        if entry == 0:
+            break
+        slot = np.int64(entry >> _FOUR)
+        if slot >> 6 != word:
+            continue
+        flag = _ONE << np.uint64(slot & 63)
+        if entry & np.uint32(1):
+            device |= flag
+        if entry & np.uint32(2):
+            host |= flag
+        if entry & np.uint32(4):
+            disk |= flag
+        if entry & np.uint32(8):
+            retained |= flag
+    return device, host, disk, retained
 
 
 @_compiled
