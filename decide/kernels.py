@@ -160,6 +160,15 @@ _PREFIX_ANY, _PREFIX_RETAINED_DEVICE = 3, 4
 _DISABLED, _CHOSEN, _NO_WORKERS, _NO_CANDIDATES, _BELOW_THRESHOLD, _BUDGET_EXHAUSTED = range(6)
 
 
+@_inlined
+def _with_room(values, needed):
+    """`values`, or a copy grown to hold `needed` items: the call is made only when it must
+    grow (a call passing an array pays its reference count, which costs more than the test)."""
+    if needed <= values.shape[0]:
+        return values
+    return _grown(values, needed)
+
+
 @_compiled
 def _grown(values, needed):
     if needed <= values.shape[0]:
@@ -200,7 +209,7 @@ def _ranks_before(first, second, saving, prefix, tier, rank):
     return rank[first] < rank[second]
 
 
-@_compiled
+@_inlined  # one call site; a call would pay nine arrays' reference counts per request
 def _sort_candidates(start, stop, slot, tier, prefix, transfer, recompute, transfer_ms, saving, rank):
     """Order candidates[start:stop] by ranking key (insertion sort: a request has few)."""
     for position in range(start + 1, stop):
@@ -283,7 +292,7 @@ def rank_requests(
         shown_count = 0
         walked = 0
         if blocks > 0 and workers > 0:
-            block_rows = _grown(block_rows, blocks)
+            block_rows = _with_room(block_rows, blocks)
             sequence_hash = local[start]
             sequence[start] = sequence_hash
             block_rows[0] = probe(table_keys, table_rows, table_bits, sequence_hash)
@@ -392,8 +401,8 @@ def rank_requests(
                     position -= 1
                 shown_ranks[position] = target_rank
                 shown_count += 1
-        overlap_slot = _grown(overlap_slot, overlaps + shown_count)
-        overlap_lengths = _grown(overlap_lengths, overlaps + shown_count)
+        overlap_slot = _with_room(overlap_slot, overlaps + shown_count)
+        overlap_lengths = _with_room(overlap_lengths, overlaps + shown_count)
         for position in range(shown_count):
             slot = slots_in_order[shown_ranks[position]]
             overlap_slot[overlaps] = slot
@@ -775,7 +784,7 @@ def _longest(bounds):
     return longest
 
 
-@_compiled  # called, not inlined: two inlined copies of its three floats doubled the writer's compile time
+@_inlined  # at one place only: the chosen candidate is copied from the list, not written again
 def _put_candidate(out, position, item, sources, source_bounds, c_slot, c_tier, c_prefix, c_transfer,
                    recompute, recompute_text, transfer, transfer_text, saving, saving_text, repr_texts, repr_bounds):
     position = _put_slice(out, position, sources, source_bounds, c_slot[item])
@@ -871,6 +880,7 @@ def write_answers(
             position = _put_slice(out, position, unknown, unknown_bounds, request)
             position = _put(out, position, _ZERO_OVERLAP)
         position = _put(out, position, _CANDIDATES)
+        chosen_from = chosen_until = position  # the first candidate's text, which "chosen" repeats
         for item in range(candidate_bounds[request], candidate_bounds[request + 1]):
             if item > candidate_bounds[request]:
                 out[position] = 44
@@ -878,11 +888,11 @@ def write_answers(
             position = _put_candidate(out, position, item, sources, source_bounds, c_slot, c_tier, c_prefix,
                                       c_transfer, recompute, recompute_text, transfer, transfer_text, saving,
                                       saving_text, repr_texts, repr_bounds)
+            if item == candidate_bounds[request]:
+                chosen_until = position
         position = _put(out, position, _CHOSEN_LABEL)
         if ranked:
-            position = _put_candidate(out, position, candidate_bounds[request], sources, source_bounds, c_slot, c_tier,
-                                      c_prefix, c_transfer, recompute, recompute_text, transfer, transfer_text, saving,
-                                      saving_text, repr_texts, repr_bounds)
+            position = copy_bytes(out, position, out, chosen_from, chosen_until - chosen_from)
         else:
             position = _put(out, position, _NULL)
         position = _put_slice(out, position, endings, ending_bounds, reason[request])
