@@ -169,8 +169,7 @@ def _texts(texts: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(b"".join(texts), dtype=np.uint8), bounds
 
 
-_NO_TEXTS = _texts([])
-NO_TEXT = _NO_TEXTS[0]
+NO_TEXT = _texts([])[0]
 
 
 def json_string_text(text: str) -> np.ndarray:
@@ -369,7 +368,7 @@ def answer_pieces(requests: Sequence[ReuseRequest], target: np.ndarray, inventor
             named = requests[position].target
             if named is not None:
                 unknown_names[position] = _json_string(named.name)
-    unknown = _texts(unknown_names) if any(unknown_names) else (_NO_TEXTS[0], _zeros(count + 1))
+    unknown = _texts(unknown_names) if any(unknown_names) else (NO_TEXT, _zeros(count + 1))
     return (np.frombuffer(id_text, dtype=np.uint8), id_bounds,
             inventory_target_text(inventory_seq),
             *worker_texts.name_texts, *worker_texts.sources, *unknown)
