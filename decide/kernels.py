@@ -637,6 +637,7 @@ _POWERS_OF_FIVE = np.array([5**power for power in range(27)], dtype=np.uint64)
 _SEVENTEEN_DIGITS_FROM, _SEVENTEEN_DIGITS_UNTIL = np.int64(10**16), np.int64(10**17)
 _MANTISSA_SCALE = 9007199254740992.0  # 2**53, as a double
 _FIFTY_THREE = 53
+_ONE_CANDIDATE_BELOW = np.int64(2**50)
 
 
 @_compiled  # not inlined: called for one float in a few, it would grow every place a float is written
@@ -693,6 +694,12 @@ def _shortest_fixed(value):
                     return digits, decimals
             return -1, -1
         nearest = np.int64(np.rint(product))
+        if nearest < _ONE_CANDIDATE_BELOW:
+            # Below 2**50 the product is within 1/8 of exact and two texts are more than an
+            # ulp apart: only the nearest integer can read back, and never two.
+            if np.float64(nearest) / scale == value:
+                return nearest, decimals
+            continue
         found, hits = -1, 0
         for digits in (nearest - 1, nearest, nearest + 1):
             if digits >= 0 and np.float64(digits) / scale == value:
