@@ -8,9 +8,9 @@ holders than that spills into a bitmask row of a pool (four planes of `words` 64
 a bit per worker, as the index kept every row before), and its first entry then names it
 (`dense << 4`, no plane bits). At 1 024 workers a bitmask row is 512 bytes, a listed row 32.
 
-The kernels read and change a row however it is kept; `load_planes` gives the ranking walk
-a row's planes as bitmasks, so the walk itself is the same for both. Compiled by numba and
-cached with the other kernels.
+The kernels read and change a row however it is kept; `row_word` gives the ranking walk one
+word of a row's planes as bitmasks, so the walk itself is the same for both (`load_planes`,
+every word, is the device's copy). Compiled by numba and cached with the other kernels.
 """
 
 from __future__ import annotations
@@ -155,36 +155,6 @@ def spill(holders, spilled, row, dense):
 
 
 @_inlined
-def load_planes(holders, spilled, row, planes):
-    """Row `row` as bitmask planes into `planes` (PLANES × words), whichever way it is kept."""
-    dense = spilled_row(holders, row)
-    words = planes.shape[1]
-    if dense:
-        for position in range(PLANES):
-            for word in range(words):
-                planes[position, word] = spilled[dense, position, word]
-        return
-    for position in range(PLANES):
-        for word in range(words):
-            planes[position, word] = 0
-    for k in range(holders.shape[1]):
-        entry = holders[row, k]
-        if entry == 0:
-            break
-        slot = np.int64(entry >> _FOUR)
-        word = slot >> 6
-        flag = _ONE << np.uint64(slot & 63)
-        if entry & np.uint32(1):
-            planes[0, word] |= flag
-        if entry & np.uint32(2):
-            planes[1, word] |= flag
-        if entry & np.uint32(4):
-            planes[2, word] |= flag
-        if entry & np.uint32(8):
-            planes[3, word] |= flag
-
-
-@_inlined
 def row_word(holders, spilled, row, word):
     """Word `word` of row `row`'s planes as four scalars (native device, host, disk; retained
     device), however the row is kept: what the ranking walk reads, one word at a time."""
@@ -209,6 +179,13 @@ def row_word(holders, spilled, row, word):
         if entry & np.uint32(8):
             retained |= flag
     return device, host, disk, retained
+
+
+@_inlined
+def load_planes(holders, spilled, row, planes):
+    """Row `row` as bitmask planes into `planes` (PLANES × words), whichever way it is kept."""
+    for word in range(planes.shape[1]):
+        planes[0, word], planes[1, word], planes[2, word], planes[3, word] = row_word(holders, spilled, row, word)
 
 
 @_compiled
