@@ -341,10 +341,11 @@ def dynamo_unavailable_reason() -> str | None:
 
 
 def gpu_figures(index, queries: list[ReuseRequest], batches: list[EventBatch], workers: int,
-                reuse: ReuseSettings, args: argparse.Namespace) -> list[str]:
+                reuse: ReuseSettings, args: argparse.Namespace) -> tuple[list[str], int]:
     """The cuda backend at one fleet size, beside cpu on the same index: rates, p99 per batch,
     parity on every query, device bytes per indexed block, the time to apply dirty slots, and
-    (with --gpu-profile) where one pass of full answers spends its host time."""
+    (with --gpu-profile) where one pass of full answers spends its host time. Returns the
+    summary lines and how many answers differed from cpu's."""
     from decide.cpu import CpuBackend
     from decide.cuda import CudaBackend
 
@@ -369,10 +370,11 @@ def gpu_figures(index, queries: list[ReuseRequest], batches: list[EventBatch], w
                   runs["ranked"]))
         print(row(f"cpu beside it, batches of {args.batch}, full answers as JSON bytes, {workers} workers", runs["cpu"]))
         device_bytes = cuda.table_device_bytes
+        full_rate = median_run(runs["full"])["per_s"]
         lines.append(f"cuda vs cpu on all {len(queries)} queries at {workers} workers: "
                      f"{'identical' if not differing else f'{differing} DIFFER'}")
-        lines.append(f"cuda at {workers} workers: full JSON answers {median_run(runs['full'])['per_s']:,.0f}/s "
-                     f"(goal >= 1,000,000/s at 256), {median_run(runs['full'])['per_s'] / median_run(runs['cpu'])['per_s']:.2f}x cpu; "
+        lines.append(f"cuda at {workers} workers: full JSON answers {full_rate:,.0f}/s "
+                     f"(goal >= 1,000,000/s at 256), {full_rate / median_run(runs['cpu'])['per_s']:.2f}x cpu; "
                      f"device table and rows {device_bytes / 2**20:.1f} MiB = {device_bytes / max(index.size, 1):.0f} "
                      f"bytes per indexed block ({index.size} blocks)")
         if args.gpu_profile:
@@ -385,7 +387,7 @@ def gpu_figures(index, queries: list[ReuseRequest], batches: list[EventBatch], w
             print(f"\nwhere one pass of cuda full answers spends its time, {workers} workers (cProfile, tottime):")
             pstats.Stats(profile).sort_stats("tottime").print_stats(14)
     lines += dirty_apply_figures(batches, workers, args.dirty_chunk)
-    return lines
+    return lines, differing
 
 
 def dirty_apply_figures(batches: list[EventBatch], workers: int, chunk: int) -> list[str]:
@@ -567,8 +569,9 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     gpu_index, gpu_queries, gpu_batches, _ = build_inventory(trace, workers, args.seed, with_dynamo=False)
                     gpu_queries = pickle.loads(pickle.dumps(gpu_queries))
-                gpu_lines += gpu_figures(gpu_index, gpu_queries, gpu_batches, workers, reuse, args)
-            mismatches += sum(line.endswith("DIFFER") for line in gpu_lines)
+                lines, differing = gpu_figures(gpu_index, gpu_queries, gpu_batches, workers, reuse, args)
+                gpu_lines += lines
+                mismatches += differing
     print()
     batched = median_run(runs["batched"])
     single_p99 = f"cpu single p99 {median_run(runs['single'])['p99_ms'] * 1000:.0f} µs (goal <= 50 µs, in process: " \
