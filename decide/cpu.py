@@ -7,7 +7,6 @@ the service (`answer_texts`) one call does both and writes the relied-on prefixe
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Sequence
 
@@ -21,15 +20,14 @@ from kvledger.settings import ReuseSettings
 from decide import compact, rows
 from decide.index import InventoryIndex
 from decide.kernels import answer_request, answer_requests, chain_hashes, rank_requests
-from decide.packed import split_texts
+from decide.packed import split_text_pairs
 from decide.ranked import (
-    NO_TEXT, REASONS, AnswerBatch, AnswerTexts, Clock, PerSettings, RankedBatch, WorkerTexts, answer_endings,
-    answer_pieces, digest_of, inventory_target_text, json_string_text, local_hashes_of, requested_targets,
+    NO_TEXT, REASONS, AnswerBatch, AnswerTexts, Clock, PerSettings, RankedBatch, RequestArrays, WorkerTexts,
+    answer_endings, answer_pieces, digest_of, inventory_target_text, json_string_text, requested_targets,
     source_tier_codes, target_slot,
 )
 
 INT64_MAX = 2**63 - 1
-_block_size = operator.attrgetter("block_size")
 WARM_UP_REQUEST = ReuseRequest("warm-up", (1, 2, 3), 16)
 
 
@@ -69,14 +67,16 @@ class CpuBackend:
         if count == 1:
             return self._answer_text(requests[0], settings, clock, started)
         index = self.index
-        arguments = rank_arguments(index, requests, settings, clock, started)
+        batch = RequestArrays.of(requests)
+        arguments = rank_arguments(index, requests, batch, settings, clock, started)
         target = arguments[2]
         answers, answer_bounds, relied, relied_bounds, reason_counts = answer_requests(
-            *arguments, *answer_pieces(requests, target, index.inventory_seq, WorkerTexts.of(index)),
+            *arguments,
+            *answer_pieces(requests, batch.ids, batch.id_bounds, target, index.inventory_seq, WorkerTexts.of(index)),
             *answer_endings(index.uncertain_names(), self.name, digest_of(settings)), MAX_RELIED_BLOCKS,
         )
         return AnswerTexts(
-            split_texts(answers, answer_bounds, count), split_texts(relied, relied_bounds, count),
+            *split_text_pairs(answers, answer_bounds, relied, relied_bounds, count),
             {REASONS[code]: number for code, number in enumerate(reason_counts.tolist()) if number},
         )
 
@@ -159,12 +159,13 @@ def rank_batch(
     """The numbers of every answer in the batch (see `decide.ranked.RankedBatch`)."""
     if started is None:
         started = clock()
-    arguments = rank_arguments(index, requests, settings, clock, started)
+    arguments = rank_arguments(index, requests, RequestArrays.of(requests), settings, clock, started)
     return RankedBatch(*rank_requests(*arguments), arguments[1])
 
 
 def rank_arguments(
-    index: InventoryIndex, requests: Sequence[ReuseRequest], settings: ReuseSettings, clock: Clock, started: float,
+    index: InventoryIndex, requests: Sequence[ReuseRequest], batch: RequestArrays, settings: ReuseSettings,
+    clock: Clock, started: float,
 ) -> tuple:
     """`rank_requests`'s arguments: the batch (local hashes and offsets, target slots, which
     requests named a target, block sizes), the index's arrays, whether to scan, the settings.
@@ -173,15 +174,11 @@ def rank_arguments(
     (as the cuda backend does); a batch shares one clock and gets the per-request budget
     times its size.
     """
-    count = len(requests)
-    flat, offsets = local_hashes_of(requests)
     target, named = requested_targets(index, requests)
-    block_sizes = (np.array([requests[0].block_size], dtype=np.int64) if count == 1
-                   else np.fromiter(map(_block_size, requests), dtype=np.int64, count=count))
-    return (flat, offsets, target, named.view(np.uint8), block_sizes,
+    return (batch.local, batch.offsets, target, named.view(np.uint8), batch.block_sizes,
             index.table_keys, index.table_rows, index.table_bits, index.holders, index.spilled, index.slots_in_order,
             index.order_rank,
-            _scan(index, settings, clock, started, count), *_kernel_settings(settings))
+            _scan(index, settings, clock, started, len(requests)), *_kernel_settings(settings))
 
 
 def _scan(index: InventoryIndex, settings: ReuseSettings, clock: Clock, started: float, count: int) -> bool:

@@ -104,6 +104,7 @@ class InventoryIndex:
         self._slot_of_worker: dict[WorkerId, int] = {}
         # The same by (publisher, dp_rank): hashing a WorkerId (attrs) costs far more than its fields.
         self.slot_by_key: dict[tuple[str, int], int] = {}
+        self.rank_zero_slots: dict[str, int] = {}  # the slots of dp_rank 0 workers by publisher
         self.slots_in_order = np.zeros(0, dtype=np.int32)  # worker slots sorted by worker order
         self.order_rank = np.zeros(0, dtype=np.int32)  # slot -> its position in worker order
         self.words = 1
@@ -453,6 +454,8 @@ class InventoryIndex:
         self.workers.append(worker)
         self._slot_of_worker[worker] = slot
         self.slot_by_key[(worker.publisher, worker.dp_rank)] = slot
+        if worker.dp_rank == 0:
+            self.rank_zero_slots[worker.publisher] = slot
         if slot >= MAX_SLOTS:
             self._promoted.add(slot)  # beyond what an entry's owner field holds: folded as objects
         if len(self.workers) > self.words * 64:

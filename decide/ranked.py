@@ -12,6 +12,7 @@ import collections
 import functools
 import itertools
 import json
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -25,7 +26,7 @@ from kvledger.settings import ReuseSettings, settings_digest
 
 from decide.index import InventoryIndex
 from decide.kernels import chain_hashes, relied_prefix_texts, repr_positions, write_ranked_answers
-from decide.packed import packed_local_hashes, split_texts
+from decide.packed import packed_requests, split_texts
 
 # Prefix classes reported per worker: the three native tiers alone, any native tier, and
 # native ∪ retained device (the target's baseline).
@@ -40,6 +41,7 @@ REASONS = (
 DISABLED, CHOSEN, NO_WORKERS, NO_CANDIDATES, BELOW_THRESHOLD, BUDGET_EXHAUSTED = range(len(REASONS))
 
 NO_TARGET = -1  # no target given and no worker to pick, or a target the index has never seen
+_block_size = operator.attrgetter("block_size")
 
 Clock = Callable[[], float]
 
@@ -103,9 +105,9 @@ def local_hashes_of(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.nd
     if len(requests) == 1:  # the service's single requests: fewer numpy calls
         local = np.array(requests[0].local_hashes, dtype=np.uint64)
         return local, np.array([0, local.size], dtype=np.int64)
-    packed = packed_local_hashes(requests)
+    packed = packed_requests(requests)
     if packed is not None:
-        return packed
+        return packed[0], packed[1]
     lengths = np.fromiter(map(len, (request.local_hashes for request in requests)), dtype=np.int64,
                           count=len(requests))
     offsets = np.zeros(len(requests) + 1, dtype=np.int64)
@@ -113,6 +115,44 @@ def local_hashes_of(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.nd
     local = np.fromiter(itertools.chain.from_iterable(request.local_hashes for request in requests),
                         dtype=np.uint64, count=int(offsets[-1]))
     return local, offsets
+
+
+def request_ids_of(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
+    """The request ids' UTF-8 end to end, and the bounds of each."""
+    count = len(requests)
+    if count == 1:
+        text = requests[0].request_id.encode()
+        return np.frombuffer(text, dtype=np.uint8), np.array([0, len(text)], dtype=np.int64)
+    ids = [request.request_id for request in requests]
+    text = "".join(ids).encode()
+    bounds = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, ids), dtype=np.int64, count=count), out=bounds[1:])
+    if bounds[-1] != len(text):  # not all ASCII: bounds in UTF-8 bytes
+        np.cumsum(np.fromiter((len(id_text.encode()) for id_text in ids), dtype=np.int64, count=count),
+                  out=bounds[1:])
+    return np.frombuffer(text, dtype=np.uint8), bounds
+
+
+@attrs.frozen
+class RequestArrays:
+    """A batch's requests as the kernels read them."""
+
+    local: np.ndarray  # every request's local hashes end to end (uint64)
+    offsets: np.ndarray  # where each request's hashes start, and the end (int64, requests + 1)
+    ids: np.ndarray  # the request ids' UTF-8 end to end
+    id_bounds: np.ndarray  # where each id starts, and the end
+    block_sizes: np.ndarray  # int64
+
+    @classmethod
+    def of(cls, requests: Sequence[ReuseRequest]) -> RequestArrays:
+        # A batch goes through one MessagePack encoding (`decide.packed`); a single request,
+        # or a batch with a value of another kind, the general way, which names what is wrong.
+        if len(requests) > 1 and (packed := packed_requests(requests)) is not None:
+            local, offsets, ids, id_bounds, block_sizes = packed
+            return cls(local, offsets, ids, id_bounds, block_sizes)
+        block_sizes = (np.array([requests[0].block_size], dtype=np.int64) if len(requests) == 1
+                       else np.fromiter(map(_block_size, requests), dtype=np.int64, count=len(requests)))
+        return cls(*local_hashes_of(requests), *request_ids_of(requests), block_sizes)
 
 
 def sequence_hashes_of(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
@@ -134,8 +174,11 @@ def requested_targets(index: InventoryIndex, requests: Sequence[ReuseRequest]) -
     if len(requests) == 1:  # a third of the numpy calls
         target = requests[0].target
         return np.array([target_slot(index, target)], dtype=np.int32), np.array([target is not None])
-    slot_of = index.slot_by_key.get  # inline below: a call per request costs a third of the loop
+    # Inline below: a call per request costs a third of the loop. Rank 0 is looked up by its
+    # publisher alone, sparing a tuple's making and hashing.
+    slot_of, rank_zero_slot_of = index.slot_by_key.get, index.rank_zero_slots.get
     slots = np.array([_UNNAMED if (target := request.target) is None
+                      else rank_zero_slot_of(target.publisher, NO_TARGET) if target.dp_rank == 0
                       else slot_of((target.publisher, target.dp_rank), NO_TARGET)
                       for request in requests], dtype=np.int32).reshape(len(requests))
     named = slots != _UNNAMED
@@ -334,7 +377,8 @@ class AnswerBatch:
             flagged = repr_positions(ranked.credited, ranked.candidate_recompute_ms, ranked.candidate_transfer_ms,
                                      ranked.candidate_saving_ms)
         buffer, bounds = write_ranked_answers(
-            *answer_pieces(self.requests, ranked.target, self.inventory_seq, self.worker_texts),
+            *answer_pieces(self.requests, *request_ids_of(self.requests), ranked.target, self.inventory_seq,
+                           self.worker_texts),
             ranked.target, ranked.credited, ranked.baseline, ranked.reason,
             ranked.overlap_bounds, ranked.overlap_slot, ranked.overlap_lengths,
             ranked.candidate_bounds, ranked.candidate_slot, ranked.candidate_tier, ranked.candidate_prefix,
@@ -345,32 +389,22 @@ class AnswerBatch:
         return split_texts(buffer, bounds, count)
 
 
-def answer_pieces(requests: Sequence[ReuseRequest], target: np.ndarray, inventory_seq: int,
-                  worker_texts: WorkerTexts) -> tuple[np.ndarray, ...]:
+def answer_pieces(requests: Sequence[ReuseRequest], ids: np.ndarray, id_bounds: np.ndarray, target: np.ndarray,
+                  inventory_seq: int, worker_texts: WorkerTexts) -> tuple[np.ndarray, ...]:
     """The texts an answer is written from, as `write_answers` takes them first: the request ids
     (UTF-8) with their bounds, the `inventory_seq` text, the workers' names and candidate openings,
     and each named target the index has never seen (`target` < 0 for a request that named one)."""
     count = len(requests)
-    if count == 1:
-        id_text = requests[0].request_id.encode()
-        id_bounds = np.array([0, len(id_text)], dtype=np.int64)
-    else:
-        ids = [request.request_id for request in requests]
-        id_text = "".join(ids).encode()
-        id_bounds = np.zeros(count + 1, dtype=np.int64)
-        np.cumsum(np.fromiter(map(len, ids), dtype=np.int64, count=count), out=id_bounds[1:])
-        if id_bounds[-1] != len(id_text):  # not all ASCII: bounds in UTF-8 bytes
-            np.cumsum(np.fromiter((len(text.encode()) for text in ids), dtype=np.int64, count=count),
-                      out=id_bounds[1:])
-    unknown_names = [b""] * count
-    if (target[0] < 0 if count == 1 else (target < 0).any()):
+    unknown = NO_TEXT, _zeros(count + 1)
+    if target.min() < 0:
+        unknown_names = [b""] * count
         for position in np.flatnonzero(target < 0).tolist():
             named = requests[position].target
             if named is not None:
                 unknown_names[position] = _json_string(named.name)
-    unknown = _texts(unknown_names) if any(unknown_names) else (NO_TEXT, _zeros(count + 1))
-    return (np.frombuffer(id_text, dtype=np.uint8), id_bounds,
-            inventory_target_text(inventory_seq),
+        if any(unknown_names):
+            unknown = _texts(unknown_names)
+    return (ids, id_bounds, inventory_target_text(inventory_seq),
             *worker_texts.name_texts, *worker_texts.sources, *unknown)
 
 
