@@ -212,21 +212,33 @@ def _put_big_endian_32(out, position, value):
         out[position + offset] = (value >> (8 * (3 - offset))) & 0xFF
 
 
+@_inlined
+def _framed_list(out, items):
+    """A MessagePack `array 32` header of `items` items; the position after it."""
+    out[0] = _ARRAY32
+    _put_big_endian_32(out, 1, items)
+    return 5
+
+
+@_inlined
+def _put_bin(out, position, buffer, bounds, item):
+    """`buffer[bounds[item]:bounds[item + 1]]` as a MessagePack `bin 32`; the position after it."""
+    length = bounds[item + 1] - bounds[item]
+    out[position] = _BIN32
+    _put_big_endian_32(out, position + 1, length)
+    # Not a slice assignment: numba copies those byte by byte, slower than the Python loop
+    # this replaces.
+    return copy_bytes(out, position + 5, buffer, bounds[item], length)
+
+
 @_compiled
 def framed_texts(buffer, bounds):
     """MessagePack of a list of `bin` items, item i being `buffer[bounds[i]:bounds[i + 1]]`."""
     count = bounds.size - 1
     out = np.empty(5 + 5 * count + (bounds[count] - bounds[0]), dtype=np.uint8)
-    out[0] = _ARRAY32
-    _put_big_endian_32(out, 1, count)
-    position = 5
+    position = _framed_list(out, count)
     for item in range(count):
-        length = bounds[item + 1] - bounds[item]
-        out[position] = _BIN32
-        _put_big_endian_32(out, position + 1, length)
-        # Not a slice assignment: numba copies those byte by byte, slower than the Python loop
-        # this replaces.
-        position = copy_bytes(out, position + 5, buffer, bounds[item], length)
+        position = _put_bin(out, position, buffer, bounds, item)
     return out
 
 
@@ -243,15 +255,10 @@ def framed_text_pairs(first, first_bounds, second, second_bounds):
     count = first_bounds.size - 1
     out = np.empty(5 + 10 * count + (first_bounds[count] - first_bounds[0]) + (second_bounds[count] - second_bounds[0]),
                    dtype=np.uint8)
-    out[0] = _ARRAY32
-    _put_big_endian_32(out, 1, 2 * count)
-    position = 5
+    position = _framed_list(out, 2 * count)
     for item in range(count):
-        for buffer, bounds in ((first, first_bounds), (second, second_bounds)):
-            length = bounds[item + 1] - bounds[item]
-            out[position] = _BIN32
-            _put_big_endian_32(out, position + 1, length)
-            position = copy_bytes(out, position + 5, buffer, bounds[item], length)
+        position = _put_bin(out, position, first, first_bounds, item)
+        position = _put_bin(out, position, second, second_bounds, item)
     return out
 
 
