@@ -102,12 +102,15 @@ def source_tier_codes(settings: ReuseSettings) -> tuple[int, ...]:
 
 def local_hashes_of(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
     """All requests' local hashes end to end, and the offsets where each request starts."""
+    batch = RequestArrays.of(requests)
+    return batch.local, batch.offsets
+
+
+def _converted_local_hashes(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
+    """`local_hashes_of` by numpy's conversion, which names a hash it cannot convert."""
     if len(requests) == 1:  # the service's single requests: fewer numpy calls
         local = np.array(requests[0].local_hashes, dtype=np.uint64)
         return local, np.array([0, local.size], dtype=np.int64)
-    packed = packed_requests(requests)
-    if packed is not None:
-        return packed[0], packed[1]
     lengths = np.fromiter(map(len, (request.local_hashes for request in requests)), dtype=np.int64,
                           count=len(requests))
     offsets = np.zeros(len(requests) + 1, dtype=np.int64)
@@ -152,7 +155,7 @@ class RequestArrays:
             return cls(local, offsets, ids, id_bounds, block_sizes)
         block_sizes = (np.array([requests[0].block_size], dtype=np.int64) if len(requests) == 1
                        else np.fromiter(map(_block_size, requests), dtype=np.int64, count=len(requests)))
-        return cls(*local_hashes_of(requests), *request_ids_of(requests), block_sizes)
+        return cls(*_converted_local_hashes(requests), *request_ids_of(requests), block_sizes)
 
 
 def sequence_hashes_of(requests: Sequence[ReuseRequest]) -> tuple[np.ndarray, np.ndarray]:
