@@ -47,6 +47,9 @@ class GapReason(enum.Enum):
     MISSED = "missed"
     PUBLISHER_RESTART = "publisher_restart"
     REPLAY_INCOMPLETE = "replay_incomplete"
+    # JetStream acknowledged these batches and then lost them (a crash before its fsync), and
+    # the engine no longer buffers them: synthesised by ingest's stream check.
+    STREAM_LOST = "stream_lost"
 
 
 class RecordError(ValueError):
