@@ -177,6 +177,25 @@ class NatsSettings:
     tls_key: str | None = _setting(None, "Private key of the client certificate.")
     connect_timeout_s: float = _setting(5.0, "Seconds to wait for the NATS connection.", rule=_positive())
 
+    @staticmethod
+    def sync_interval_problem(text: str) -> str | None:
+        """What is wrong with a JetStream sync policy (None: nothing); the embedded nats-server applies it."""
+        if text in ("always", "default"):
+            return None
+        match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)", text)
+        if match is None or float(match[1]) == 0:
+            return f'must be "always", "default" or a duration > 0 such as "100ms", "1s", "2m", got {text!r}'
+        return None
+
+    # JetStream acknowledges before it fsyncs: what a power loss can take is what arrived
+    # since the last sync (docs/operations.md, "Durability").
+    embedded_sync_interval: str = _setting(
+        "1s", 'How often the nats-server that `kvledger up` and the demo start fsyncs JetStream: "always" '
+        '(before every ack), a duration ("100ms", "1s", "2m") or "default" (nats-server\'s own, 2 minutes). '
+        "A server kvledger does not start keeps its own configuration.",
+        rule=_Rule(sync_interval_problem),
+    )
+
 
 @attrs.frozen
 class StreamSettings:

@@ -165,7 +165,9 @@ def _local_system(
     with contextlib.ExitStack() as stack:
         if wants_embedded_nats(loaded):
             port = nats_port if nats_port is not None else int(loaded.settings.nats.url.rsplit(":", 1)[1])
-            server = stack.enter_context(EmbeddedNats(Path(data_dir) / "nats", port=port))
+            server = stack.enter_context(EmbeddedNats(
+                Path(data_dir) / "nats", port=port, sync_interval=loaded.settings.nats.embedded_sync_interval,
+            ))
             overrides["nats.url"] = server.url
         settings = _with_overrides(loaded, overrides)
         with database.opened(settings.db.url) as engine:

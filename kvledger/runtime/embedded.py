@@ -2,6 +2,8 @@
 
 `kvledger up`, the demo and the benchmarks run one so a newcomer needs no services. It is
 a process, not a socket: readiness comes from the server's own "Server is ready" log line.
+JetStream acknowledges before it fsyncs; how often it does (`sync_interval`) is set through a
+small config file in the store dir (docs/operations.md, "Durability").
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 from kvledger.runtime.lifetime import stop_process
+from kvledger.settings import NatsSettings
 
 READY_LINE = "Server is ready"
 
@@ -53,18 +56,32 @@ def nats_server_command(
     return [*command, *extra_args]
 
 
+def sync_policy_config(sync_interval: str) -> str:
+    """The nats-server configuration that sets JetStream's sync policy (`nats.embedded_sync_interval`'s values)."""
+    problem = NatsSettings.sync_interval_problem(sync_interval)
+    if problem is not None:
+        raise ValueError(f"sync_interval {problem}")
+    if sync_interval == "default":
+        return ""
+    return f'jetstream {{\n  sync_interval: "{sync_interval}"\n}}\n'
+
+
 class EmbeddedNats:
     """`with EmbeddedNats(store_dir) as server: server.url` — JetStream on a loopback port."""
 
     def __init__(
         self, store_dir: str | os.PathLike, *, port: int = -1, host: str = "127.0.0.1", timeout_s: float = 15.0,
-        extra_args: tuple[str, ...] = (),
+        extra_args: tuple[str, ...] = (), sync_interval: str = "default", monitor_port: int | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port  # -1: the server picks a free one and logs it
         self.timeout_s = timeout_s
         self.extra_args = extra_args  # e.g. ("--user", "u", "--pass", "p") for a server that requires a login
+        self.sync_config = sync_policy_config(sync_interval)
+        if self.sync_config and ("-c" in extra_args or "--config" in extra_args):
+            raise ValueError("a sync_interval other than 'default' is written as a config file; put it in your -c file instead")
+        self.monitor_port = monitor_port  # /varz and friends; -1: the server picks a free one and logs it
         self.url = ""
         self._process: subprocess.Popen[str] | None = None
         self._log_tail: list[str] = []
@@ -78,8 +95,15 @@ class EmbeddedNats:
 
     def start(self) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        extra_args = self.extra_args
+        if self.sync_config:
+            # nats-server takes the sync policy from a config file only; flags still win for the rest.
+            config = self.store_dir / "nats-server.conf"
+            config.write_text(self.sync_config)
+            extra_args = ("-c", str(config), *extra_args)
         args = nats_server_command(
-            find_nats_server(), store_dir=self.store_dir, port=self.port, host=self.host, extra_args=self.extra_args
+            find_nats_server(), store_dir=self.store_dir, port=self.port, host=self.host,
+            monitor_port=self.monitor_port, extra_args=extra_args,
         )
         self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         ready = threading.Event()
@@ -97,6 +121,8 @@ class EmbeddedNats:
             self._log_tail = (self._log_tail + [line.rstrip()])[-50:]
             if "Listening for client connections on" in line:
                 self.port = int(line.rsplit(":", 1)[1])
+            if "Starting http monitor on" in line:
+                self.monitor_port = int(line.rsplit(":", 1)[1])
             if READY_LINE in line:
                 ready.set()
 
