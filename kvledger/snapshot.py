@@ -1,8 +1,13 @@
 """Fold snapshots: the whole inventory as compact arrays, so a reader can warm-start.
 
 store writes one to the `KV_SNAPSHOTS` object store every N events; decide loads the
-newest and replays `KV_EVENTS` after its `inventory_seq`. Restoring then folding the rest
-gives exactly the state of folding everything.
+newest and replays `KV_EVENTS` after it. Restoring then folding the rest gives exactly the
+state of folding everything.
+
+A snapshot's `inventory_seq` is store's ledger seq, which equals the KV_EVENTS seq until the
+stream first loses acknowledged messages (store/cursor.py); where the stream stood is kept
+beside it as a `StreamPosition`: the seq of the last message folded and its Nats-Msg-Id, so
+a reader can check that the stream still holds that message before trusting the snapshot.
 """
 
 from __future__ import annotations
@@ -53,15 +58,31 @@ class _WorkerWire(msgspec.Struct, array_like=True):
     provenances: list[_ProvenanceWire]
 
 
+class StreamPosition(msgspec.Struct, frozen=True):
+    """The KV_EVENTS message a snapshot's fold ends with: its stream seq and its Nats-Msg-Id."""
+
+    seq: int
+    msg_id: str
+
+
 class _SnapshotWire(msgspec.Struct):
     v: int
     inventory_seq: int
     counters: dict[str, int]
     workers: list[_WorkerWire]
+    # Absent in snapshots written before streams could lose messages: readers then take
+    # inventory_seq for the stream seq and cannot check the message.
+    position: StreamPosition | None = None
 
 
-def encode_snapshot(fold: InventoryFold) -> bytes:
-    """Serialise the fold's entire state (inventory, epochs, uncertainty, counters)."""
+class _PositionWire(msgspec.Struct):
+    v: int
+    inventory_seq: int
+    position: StreamPosition | None = None
+
+
+def encode_snapshot(fold: InventoryFold, position: StreamPosition | None = None) -> bytes:
+    """Serialise the fold's entire state (inventory, epochs, uncertainty, counters) and where the stream stood."""
     workers = []
     for worker in fold.workers():
         state = fold.worker_state(worker)
@@ -98,7 +119,21 @@ def encode_snapshot(fold: InventoryFold) -> bytes:
                 )
             )
         workers.append(_WorkerWire(worker.publisher, worker.dp_rank, dict(state.counters), provenances))
-    return msgspec.msgpack.encode(_SnapshotWire(SNAPSHOT_VERSION, fold.inventory_seq, dict(fold.counters), workers))
+    return msgspec.msgpack.encode(
+        _SnapshotWire(SNAPSHOT_VERSION, fold.inventory_seq, dict(fold.counters), workers, position)
+    )
+
+
+def snapshot_position(data: bytes) -> StreamPosition:
+    """Where KV_EVENTS stood for `encode_snapshot`'s bytes, read without rebuilding the fold.
+
+    A snapshot from before positions were kept stands at its inventory_seq with no known Msg-Id ("").
+    """
+    try:
+        wire = msgspec.msgpack.decode(data, type=_PositionWire)
+    except msgspec.DecodeError as error:
+        raise SnapshotError(f"malformed kvledger snapshot: {error}") from None
+    return wire.position if wire.position is not None else StreamPosition(wire.inventory_seq, "")
 
 
 def decode_snapshot(data: bytes) -> InventoryFold:
