@@ -1,6 +1,7 @@
 """Ingest throughput and latency, against raw JetStream `publish_async` on the same server.
 
     python bench/ingest.py [--batches 40000] [--latency-batches 10000] [--decode-batches 5000]
+                           [--sync-rounds 3] [--sync-policies always,100ms,1s,default] [--sync-only]
 
 A simulated engine in its own process publishes batches of 16 stored blocks × 16 tokens
 plus 16 removals over real ZMQ; ingest (this process) bridges them into JetStream and we
@@ -9,9 +10,17 @@ nats-server: publishing the very canonical payloads ingest produced with `publis
 and the same in-flight window. Then the engine is paced at half of ingest's maximum rate
 and every engine-send → JetStream-ack latency is recorded.
 
-Last, decoding alone for what current engines send (docs/ingest.md): the plain batch, a
+Then decoding alone for what current engines send (docs/ingest.md): the plain batch, a
 hybrid model's two groups, per-block extra keys (an image and a salt), and offload
 placeholders beside the GPU store; each against msgspec's untyped decode of the same bytes.
+These first parts run on nats-server's own sync policy (fsync every 2 minutes).
+
+Last, JetStream's sync policies (`nats.embedded_sync_interval`, docs/operations.md,
+"Durability"): in each round every policy in turn, the order rotated from round to round,
+gets a fresh server (its /varz checked) in a store dir on `--store-root`'s disk, ingest at
+full speed, then the engine paced at one rate for all (`--sync-latency-rate`) for the ack
+latency. Each figure is set against nats-server's default in the same round, and the ratio
+printed is the median of the rounds' ratios.
 """
 
 from __future__ import annotations
@@ -19,10 +28,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import re
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import msgspec
@@ -163,14 +174,74 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] if len(values) > 1 else float("nan")
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, default=40_000)
-    parser.add_argument("--latency-batches", type=int, default=10_000)
-    parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--decode-batches", type=int, default=5_000)
-    args = parser.parse_args()
+_UNIT_NS = {"ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9}
 
+
+def check_sync_policy(server: EmbeddedNats, policy: str) -> None:
+    """Refuse to measure a server whose /varz does not show the policy asked for."""
+    with urllib.request.urlopen(f"http://{server.host}:{server.monitor_port}/varz", timeout=10) as response:
+        config = msgspec.json.decode(response.read())["jetstream"]["config"]
+    if policy in ("always", "default"):
+        expected = (120 * 10**9, policy == "always")
+    else:
+        number, unit = re.fullmatch(r"([0-9.]+)([a-z]+)", policy).groups()
+        expected = (round(float(number) * _UNIT_NS[unit]), False)
+    found = (config["sync_interval"], config.get("sync_always", False))
+    if found != expected:
+        raise SystemExit(f"nats-server started for sync policy {policy!r} reports (sync_interval, sync_always) {found}")
+
+
+async def policy_run(
+    policy: str, store_root: str | None, batches: int, latency_batches: int, rate: float, port: int,
+) -> tuple[float, list[float]]:
+    """Ingest's full-speed rate and its paced ack latencies (ms) on a fresh server syncing by `policy`."""
+    with tempfile.TemporaryDirectory(dir=store_root) as store, \
+            EmbeddedNats(store, sync_interval=policy, monitor_port=-1) as server:
+        check_sync_policy(server, policy)
+        ingest_rate, _ = await run_ingest(server.url, batches, 0, port)
+        _, latencies = await run_ingest(server.url, latency_batches, rate, port + 2)
+    return ingest_rate, [value * 1000 for value in latencies]
+
+
+async def sync_policy_figures(args: argparse.Namespace) -> None:
+    policies = args.sync_policies.split(",")
+    if "default" not in policies:
+        raise SystemExit("--sync-policies must include 'default', the yardstick")
+    runs: dict[str, list[tuple[float, float, float]]] = {policy: [] for policy in policies}
+    print(
+        f"JetStream sync policies, {args.sync_rounds} rounds, each policy in turn (order rotated per round), "
+        f"store on {args.store_root or tempfile.gettempdir()}: ingest at full speed, {args.batches} batches; "
+        f"ack latency (engine send -> JetStream ack) at {args.sync_latency_rate:.0f} batches/s, "
+        f"{args.sync_latency_batches} batches"
+    )
+    port = 47300
+    for round_ in range(args.sync_rounds):
+        shift = round_ % len(policies)
+        for policy in policies[shift:] + policies[:shift]:
+            port += 4
+            rate, ms = await policy_run(
+                policy, args.store_root, args.batches, args.sync_latency_batches, args.sync_latency_rate, port,
+            )
+            runs[policy].append((rate, percentile(ms, 0.50), percentile(ms, 0.99)))
+            print(
+                f"  round {round_ + 1} {policy:>8}: ingest {rate:8.0f} batches/s   "
+                f"ack p50 {runs[policy][-1][1]:6.2f} ms  p99 {runs[policy][-1][2]:7.2f} ms"
+            )
+    default = runs["default"]
+    print("policy    ingest batches/s (median, range)   ack p50 ms  ack p99 ms   against default: ingest  p50    p99")
+    for policy in policies:
+        mine = runs[policy]
+        ratios = [statistics.median(a[i] / b[i] for a, b in zip(mine, default)) for i in range(3)]
+        rates = [run[0] for run in mine]
+        print(
+            f"{policy:>8}  {statistics.median(rates):8.0f} ({min(rates):6.0f}-{max(rates):6.0f})"
+            f"        {statistics.median(run[1] for run in mine):6.2f}      {statistics.median(run[2] for run in mine):7.2f}"
+            f"                {ratios[0]:5.2f} x {ratios[1]:5.2f} x {ratios[2]:5.2f} x"
+        )
+
+
+async def yardstick_and_decode_figures(args: argparse.Namespace) -> None:
+    """Ingest against raw publish_async, its latency at half its rate, and decoding alone (the module's first parts)."""
     # The canonical payloads ingest will produce, for the yardstick.
     worker = WorkerId("raw")
     canonical = []
@@ -197,6 +268,25 @@ async def main() -> None:
     print(f"decoding alone, {args.decode_batches} batches each (yardstick: msgspec's untyped decode of the same bytes):")
     for name, decoded_us, untyped_us in decode_figures(args.decode_batches):
         print(f"  {name:<11} {decoded_us:7.1f} us/batch   untyped {untyped_us:6.1f} us   ratio {decoded_us / untyped_us:5.2f}")
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=40_000)
+    parser.add_argument("--latency-batches", type=int, default=10_000)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--decode-batches", type=int, default=5_000)
+    parser.add_argument("--sync-rounds", type=int, default=3, help="rounds of the sync-policy comparison (0: none)")
+    parser.add_argument("--sync-policies", default="always,100ms,1s,default", help="comma-separated; must include default")
+    parser.add_argument("--sync-latency-rate", type=float, default=2_000, help="engine pace for ack latency, batches/s")
+    parser.add_argument("--sync-latency-batches", type=int, default=4_000)
+    parser.add_argument("--store-root", help="where the servers keep their stores (default: the temp dir); a real disk")
+    parser.add_argument("--sync-only", action="store_true", help="only the sync-policy comparison")
+    args = parser.parse_args()
+    if not args.sync_only:
+        await yardstick_and_decode_figures(args)
+    if args.sync_rounds > 0:
+        await sync_policy_figures(args)
 
 
 if __name__ == "__main__":
