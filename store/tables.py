@@ -234,3 +234,21 @@ snapshots = sa.Table(
     sa.Column("workers", sa.Integer, nullable=False),
     sa.Column("created_ts", _TS, nullable=False),
 )
+
+# One row per loss a projector found in a stream: from `first_stream_seq` on, the stream's
+# messages are ledger seqs `stream seq + ledger_offset` (store/cursor.py). Ledger seqs
+# lost_first_ledger_seq..lost_last_ledger_seq were committed from messages the stream no
+# longer holds: their rows stay, and this row says so.
+stream_generations = sa.Table(
+    "stream_generations",
+    metadata,
+    sa.Column("stream", sa.String(64), primary_key=True),
+    sa.Column("generation", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("first_stream_seq", _SEQ, nullable=False),
+    sa.Column("ledger_offset", _SEQ, nullable=False),
+    sa.Column("lost_first_ledger_seq", _SEQ, nullable=False),
+    sa.Column("lost_last_ledger_seq", _SEQ, nullable=False),
+    sa.Column("stream_last_seq", _SEQ, nullable=False),  # where the stream ended when the loss was found
+    sa.Column("checkpoint_name", sa.String(64), nullable=False),  # the projector that found it
+    sa.Column("detected_ts", _TS, nullable=False),
+)

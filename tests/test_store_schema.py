@@ -30,9 +30,9 @@ def empty_db(request: pytest.FixtureRequest) -> str:
 
 def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, capsys) -> None:
     assert main(["db", "upgrade", "--db", empty_db]) == 0
-    assert "empty -> 0005" in capsys.readouterr().out
+    assert "empty -> 0006" in capsys.readouterr().out
     with database.opened(empty_db) as engine:
-        assert database.current_revision(engine) == database.head_revision() == "0005"
+        assert database.current_revision(engine) == database.head_revision() == "0006"
         with engine.connect() as connection:
             # The migrations build exactly the tables the code writes to.
             assert compare_metadata(MigrationContext.configure(connection), metadata) == []
@@ -48,22 +48,20 @@ def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, cap
             connection.rollback()
     assert main(["db", "downgrade", "--db", empty_db]) == 0
     with database.opened(empty_db) as engine:
-        assert database.current_revision(engine) == "0004"
-        with engine.connect() as connection:
-            # 0004's schema again, without what 0005 added for the quality audit
-            inspector = sa.inspect(connection)
-            indexes = {index["name"] for index in inspector.get_indexes("block_residency")}
-            assert "ix_residency_sequence_hash" not in indexes and "ix_residency_removed_seq" in indexes
-            assert "decision_blocks" not in inspector.get_table_names()
-            assert "target_prefix_blocks" not in {c["name"] for c in inspector.get_columns("decisions")}
-        database.upgrade(engine)
         assert database.current_revision(engine) == "0005"
+        with engine.connect() as connection:
+            # 0005's schema again, without what 0006 added for streams that lose messages
+            inspector = sa.inspect(connection)
+            assert "stream_generations" not in inspector.get_table_names()
+            assert "decision_blocks" in inspector.get_table_names()
+        database.upgrade(engine)
+        assert database.current_revision(engine) == "0006"
 
 
 async def test_the_store_refuses_an_older_schema_and_says_which_command_to_run(nats_server, empty_db) -> None:
     with database.opened(empty_db) as engine:
         database.upgrade(engine, "0001")
-    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0005; run `kvledger db upgrade --db "):
+    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0006; run `kvledger db upgrade --db "):
         await StoreService(store_settings(nats_server.url, empty_db)).run(asyncio.Event())
 
 
