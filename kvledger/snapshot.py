@@ -88,7 +88,7 @@ def encode_snapshot(fold: InventoryFold, position: StreamPosition | None = None)
         state = fold.worker_state(worker)
         provenances = []
         for provenance in Provenance:
-            position = state.position(provenance)
+            held = state.position(provenance)
             records = sorted(
                 state.records(provenance),
                 key=lambda r: (r.stream_seq, _TIER_CODES[r.tier], r.engine_hash, r.group_idx, r.ownership or ""),
@@ -99,7 +99,7 @@ def encode_snapshot(fold: InventoryFold, position: StreamPosition | None = None)
                 names.setdefault(record.spec_kind, len(names))
             provenances.append(
                 _ProvenanceWire(
-                    provenance.value, position.epoch, position.seq, position.uncertain_since,
+                    provenance.value, held.epoch, held.seq, held.uncertain_since,
                     np.array([_TIER_CODES[r.tier] for r in records], dtype=np.uint8).tobytes(),
                     np.array([r.engine_hash for r in records], dtype=np.uint64).tobytes(),
                     np.array([r.sequence_hash for r in records], dtype=np.uint64).tobytes(),
@@ -115,7 +115,7 @@ def encode_snapshot(fold: InventoryFold, position: StreamPosition | None = None)
                     np.array([names[r.spec_kind] for r in records], dtype=np.uint32).tobytes(),
                     np.array([-1 if r.sliding_window is None else r.sliding_window for r in records], dtype=np.int64).tobytes(),
                     [name for name in names if name is not None],
-                    position.groups,
+                    held.groups,
                 )
             )
         workers.append(_WorkerWire(worker.publisher, worker.dp_rank, dict(state.counters), provenances))
