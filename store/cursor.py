@@ -99,6 +99,10 @@ class StreamCursor:
 
     def anchor(self, checkpoint: int) -> tuple[int, int]:
         """(stream seq, ledger seq) of the last message SQL committed that the map still reaches; (0, 0): none."""
+        if checkpoint <= 0:
+            return 0, 0
+        if not self.generations:
+            return checkpoint, checkpoint
         stream_seq = self.stream_seq(checkpoint)
         if stream_seq is not None:
             return stream_seq, checkpoint
@@ -209,11 +213,9 @@ def msg_id_of(message) -> str | None:
     return headers.get("Nats-Msg-Id")
 
 
-def ledger_high(engine: sa.Engine, stream: str, checkpoint_names: list[str]) -> int:
-    """The highest ledger seq committed for `stream` by any of the named checkpoints (every shard's)."""
+def ledger_high(engine: sa.Engine, stream: str) -> int:
+    """The highest ledger seq committed for `stream` by any projector (every shard's checkpoint)."""
     c = tables.checkpoints.c
     with engine.connect() as connection:
-        value = connection.execute(
-            sa.select(sa.func.max(c.stream_seq)).where(c.stream == stream, c.name.in_(checkpoint_names))
-        ).scalar_one()
+        value = connection.execute(sa.select(sa.func.max(c.stream_seq)).where(c.stream == stream)).scalar_one()
     return value or 0

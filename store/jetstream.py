@@ -92,6 +92,11 @@ class StalledConsumerError(nats.errors.Error):
     """The durable consumer vanished or stopped delivering; the projector rebinds it."""
 
 
+class StreamRegressedError(nats.errors.Error):
+    """The stream went back (it ends below, or delivers again, a seq already read): the projector
+    rebinds, and checks the stream against SQL before it does (store/cursor.py)."""
+
+
 class SkippedMessagesError(nats.errors.Error):
     """The consumer delivered past messages the stream still holds; the projector rebinds it at its checkpoint."""
 
@@ -117,8 +122,19 @@ class ConsumerWatch:
         self._js, self._stream, self._durable = js, stream, durable
         self._idle_with_pending = 0
 
-    async def idle(self) -> None:
-        """Call after a fetch that returned nothing; raises a NATS error when a rebind is due."""
+    async def idle(self, last_stream_seq: int = 0) -> None:
+        """Call after a fetch that returned nothing; raises a NATS error when a rebind is due.
+
+        A stream that now ends below `last_stream_seq`, the last seq read, lost acknowledged
+        messages: StreamRegressedError, so the projector checks it against SQL at once rather
+        than wait for the reused seqs to pass its position.
+        """
+        if last_stream_seq:
+            last = (await self._js.stream_info(self._stream)).state.last_seq
+            if last < last_stream_seq:
+                raise StreamRegressedError(
+                    f"{self._stream} ends at seq {last}, below seq {last_stream_seq} already read: checking it against SQL"
+                )
         info = await self._js.consumer_info(self._stream, self._durable)  # NotFoundError: it is gone
         if not info.num_pending:
             self._idle_with_pending = 0

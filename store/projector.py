@@ -1,10 +1,15 @@
 """The projector: KV_EVENTS (and KV_DECISIONS, KV_DEAD_LETTERS) into SQL, exactly once.
 
 A fetched batch of messages is folded in memory, written in one transaction together
-with the checkpoint (the last stream seq), and only then acknowledged. Messages at or
-below the checkpoint are skipped, so redeliveries change nothing. When the database
+with the checkpoint (the last ledger seq), and only then acknowledged. When the database
 fails, nothing is acknowledged; the fold is rebuilt from SQL once the database is back,
-and the consumer restarts at the checkpoint.
+and the consumer restarts after the checkpoint.
+
+Exactly-once rests on identity, not position: a stream seq is a cursor that goes backwards
+when JetStream loses acknowledged messages (store/cursor.py maps stream seqs to ledger
+seqs and checks, before every bind, that the stream still holds what SQL committed). A
+batch SQL already holds is dropped by the fold's per-worker (epoch, seq) rule, a decision
+by its request id and record time, never because its seq number was seen before.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import sqlalchemy.exc
 from nats.js import JetStreamContext
 
 from kvledger.decision_codec import ANSWER_DECODER, RELIED_PREFIX_HEADER, relied_prefix_from_header
-from kvledger.events import RecordError, WorkerId, decode_batch, decode_dead_letter
+from kvledger.events import Provenance, RecordError, WorkerId, decode_batch, decode_dead_letter
+from kvledger.snapshot import StreamPosition
 from kvledger.fold import InventoryFold
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.http import HttpFront, health_routes
@@ -37,7 +43,8 @@ from store.changes import ChangeBuilder, ChangeSet, ResidencyIndex
 from store.database import create_engine, require_current
 from store.gc_policy import young_collections_deferred
 from kvledger.runtime.system import install_stop_signals
-from store.jetstream import ConsumerWatch, SkippedMessagesError, bind_consumer, connect
+from store.cursor import SqlIdentity, StreamCursor, Verdict, ledger_high, msg_id_of
+from store.jetstream import ConsumerWatch, SkippedMessagesError, StreamRegressedError, bind_consumer, connect
 from store.recorder import SQL_CHECKPOINT, last_ingest_ts, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError, encode_changes
 from store.pruning import HistoryPruner
@@ -80,6 +87,22 @@ class StoreMetrics(MetricSet):
             "kvledger_store_consumer_rewinds", "Consumers rebound at the checkpoint after delivering past held messages",
             ["stream"],
         )
+        self.stream_losses = self.counter(
+            "kvledger_store_stream_losses",
+            "Times a stream no longer held what SQL committed (acknowledged messages lost): read again from the last agreement",
+            ["stream"],
+        )
+        self.lost_ledger_seqs = self.counter(
+            "kvledger_store_lost_ledger_seqs", "Ledger seqs SQL holds whose stream messages were lost", ["stream"]
+        )
+        self.aged_out = self.counter(
+            "kvledger_store_aged_out_messages", "Stream messages removed by the stream's limits before they were projected",
+            ["stream"],
+        )
+        self.duplicates = self.counter(
+            "kvledger_store_duplicate_messages", "Messages whose batch or decision SQL already held (by identity)",
+            ["stream"],
+        )
         self.snapshots = self.counter("kvledger_store_snapshots", "Inventory snapshots written")
         self.pruned = self.counter(
             "kvledger_store_pruned_rows", "History rows removed by the retention window", ["table"]
@@ -101,13 +124,67 @@ class StoreMetrics(MetricSet):
         self.quality = QualityMetrics(self)
 
 
-async def _refuse_skips(watch: ConsumerWatch, messages: list, checkpoint: int, metrics: StoreMetrics, stream: str) -> None:
-    """Raise (and count) SkippedMessagesError when a fetched batch jumps past messages the stream holds."""
+async def _refuse_skips(watch: ConsumerWatch, messages: list, last_stream_seq: int, metrics: StoreMetrics, stream: str) -> None:
+    """Raise (and count) SkippedMessagesError when a fetched batch jumps past messages the stream holds,
+    and StreamRegressedError when it goes back to a stream seq already read (a restored consumer)."""
+    seqs = [message.metadata.sequence.stream for message in messages]
+    if seqs[0] <= last_stream_seq:
+        raise StreamRegressedError(
+            f"{stream} delivered seq {seqs[0]} after seq {last_stream_seq}: checking the stream against SQL"
+        )
     try:
-        await watch.check_no_skip([message.metadata.sequence.stream for message in messages], checkpoint)
+        await watch.check_no_skip(seqs, last_stream_seq)
     except SkippedMessagesError:
         metrics.rewinds.labels(stream).inc()
         raise
+
+
+def _note_verdict(verdict: Verdict, stream: str, metrics: StoreMetrics) -> None:
+    if verdict.opened is not None:
+        metrics.stream_losses.labels(stream).inc()
+        metrics.lost_ledger_seqs.labels(stream).inc(max(verdict.lost_last_ledger - verdict.lost_first_ledger + 1, 0))
+    if verdict.aged_out is not None:
+        metrics.aged_out.labels(stream).inc(verdict.aged_out[1] - verdict.aged_out[0] + 1)
+
+
+def event_identities(connection: sa.Connection, ledger_seqs: list[int]) -> dict[int, str]:
+    """The Nats-Msg-Id of the batch SQL recorded at each ledger seq (those with events)."""
+    e = tables.event_log.c
+    rows = connection.execute(
+        sa.select(e.stream_seq, e.publisher, e.dp_rank, e.epoch, e.engine_seq, e.provenance)
+        .where(e.stream_seq.in_(ledger_seqs), e.event_idx == 0)
+    )
+    return {
+        row.stream_seq: (
+            f"{row.publisher}:{row.dp_rank}:{row.epoch}:{row.engine_seq}" if row.provenance == Provenance.NATIVE.value
+            else f"{row.publisher}:{row.dp_rank}:retained:{row.epoch}:{row.engine_seq}"
+        )
+        for row in rows
+    }
+
+
+def decision_identities(connection: sa.Connection, ledger_seqs: list[int]) -> dict[int, str]:
+    """The request id SQL recorded at each ledger seq of KV_DECISIONS (its Nats-Msg-Id)."""
+    d = tables.decisions.c
+    rows = connection.execute(sa.select(d.stream_seq, d.request_id).where(d.stream_seq.in_(ledger_seqs)))
+    return {row.stream_seq: row.request_id for row in rows}
+
+
+def no_identities(connection: sa.Connection, ledger_seqs: list[int]) -> dict[int, str]:
+    """For a stream whose rows keep no message identity: only a stream ending below SQL is noticed."""
+    return {}
+
+
+async def verify_stream(
+    cursor: StreamCursor, js: JetStreamContext, checkpoint: int, sql_identity, *, name: str, metrics: StoreMetrics,
+) -> Verdict:
+    """`StreamCursor.verify` with the database work off the event loop's thread where it is heavy."""
+    verdict = await cursor.verify(
+        js, checkpoint, sql_identity, msg_id_of, name=name,
+        ledger_high=lambda: ledger_high(cursor.engine, cursor.stream),
+    )
+    _note_verdict(verdict, cursor.stream, metrics)
+    return verdict
 
 
 async def _wait_out_failure(error: Exception, stream: str, metrics: StoreMetrics, backoff: Backoff, stop: asyncio.Event) -> None:
@@ -142,6 +219,8 @@ class EventsProjector:
         self.index: ResidencyIndex = {}
         self.ready = False
         self.snapshots: SnapshotWriter | None = None
+        self.cursor = StreamCursor(engine, self.stream)
+        self.position: StreamPosition | None = None  # the last message folded, for snapshots
 
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
         backoff = Backoff()
@@ -159,12 +238,17 @@ class EventsProjector:
                     log.info("fold rebuilt from SQL at stream seq %d", self.fold.inventory_seq)
                     if self.quality is not None:
                         self.quality.resume_at(await asyncio.to_thread(last_ingest_ts, self.engine))
+                verdict = await verify_stream(
+                    self.cursor, js, self.fold.inventory_seq, event_identities, name=self.shard.checkpoint_name,
+                    metrics=self.metrics,
+                )
                 subscription = await bind_consumer(
-                    js, self.stream, self.durable, self.fold.inventory_seq, batch_size=self.settings.store.batch_size
+                    js, self.stream, self.durable, verdict.start_stream_seq - 1, batch_size=self.settings.store.batch_size
                 )
                 self.ready = True
                 backoff.reset()
-                await self._consume(subscription, ConsumerWatch(js, self.stream, self.durable), recorder, stop)
+                watch = ConsumerWatch(js, self.stream, self.durable)
+                await self._consume(subscription, watch, verdict.start_stream_seq - 1, recorder, stop)
             except DATABASE_ERRORS + NATS_ERRORS as error:
                 self.ready = False
                 if isinstance(error, DATABASE_ERRORS):
@@ -176,7 +260,7 @@ class EventsProjector:
                     await asyncio.to_thread(recorder.close)
         self.ready = False
 
-    async def _consume(self, subscription, watch: ConsumerWatch, recorder, stop: asyncio.Event) -> None:
+    async def _consume(self, subscription, watch: ConsumerWatch, last_stream_seq: int, recorder, stop: asyncio.Event) -> None:
         # Two-stage pipeline: while transaction n is written (by the writer process), batch n+1 is
         # fetched and folded. The fold then runs ahead of SQL, so any write failure throws
         # the fold away; it is rebuilt from SQL, which holds exactly what was committed.
@@ -200,19 +284,24 @@ class EventsProjector:
                 if messages is None:
                     writing = await self._drain(writing)
                     await self._maybe_snapshot()
-                    await watch.idle()
+                    await watch.idle(last_stream_seq)
                     continue
                 watch.delivered()
                 if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                     continue
-                await _refuse_skips(watch, messages, fold.inventory_seq, self.metrics, self.stream)
+                await _refuse_skips(watch, messages, last_stream_seq, self.metrics, self.stream)
+                last_stream_seq = messages[-1].metadata.sequence.stream
                 changes = builder.begin(fold.inventory_seq + 1)
                 fresh = others = 0
+                ledger = self.cursor.ledger
+                duplicates_before = fold.counters["duplicate_batch"]
                 for message in messages:
-                    seq = message.metadata.sequence.stream
+                    stream_seq = message.metadata.sequence.stream
+                    seq = ledger(stream_seq)
                     if seq <= fold.inventory_seq:
                         self.metrics.skipped.labels(self.stream).inc()
                         continue
+                    self.position = StreamPosition(stream_seq, msg_id_of(message) or "")
                     if owns is not None and not owns(message.subject):
                         # Another shard's: not decoded, but passed, so the checkpoint moves over it
                         # and a restart does not fetch it again.
@@ -230,11 +319,19 @@ class EventsProjector:
                         continue
                     if quality is not None:
                         quality.before_event(batch.ingest_ts, fold)
+                    duplicates = fold.counters["duplicate_batch"]
                     facts = fold.apply(batch, seq)
                     if quality is not None:
                         quality.after_event(facts, seq, batch.ingest_ts)
+                    if fold.counters["duplicate_batch"] != duplicates:
+                        # SQL holds this batch already (read again after a rewind, or published
+                        # twice): its rows are not written a second time.
+                        fold.inventory_seq = changes.last_seq = seq
+                        continue
                     builder.add_batch(changes, batch, seq, facts, fold)
                 encoded = None
+                if fold.counters["duplicate_batch"] > duplicates_before:
+                    self.metrics.duplicates.labels(self.stream).inc(fold.counters["duplicate_batch"] - duplicates_before)
                 if others:
                     self.metrics.other_shards.labels(self.stream).inc(others)
                 if fresh or others:
@@ -290,7 +387,7 @@ class EventsProjector:
     async def _maybe_snapshot(self) -> None:
         if self.fold is not None and self.snapshots is not None and self.snapshots.due(self.fold.inventory_seq):
             try:
-                await self.snapshots.write(self.fold)
+                await self.snapshots.write(self.fold, self.position)
                 self.metrics.snapshots.inc()
             except DATABASE_ERRORS + NATS_ERRORS as error:  # a missed snapshot is retried later
                 log.warning("snapshot at seq %d failed: %s", self.fold.inventory_seq, error)
@@ -299,14 +396,13 @@ class EventsProjector:
 # --- the small projectors: decisions and ingest's dead letters -------------------------
 
 TableRow = tuple[sa.Table, dict]
-RowMaker = Callable[[object], list[TableRow]]  # a message → its rows, each with its table
+RowMaker = Callable[[object, int], list[TableRow]]  # a message and its ledger seq → its rows, each with its table
 Committed = Callable[[list[TableRow]], None]
 
 
-def decision_rows(message) -> list[TableRow]:
-    """A KV_DECISIONS record: its `decisions` row, and a `decision_blocks` row per block it relies on."""
+def decision_rows(message, seq: int) -> list[TableRow]:
+    """A KV_DECISIONS record (at ledger seq `seq`): its `decisions` row, and a `decision_blocks` row per block it relies on."""
     decision = ANSWER_DECODER.decode(message.data)
-    seq = message.metadata.sequence.stream
     chosen = decision.chosen
     target = WorkerId.parse(decision.target) if decision.target else None
     target_prefix = decision.overlaps[decision.target].any if decision.target in decision.overlaps else 0
@@ -355,8 +451,7 @@ def _relied_rows(seq: int, role: str, relied: list[int], first: int, end: int) -
     ]
 
 
-def ingest_dead_letter_row(message) -> list[TableRow]:
-    seq = message.metadata.sequence.stream
+def ingest_dead_letter_row(message, seq: int) -> list[TableRow]:
     try:
         letter = decode_dead_letter(message.data)
     except RecordError as error:
@@ -366,6 +461,22 @@ def ingest_dead_letter_row(message) -> list[TableRow]:
         "dp_rank": letter.dp_rank, "endpoint": letter.endpoint or None, "reason": letter.reason,
         "frames": len(letter.frames), "raw": message.data, "ingest_ts": letter.ingest_ts, "recorded_ts": time.time(),
     })]  # fmt: skip
+
+
+def recorded_decisions(connection: sa.Connection, rows: list[TableRow]) -> set[int]:
+    """The ledger seqs among `rows` whose decision SQL already holds: the same request id recorded at the same time.
+
+    A request id alone is not enough (a client may reuse one after the de-duplication
+    window); the record's stream timestamp is the server's and survives a re-read.
+    """
+    wanted = {(row["request_id"], row["decided_ts"]): row["stream_seq"] for table, row in rows if table is tables.decisions}
+    if not wanted:
+        return set()
+    d = tables.decisions.c
+    held = connection.execute(
+        sa.select(d.request_id, d.decided_ts).where(d.request_id.in_({request_id for request_id, _ in wanted}))
+    )
+    return {wanted[key] for key in map(tuple, held) if key in wanted}
 
 
 def _undecodable_row(source: str, seq: int, message, reason: str) -> dict:
@@ -387,17 +498,27 @@ class RowProjector:
     metrics: StoreMetrics
     batch_size: int
     committed: Committed | None = None  # told each transaction's rows once they are committed
+    sql_identity: SqlIdentity = no_identities  # what SQL recorded at ledger seqs, to check the stream against
+    # the ledger seqs among a transaction's rows that SQL already holds (None: nothing is held twice)
+    already_recorded: Callable[[sa.Connection, list[TableRow]], set[int]] | None = None
     ready: bool = False
+    cursor: StreamCursor | None = None
 
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
         backoff = Backoff()
+        self.cursor = StreamCursor(self.engine, self.stream)
         while not stop.is_set():
             try:
                 checkpoint = await asyncio.to_thread(self._checkpoint)
-                subscription = await bind_consumer(js, self.stream, self.durable, checkpoint, batch_size=self.batch_size)
+                verdict = await verify_stream(
+                    self.cursor, js, checkpoint, self.sql_identity, name=self.name, metrics=self.metrics,
+                )
+                after = verdict.start_stream_seq - 1
+                subscription = await bind_consumer(js, self.stream, self.durable, after, batch_size=self.batch_size)
                 self.ready = True
                 backoff.reset()
-                await self._consume(subscription, ConsumerWatch(js, self.stream, self.durable), checkpoint, stop)
+                watch = ConsumerWatch(js, self.stream, self.durable)
+                await self._consume(subscription, watch, checkpoint, after, stop)
             except DATABASE_ERRORS + NATS_ERRORS as error:
                 self.ready = False
                 await _wait_out_failure(error, self.stream, self.metrics, backoff, stop)
@@ -407,34 +528,38 @@ class RowProjector:
         with self.engine.connect() as connection:
             return read_checkpoint(connection, self.name)
 
-    async def _consume(self, subscription, watch: ConsumerWatch, checkpoint: int, stop: asyncio.Event) -> None:
+    async def _consume(
+        self, subscription, watch: ConsumerWatch, checkpoint: int, last_stream_seq: int, stop: asyncio.Event,
+    ) -> None:
+        ledger = self.cursor.ledger
         while not stop.is_set():
             try:
                 messages = await subscription.fetch(self.batch_size, timeout=FETCH_TIMEOUT_S)
             except TimeoutError:  # nats-py raises its own and asyncio's; both are this
-                await watch.idle()
+                await watch.idle(last_stream_seq)
                 continue
             watch.delivered()
             if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                 continue
-            await _refuse_skips(watch, messages, checkpoint, self.metrics, self.stream)
+            await _refuse_skips(watch, messages, last_stream_seq, self.metrics, self.stream)
+            last_stream_seq = messages[-1].metadata.sequence.stream
             rows: list[TableRow] = []
             fresh = 0
             for message in messages:
-                seq = message.metadata.sequence.stream
+                seq = ledger(message.metadata.sequence.stream)
                 if seq <= checkpoint:
                     self.metrics.skipped.labels(self.stream).inc()
                     continue
                 fresh += 1
                 try:
-                    rows += self.make_rows(message)
+                    rows += self.make_rows(message, seq)
                 except (ValueError, KeyError, TypeError) as error:  # msgspec.ValidationError is a ValueError
                     # An unreadable decision is kept as a dead letter rather than stopping the stream.
                     self.metrics.dead_letters.labels(self.stream).inc()
                     rows.append((tables.dead_letters, _undecodable_row(self.name, seq, message, f"unreadable: {error}")))
                 checkpoint = seq
             if fresh:
-                await asyncio.to_thread(self._write, rows, checkpoint)
+                rows = await asyncio.to_thread(self._write, rows, checkpoint)
                 self.metrics.transactions.labels(self.stream).inc()
                 self.metrics.messages.labels(self.stream).inc(fresh)
                 self.metrics.checkpoint.labels(self.stream).set(checkpoint)
@@ -443,14 +568,21 @@ class RowProjector:
             self.metrics.pending.labels(self.stream).set(messages[-1].metadata.num_pending)
             await messages[-1].ack()
 
-    def _write(self, rows: list[TableRow], checkpoint: int) -> None:
-        by_table: dict[sa.Table, list[dict]] = {}
-        for table, row in rows:
-            by_table.setdefault(table, []).append(row)
+    def _write(self, rows: list[TableRow], checkpoint: int) -> list[TableRow]:
+        """Write `rows` (less those SQL already holds) and the checkpoint in one transaction; return what was written."""
         with self.engine.begin() as connection:
+            if self.already_recorded is not None:
+                held = self.already_recorded(connection, rows)
+                if held:
+                    self.metrics.duplicates.labels(self.stream).inc(len(held))
+                    rows = [(table, row) for table, row in rows if row["stream_seq"] not in held]
+            by_table: dict[sa.Table, list[dict]] = {}
+            for table, row in rows:
+                by_table.setdefault(table, []).append(row)
             for table, table_rows in by_table.items():
                 connection.execute(table.insert(), table_rows)
             _save_checkpoint(connection, self.name, self.stream, checkpoint)
+        return rows
 
 
 def _save_checkpoint(connection: sa.Connection, name: str, stream: str, seq: int) -> None:
@@ -481,6 +613,7 @@ class StoreService:
         self.decisions = RowProjector(
             "decisions", settings.stream.decisions_stream, DECISIONS_DURABLE, decision_rows,
             self.engine, self.metrics, batch, self.quality.decisions_committed if self.quality else None,
+            decision_identities, recorded_decisions,
         )  # fmt: skip
         self.dead_letters = RowProjector(
             "dead_letters", dead_letters_stream(settings.stream).name, DEAD_LETTERS_DURABLE,

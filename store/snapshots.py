@@ -18,7 +18,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from kvledger.fold import InventoryFold
 from kvledger.settings import StoreSettings
-from kvledger.snapshot import encode_snapshot
+from kvledger.snapshot import StreamPosition, encode_snapshot
 from kvledger.runtime.streams import SNAPSHOTS_BUCKET, snapshot_object_name, snapshot_seq
 from store import tables
 
@@ -56,12 +56,13 @@ class SnapshotWriter:
                 self._store = await self.js.create_object_store(SNAPSHOTS_BUCKET, storage=StorageType.FILE, replicas=self.replicas)
         return self._store
 
-    async def write(self, fold: InventoryFold) -> str:
+    async def write(self, fold: InventoryFold, position: StreamPosition | None = None) -> str:
+        """Snapshot `fold`; `position` is the KV_EVENTS message it ends with, which decide checks before trusting it."""
         seq = fold.inventory_seq
         started = time.perf_counter()
         # Encoding a large inventory takes a while: off the event loop (the fold does not
         # change meanwhile, the projector awaits this write).
-        data, blocks = await asyncio.to_thread(lambda: (encode_snapshot(fold), sum(1 for _ in fold.iter_records())))
+        data, blocks = await asyncio.to_thread(lambda: (encode_snapshot(fold, position), sum(1 for _ in fold.iter_records())))
         store = await self._bucket()
         name = snapshot_object_name(seq)
         await store.put(name, data)

@@ -127,7 +127,7 @@ async def test_health_metrics_and_redelivery_after_restart_change_nothing(nats_s
         await asyncio.to_thread(recorder.wait_ready)
         stop = asyncio.Event()
         watch = ConsumerWatch(js, "KV_EVENTS", "redelivery-test")
-        consuming = asyncio.create_task(projector._consume(subscription, watch, recorder, stop))
+        consuming = asyncio.create_task(projector._consume(subscription, watch, 0, recorder, stop))
         skipped = service.metrics.skipped.labels("KV_EVENTS")
         await poll(lambda: skipped.value >= last, "every message redelivered", watch=consuming)
         stop.set()
