@@ -73,6 +73,11 @@ class SequenceTracker:
             return []
         return await self._restart_at(seq, payload)
 
+    def published(self, seq: int, payload: bytes) -> bool:
+        """Whether `seq` of the current epoch was emitted with exactly these bytes (among the
+        recent ones): a batch fetched again from the engine is the one published under its seq."""
+        return self._recent.get(seq) == _digest(payload)
+
     async def _repair_then(self, seq: int, payload: bytes) -> list[Emit]:
         emits: list[Emit] = []
         if self._fetch is not None:
