@@ -21,6 +21,12 @@ The connection does not reconnect by itself: nats-py would otherwise flush its o
 buffer of later messages before our retries of earlier ones, and reorder the stream.
 When the buffer is full, `publish` waits: the caller stops reading ZMQ (backpressure)
 and the engine's replay buffer keeps the rest.
+JetStream acknowledges before it fsyncs, so an acknowledged batch can still be lost (an OS
+crash, a power loss). On every connection, before anything is sent on it, and between
+writes when asked (`request_check`), the publisher awaits `check_stream`, which may put
+batches the stream lost back at the front of the buffer, in order: they then go out
+before everything newer. An ack at a stream seq not above the last one acknowledged says
+the stream went back under a connection that stayed up (`on_stream_back`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import attrs
 import nats
@@ -44,6 +51,11 @@ from kvledger.runtime.lifetime import cancel_and_wait
 from kvledger.runtime.nats_options import auth_failure, connect_options, describe_server, is_auth_error
 from kvledger.settings import NatsSettings
 from kvledger.runtime.streams import StreamConflictError, StreamSpec, ensure_stream
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
+
+    from ingest.stream_loss import AckedPositions
 
 log = logging.getLogger("kvledger.ingest.publisher")
 
@@ -69,12 +81,22 @@ class _Watchdog:
 
 
 @attrs.define
-class _Pending:
+class Queued:
+    """One message waiting for its ack; `positions` (with the batch's epoch and seq) learns its stream seq."""
+
     subject: str
     payload: bytes
     msg_id: str
     enqueued: float
     origin_ts: float | None
+    positions: AckedPositions | None = None
+    epoch: int = 0
+    seq: int = 0
+
+
+# Given a JetStream context (the fresh connection's, or None between writes), returns what
+# to send before everything buffered, in order.
+CheckStream = Callable[["JetStreamContext | None"], Awaitable[list[Queued]]]
 
 
 @attrs.define
@@ -97,13 +119,19 @@ class JetStreamPublisher:
         max_buffered: int = 10000,
         ack_timeout_s: float = 5.0,
         on_ack: Callable[[float, float | None], None] | None = None,
+        check_stream: CheckStream | None = None,
+        on_stream_back: Callable[[], None] | None = None,
     ) -> None:
         self._nats_settings = nats_settings
         self._streams = streams
         self._window = window
         self._ack_timeout = ack_timeout_s
         self._on_ack = on_ack
-        self._pending: deque[_Pending] = deque()
+        self._check_stream = check_stream
+        self._on_stream_back = on_stream_back
+        self._check_requested = False
+        self._last_stream_seq = 0  # the highest stream seq acked for a batch with positions, since the last check
+        self._pending: deque[Queued] = deque()
         self._max_buffered = max_buffered
         self._room = asyncio.Event()  # set when acks made room in a full buffer
         self._wake = asyncio.Event()  # new work, an ack, or a lost connection
@@ -165,10 +193,14 @@ class JetStreamPublisher:
         """Wait for the publishing task to end; re-raise what stopped it."""
         await asyncio.shield(self._task)
 
-    async def publish(self, subject: str, payload: bytes, msg_id: str, origin_ts: float | None = None) -> None:
+    async def publish(
+        self, subject: str, payload: bytes, msg_id: str, origin_ts: float | None = None,
+        positions: AckedPositions | None = None, epoch: int = 0, seq: int = 0,
+    ) -> None:
         """Queue one message; waits while the buffer is full (that wait is the backpressure).
 
-        `origin_ts` (wall clock, e.g. the engine's batch ts) comes back with the ack, for latency.
+        `origin_ts` (wall clock, e.g. the engine's batch ts) comes back with the ack, for latency;
+        `positions` is told where the stream stored batch (`epoch`, `seq`).
         """
         if self._task is not None and self._task.done():
             self._task.result()
@@ -180,8 +212,13 @@ class JetStreamPublisher:
             if not room.done():
                 room.cancel()
                 self._task.result()
-        self._pending.append(_Pending(subject, payload, msg_id, time.perf_counter(), origin_ts))
+        self._pending.append(Queued(subject, payload, msg_id, time.perf_counter(), origin_ts, positions, epoch, seq))
         self._drained.clear()
+        self._wake.set()
+
+    def request_check(self) -> None:
+        """Run `check_stream` before the next write (once the one in flight is settled)."""
+        self._check_requested = True
         self._wake.set()
 
     async def flush(self, timeout: float | None = None) -> None:
@@ -248,6 +285,9 @@ class JetStreamPublisher:
             js = nc.jetstream()
             for spec in self._streams:
                 await ensure_stream(js, spec)
+            # Before anything is sent on the new connection: what the stream lost while we
+            # were away must land before the resend of what is buffered.
+            await self._check(js)
         finally:
             await nc.close()
         self._acks = {}
@@ -266,6 +306,17 @@ class JetStreamPublisher:
         if connection is not None:
             await connection.close()
 
+    async def _check(self, js: JetStreamContext | None) -> None:
+        self._check_requested = False
+        if self._check_stream is None:
+            return
+        first = await self._check_stream(js)
+        if first:
+            self._pending.extendleft(reversed(first))
+            self._drained.clear()
+        # Repaired batches take the lost stream seqs again: that is not the stream going back.
+        self._last_stream_seq = 0
+
     def _on_reply(self, reply: AckReply) -> None:
         self._acks[reply.token] = reply
         self._wake.set()
@@ -282,6 +333,8 @@ class JetStreamPublisher:
         try:
             while True:
                 self._wake.clear()
+                if self._check_requested and not in_flight:
+                    await self._check(None)  # nothing in flight, so nothing buffered was sent: next_index is 0
                 # Everything queued since the last write goes in one write, once that one is settled.
                 if next_index < len(self._pending) and not in_flight:
                     next_index = self._send(in_flight, next_index)
@@ -335,9 +388,26 @@ class JetStreamPublisher:
                 self.counters.published += 1
                 if ack.duplicate:
                     self.counters.duplicates += 1
+                positions = entry.positions
+                if positions is not None:
+                    if not ack.duplicate:  # a duplicate's ack names the seq of the copy stored before
+                        if ack.seq <= self._last_stream_seq:
+                            self._stream_went_back(ack.seq)
+                        self._last_stream_seq = ack.seq
+                    positions.acked(entry.epoch, entry.seq, ack.seq)
                 if self._on_ack is not None:
                     self._on_ack(time.perf_counter() - entry.enqueued, entry.origin_ts)
         finally:
             if taken:
                 self._room.set()
         return taken
+
+    def _stream_went_back(self, stream_seq: int) -> None:
+        log.warning(
+            "JetStream acknowledged a new batch at stream seq %d, not after %d acknowledged before: "
+            "the stream lost acknowledged batches; checking every engine stream before the next write",
+            stream_seq, self._last_stream_seq,
+        )
+        if self._on_stream_back is not None:
+            self._on_stream_back()
+        self._check_requested = True
