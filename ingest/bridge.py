@@ -4,6 +4,10 @@ One `EngineStream` task per (publisher, dp_rank, provenance). Each resumes from 
 (epoch, seq) JetStream holds for its subject, replays what the engine still buffers from
 there, then follows the SUB socket, probing the replay socket whenever it is idle so a
 lost last message is noticed too. All publishing goes through one ordered publisher.
+Each stream remembers where JetStream stored what it acknowledged; on every connection to
+NATS and every `ingest.stream_check_interval_s`, the publisher pauses between writes while
+the streams check that KV_EVENTS still holds it, and puts what it lost back in front
+(`ingest/stream_loss.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 import nats
@@ -22,9 +27,10 @@ import zmq.asyncio
 
 from ingest.endpoints import StreamSource
 from ingest.metrics import IngestMetrics
-from ingest.publisher import JetStreamPublisher
+from ingest.publisher import JetStreamPublisher, Queued
 from ingest.replay import ReplayClient
 from ingest.sequence import Emit, SequenceTracker
+from ingest.stream_loss import AckedPositions, LostBatch, Position, plan_repair
 from ingest.subscriber import EngineSubscriber
 from ingest.wire import EngineBatch, WireError, decode_payload, split_publisher_frames, well_framed_seq
 from kvledger.events import (
@@ -37,6 +43,9 @@ from kvledger.runtime.lifetime import AsyncLifetime, cancel_and_wait
 from kvledger.runtime.nats_options import connect_options
 from kvledger.settings import Settings
 from kvledger.runtime.streams import dead_letter_subject, dead_letters_stream, events_stream
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
 
 log = logging.getLogger("kvledger.ingest")
 
@@ -66,6 +75,8 @@ class EngineStream:
         self.tracker: SequenceTracker | None = None
         self._subject = events_subject(source.worker, source.provenance)
         self.subscriber: EngineSubscriber | None = None
+        self.positions = AckedPositions()  # where JetStream stored what it acknowledged, for the stream check
+        self._letters: list[Queued] = []  # dead letters the batch being built caused, sent before it
 
     @property
     def name(self) -> str:
@@ -123,7 +134,7 @@ class EngineStream:
         for emit in emits:
             await self._publish_one(emit)
 
-    async def _reject_events(self, decoded: EngineBatch, emit: Emit) -> tuple[Gap, ...]:
+    def _reject_events(self, decoded: EngineBatch, emit: Emit) -> tuple[Gap, ...]:
         """Dead-letter each unusable event alone; the gaps the batch then carries.
 
         The batch's other events still apply. Only a lost event that may hide an eviction
@@ -131,16 +142,35 @@ class EngineStream:
         """
         for rejected in decoded.rejected:
             self._bridge.metrics.rejected_events.labels(rejected.tag or "untagged").inc()
-            await self._bridge.dead_letter(
+            self._letters.append(self._bridge.dead_letter_message(
                 self.source, f"event {rejected.position} ({rejected.tag or 'untagged'}): {rejected.reason}",
                 [rejected.raw], emit, position=rejected.position,
-            )
+            ))
         if any(rejected.loses_state for rejected in decoded.rejected):
             return (*emit.gaps, Gap(emit.seq, emit.seq + 1, GapReason.MISSED))
         return emit.gaps
 
     async def _publish_one(self, emit: Emit) -> None:
         """Decode, count, encode and queue one batch (the hot path: one call per engine batch)."""
+        batch, record = self._record(emit)
+        publisher = self._bridge.publisher
+        if self._letters:
+            for letter in self._letters:
+                await publisher.publish(letter.subject, letter.payload, letter.msg_id)
+            self._letters.clear()
+        if emit.gaps:
+            self.positions.note_gaps(emit.epoch, emit.seq, emit.gaps)
+        engine_ts = batch.engine_ts
+        await publisher.publish(
+            self._subject, record, batch.msg_id, engine_ts if engine_ts > 0 else None, self.positions, emit.epoch, emit.seq,
+        )
+
+    def _record(self, emit: Emit) -> tuple[EventBatch, bytes]:
+        """The canonical batch of an engine batch and its record; the dead letters it causes wait in `_letters`.
+
+        One path for live, replayed and repaired batches, so a batch fetched again after the
+        stream lost it is the same record under the same id.
+        """
         metrics = self._bridge.metrics
         source = self.source
         metrics.batches_in.labels(source.worker.publisher).inc()
@@ -148,7 +178,7 @@ class EngineStream:
         try:
             decoded = decode_payload(emit.payload, max_bytes=self._max_batch_bytes, engine=source.engine)
         except WireError as error:
-            await self._bridge.dead_letter(source, str(error), [emit.payload], emit)
+            self._letters.append(self._bridge.dead_letter_message(source, str(error), [emit.payload], emit))
             # The batch's events are lost to us: say so, so the worker is reported uncertain.
             events = (*emit.gaps, Gap(emit.seq, emit.seq + 1, GapReason.MISSED))
             gaps = events  # all of them
@@ -156,7 +186,7 @@ class EngineStream:
             engine_ts = decoded.engine_ts
             gaps = emit.gaps  # usually none: then the batch is the engine's events as decoded
             if decoded.rejected:
-                gaps = await self._reject_events(decoded, emit)
+                gaps = self._reject_events(decoded, emit)
             events = (*gaps, *decoded.events) if gaps else decoded.events
             if decoded.skipped_remote:
                 metrics.remote_skipped.inc(decoded.skipped_remote)
@@ -171,14 +201,80 @@ class EngineStream:
         largest = publisher.max_record(batch.msg_id)
         if len(record) > largest:
             # NATS would refuse it on every retry and stall every stream behind it.
-            await self._bridge.dead_letter(
+            self._letters.append(self._bridge.dead_letter_message(
                 self.source, f"canonical record of {len(record)} bytes exceeds the NATS max_payload of "
                 f"{publisher.max_payload} less its {publisher.max_payload - largest}-byte header", [emit.payload], emit,
-            )
+            ))
             batch = attrs.evolve(batch, events=(*emit.gaps, Gap(emit.seq, emit.seq + 1, GapReason.MISSED)))
             metrics.gaps.labels(GapReason.MISSED.value).inc()
             record = encode_batch(batch)
-        await publisher.publish(self._subject, record, batch.msg_id, engine_ts if engine_ts > 0 else None)
+        return batch, record
+
+    async def check_stream(self, js: JetStreamContext) -> list[Queued]:
+        """Whether KV_EVENTS still holds what it acknowledged for this stream; if not, what to
+        republish before anything newer: the lost batches the engine still buffers, the rest as
+        `Gap(stream_lost)`. Called by the publisher with nothing of ours in flight."""
+        stream = self._bridge.settings.stream.events_stream
+
+        async def held(position: Position) -> bool:
+            try:
+                message = await js.get_msg(stream, seq=position[2])
+            except nats.js.errors.NotFoundError:
+                return False
+            found = (message.headers or {}).get("Nats-Msg-Id")
+            return message.subject == self._subject and found == self._msg_id(position[0], position[1])
+
+        async def last_held() -> Position | None:
+            try:
+                message = await js.get_last_msg(stream, self._subject)
+            except nats.js.errors.NotFoundError:
+                return None
+            last = decode_batch(message.data)
+            return last.epoch, last.seq, message.seq
+
+        metrics = self._bridge.metrics
+        metrics.stream_checks.inc()
+        loss = await self.positions.find_loss(held, last_held)
+        if loss is None:
+            return []
+        tracker = self.tracker
+        replayed: list[tuple[int, bytes]] = []
+        current = [run.first for run in loss.runs if run.epoch == tracker.epoch]
+        if self.replay is not None and current:
+            replayed = await self.replay.fetch(min(current))
+            tracker.counters.replays += 1
+            tracker.counters.replayed_batches += len(replayed)
+        repair = plan_repair(loss, tracker.epoch, replayed, tracker.published, self.positions.gaps_of)
+        queued: list[Queued] = []
+        for item in repair.batches:
+            if isinstance(item, LostBatch):
+                batch = EventBatch(
+                    self.source.worker, item.epoch, item.seq, 0.0, time.time(), self.source.provenance, (item.gap,),
+                )
+                record = encode_batch(batch)
+                metrics.events.inc_each((_kind_of(item.gap),))
+                metrics.gaps.labels(item.gap.reason.value).inc()
+            else:
+                batch, record = self._record(item)
+                queued.extend(self._letters)
+                self._letters.clear()
+                if item.gaps:
+                    self.positions.note_gaps(item.epoch, item.seq, item.gaps)
+            queued.append(Queued(
+                self._subject, record, batch.msg_id, time.perf_counter(), None, self.positions, batch.epoch, batch.seq,
+            ))
+        metrics.stream_lost.inc(repair.lost)
+        metrics.stream_repaired.inc(repair.repaired)
+        log.warning(
+            "%s: KV_EVENTS lost %d acknowledged batches (%s%s); %d fetched again from the engine and republished, "
+            "%d no longer buffered there (Gap stream_lost)",
+            self.name, loss.batches, loss.describe(), "" if loss.reaches_back else ", from the last one it holds",
+            repair.repaired, repair.lost,
+        )
+        return queued
+
+    def _msg_id(self, epoch: int, seq: int) -> str:
+        return EventBatch(self.source.worker, epoch, seq, 0.0, 0.0, self.source.provenance, ()).msg_id
 
 
 class Bridge(AsyncLifetime):
@@ -197,6 +293,8 @@ class Bridge(AsyncLifetime):
             window=settings.ingest.publish_window,
             max_buffered=settings.ingest.max_buffered_batches,
             on_ack=self._acked,
+            check_stream=self._check_stream,
+            on_stream_back=self._stream_went_back,
         )
         self.streams = [
             EngineStream(
@@ -209,6 +307,7 @@ class Bridge(AsyncLifetime):
         self.metrics.publisher = self.publisher
         self._reader: nats.NATS | None = None
         self._tasks: list[asyncio.Task] = []
+        self._checker: asyncio.Task | None = None
         self._http: HttpFront | None = None
         self.http_port: int | None = None
         # Benchmarks hook here to see every engine-send → JetStream-ack latency.
@@ -222,13 +321,14 @@ class Bridge(AsyncLifetime):
         self._http = await HttpFront(router, self.settings.ingest.http_host, self._http_port).start()
         self.http_port = self._http.port
         self._tasks = [asyncio.create_task(self._supervise(stream), name=f"stream-{stream.name}") for stream in self.streams]
+        self._checker = asyncio.create_task(self._check_periodically(), name="stream-check")
 
     async def close(self) -> None:
         try:
             # Cancelled more than once if need be: a stream resuming from JetStream right after
             # start can swallow one cancel in nats-py's request and follow its engine forever.
-            await cancel_and_wait(self._tasks)
-            self._tasks = []
+            await cancel_and_wait([*self._tasks, *([self._checker] if self._checker is not None else [])])
+            self._tasks, self._checker = [], None
             await self.publisher.close()
             if self._http is not None:
                 await self._http.close()
@@ -241,6 +341,8 @@ class Bridge(AsyncLifetime):
             # (term alone would block the loop until they were), then terminates the context.
             for task in self._tasks:
                 task.cancel()
+            if self._checker is not None:
+                self._checker.cancel()
             self._context.destroy(linger=0)
 
     def is_ready(self) -> bool:
@@ -282,6 +384,35 @@ class Bridge(AsyncLifetime):
                 stream.ready.clear()
                 await backoff.wait()
 
+    async def _check_periodically(self) -> None:
+        # A loss under a connection that stays up (a cluster's stream leader replaced by a
+        # stale one) is not seen at a reconnect: look between writes now and then too.
+        while True:
+            await asyncio.sleep(self.settings.ingest.stream_check_interval_s)
+            self.publisher.request_check()
+
+    async def _check_stream(self, js: JetStreamContext | None) -> list[Queued]:
+        """Every engine stream's check, together; what the stream lost, to be sent first."""
+        if js is None:
+            if self._reader is None or not self._reader.is_connected:
+                return []  # NATS is away: the reconnection checks
+            js = self._reader.jetstream()
+        results = await asyncio.gather(*(stream.check_stream(js) for stream in self.streams), return_exceptions=True)
+        first: list[Queued] = []
+        for stream, result in zip(self.streams, results):
+            if isinstance(result, BaseException):
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
+                # Nothing changed for that stream; the next check (at the latest the periodic one) asks again.
+                log.warning("%s: checking KV_EVENTS failed (%s: %s)", stream.name, type(result).__name__, result)
+                continue
+            first.extend(result)
+        return first
+
+    def _stream_went_back(self) -> None:
+        for stream in self.streams:
+            stream.positions.stream_went_back()
+
     async def resume_position(self, source: StreamSource) -> tuple[int, int]:
         """(epoch, next seq) after the last batch JetStream holds for this stream; (0, 0) if none."""
         subject = events_subject(source.worker, source.provenance)
@@ -296,6 +427,14 @@ class Bridge(AsyncLifetime):
         self, source: StreamSource, reason: str, frames: list[bytes], emit: Emit | None = None,
         position: int | None = None,
     ) -> None:
+        letter = self.dead_letter_message(source, reason, frames, emit, position)
+        await self.publisher.publish(letter.subject, letter.payload, letter.msg_id)
+
+    def dead_letter_message(
+        self, source: StreamSource, reason: str, frames: list[bytes], emit: Emit | None = None,
+        position: int | None = None,
+    ) -> Queued:
+        """Log and count one dead letter; the message to publish for it."""
         worker = source.worker
         log.warning("%s: dead-lettered: %s", worker.name, reason)
         self.metrics.dead_letters.labels(worker.publisher).inc()
@@ -314,7 +453,7 @@ class Bridge(AsyncLifetime):
         )
         if position is not None:
             msg_id += f":{position}"  # one dead letter per rejected event of the batch
-        await self.publisher.publish(dead_letter_subject(worker.publisher), encode_dead_letter(letter), msg_id)
+        return Queued(dead_letter_subject(worker.publisher), encode_dead_letter(letter), msg_id, time.perf_counter(), None)
 
     def _acked(self, latency_s: float, engine_ts: float | None) -> None:
         self.metrics.publish_latency.observe(latency_s)

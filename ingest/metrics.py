@@ -34,6 +34,14 @@ class IngestMetrics(MetricSet):
         self.unaligned_tokens = self.counter(
             "kvledger_ingest_unaligned_token_stores",
             "stores whose token ids do not line up with their hashes (null blocks): hashed from the worker's other groups")
+        self.stream_checks = self.counter(
+            "kvledger_ingest_stream_checks", "engine-stream checks that KV_EVENTS still holds what it acknowledged")
+        self.stream_repaired = self.counter(
+            "kvledger_ingest_stream_repaired_batches",
+            "acknowledged batches KV_EVENTS lost, fetched again from the engine and republished")
+        self.stream_lost = self.counter(
+            "kvledger_ingest_stream_lost_batches",
+            "acknowledged batches KV_EVENTS lost that no engine buffered any more (published as Gap stream_lost)")
         # What the engine streams count themselves (their sequence trackers and replay clients).
         for name, help_text, counter in (
             ("kvledger_ingest_replays", "replay requests sent to engines", "replays"),

@@ -247,6 +247,10 @@ class IngestSettings:
     )
     replay_timeout_s: float = _setting(2.0, "Seconds to wait for an engine replay reply.", rule=_positive())
     max_batch_bytes: int = _setting(16777216, "Largest engine payload accepted, in bytes.", rule=_at_least(1))
+    stream_check_interval_s: float = _setting(
+        5.0, "Seconds between checks that KV_EVENTS still holds every batch it acknowledged (also checked on every "
+        "reconnection); what it lost is fetched again from the engines' replay buffers.", rule=_positive(),
+    )
     http_port: int = _setting(
         9101, "Port of ingest's metrics and health endpoint (0 = any free port).", rule=_PORT
     )
