@@ -320,10 +320,15 @@ class EventsProjector:
                     if quality is not None:
                         quality.before_event(batch.ingest_ts, fold)
                     duplicates = fold.counters["duplicate_batch"]
-                    facts = fold.apply(batch, seq)
+                    facts, accepted = fold.begin(batch, seq)
+                    if accepted:
+                        for event in batch.events:
+                            fold.apply_event(batch.worker, batch.provenance, event, seq, facts)
                     if quality is not None:
                         quality.after_event(facts, seq, batch.ingest_ts)
-                    if fold.counters["duplicate_batch"] != duplicates:
+                    if not accepted and (
+                        fold.counters["duplicate_batch"] != duplicates or self._recorded_before(batch)
+                    ):
                         # SQL holds this batch already (read again after a rewind, or published
                         # twice): its rows are not written a second time.
                         fold.inventory_seq = changes.last_seq = seq
@@ -358,6 +363,20 @@ class EventsProjector:
             # Let a transaction in flight finish either way, so shutdown never leaves it unacked
             # (a write that already failed raises again here, the same error).
             await asyncio.shield(self._drain(writing))
+
+    def _recorded_before(self, batch) -> bool:
+        """Whether SQL's event log holds `batch` already: asked only of a batch the fold refused as late or
+        of an older epoch (a duplicate the fold knows by itself), and only once the stream has lost messages,
+        since only a stream read again can bring such a batch a second time."""
+        if not self.cursor.generations or not batch.events:
+            return False
+        e = tables.event_log.c
+        worker = batch.worker
+        with self.engine.connect() as connection:
+            return connection.execute(sa.select(e.stream_seq).where(
+                e.publisher == worker.publisher, e.dp_rank == worker.dp_rank, e.provenance == batch.provenance.value,
+                e.epoch == batch.epoch, e.engine_seq == batch.seq, e.event_idx == 0,
+            ).limit(1)).first() is not None
 
     async def _drain(self, writing: asyncio.Task | None) -> None:
         """Wait for the transaction in flight; on its failure the fold is no longer trusted."""
