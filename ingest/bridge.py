@@ -76,7 +76,7 @@ class EngineStream:
         self._subject = events_subject(source.worker, source.provenance)
         self.subscriber: EngineSubscriber | None = None
         self.positions = AckedPositions()  # where JetStream stored what it acknowledged, for the stream check
-        self._letters: list[Queued] = []  # dead letters the batch being built caused, sent before it
+        self._letters: list[Queued] = []  # dead letters the live batch being built caused, sent before it
 
     @property
     def name(self) -> str:
@@ -134,7 +134,7 @@ class EngineStream:
         for emit in emits:
             await self._publish_one(emit)
 
-    def _reject_events(self, decoded: EngineBatch, emit: Emit) -> tuple[Gap, ...]:
+    def _reject_events(self, decoded: EngineBatch, emit: Emit, letters: list[Queued]) -> tuple[Gap, ...]:
         """Dead-letter each unusable event alone; the gaps the batch then carries.
 
         The batch's other events still apply. Only a lost event that may hide an eviction
@@ -142,7 +142,7 @@ class EngineStream:
         """
         for rejected in decoded.rejected:
             self._bridge.metrics.rejected_events.labels(rejected.tag or "untagged").inc()
-            self._letters.append(self._bridge.dead_letter_message(
+            letters.append(self._bridge.dead_letter_message(
                 self.source, f"event {rejected.position} ({rejected.tag or 'untagged'}): {rejected.reason}",
                 [rejected.raw], emit, position=rejected.position,
             ))
@@ -152,12 +152,12 @@ class EngineStream:
 
     async def _publish_one(self, emit: Emit) -> None:
         """Decode, count, encode and queue one batch (the hot path: one call per engine batch)."""
-        batch, record = self._record(emit)
+        batch, record = self._record(emit, self._letters)
         publisher = self._bridge.publisher
         if self._letters:
-            for letter in self._letters:
+            letters, self._letters = self._letters, []
+            for letter in letters:
                 await publisher.publish(letter.subject, letter.payload, letter.msg_id)
-            self._letters.clear()
         if emit.gaps:
             self.positions.note_gaps(emit.epoch, emit.seq, emit.gaps)
         engine_ts = batch.engine_ts
@@ -165,8 +165,8 @@ class EngineStream:
             self._subject, record, batch.msg_id, engine_ts if engine_ts > 0 else None, self.positions, emit.epoch, emit.seq,
         )
 
-    def _record(self, emit: Emit) -> tuple[EventBatch, bytes]:
-        """The canonical batch of an engine batch and its record; the dead letters it causes wait in `_letters`.
+    def _record(self, emit: Emit, letters: list[Queued]) -> tuple[EventBatch, bytes]:
+        """The canonical batch of an engine batch and its record; the dead letters it causes go to `letters`.
 
         One path for live, replayed and repaired batches, so a batch fetched again after the
         stream lost it is the same record under the same id.
@@ -178,7 +178,7 @@ class EngineStream:
         try:
             decoded = decode_payload(emit.payload, max_bytes=self._max_batch_bytes, engine=source.engine)
         except WireError as error:
-            self._letters.append(self._bridge.dead_letter_message(source, str(error), [emit.payload], emit))
+            letters.append(self._bridge.dead_letter_message(source, str(error), [emit.payload], emit))
             # The batch's events are lost to us: say so, so the worker is reported uncertain.
             events = (*emit.gaps, Gap(emit.seq, emit.seq + 1, GapReason.MISSED))
             gaps = events  # all of them
@@ -186,7 +186,7 @@ class EngineStream:
             engine_ts = decoded.engine_ts
             gaps = emit.gaps  # usually none: then the batch is the engine's events as decoded
             if decoded.rejected:
-                gaps = self._reject_events(decoded, emit)
+                gaps = self._reject_events(decoded, emit, letters)
             events = (*gaps, *decoded.events) if gaps else decoded.events
             if decoded.skipped_remote:
                 metrics.remote_skipped.inc(decoded.skipped_remote)
@@ -201,7 +201,7 @@ class EngineStream:
         largest = publisher.max_record(batch.msg_id)
         if len(record) > largest:
             # NATS would refuse it on every retry and stall every stream behind it.
-            self._letters.append(self._bridge.dead_letter_message(
+            letters.append(self._bridge.dead_letter_message(
                 self.source, f"canonical record of {len(record)} bytes exceeds the NATS max_payload of "
                 f"{publisher.max_payload} less its {publisher.max_payload - largest}-byte header", [emit.payload], emit,
             ))
@@ -255,9 +255,7 @@ class EngineStream:
                 metrics.events.inc_each((_kind_of(item.gap),))
                 metrics.gaps.labels(item.gap.reason.value).inc()
             else:
-                batch, record = self._record(item)
-                queued.extend(self._letters)
-                self._letters.clear()
+                batch, record = self._record(item, queued)  # its dead letters go just before it
                 if item.gaps:
                     self.positions.note_gaps(item.epoch, item.seq, item.gaps)
             queued.append(Queued(

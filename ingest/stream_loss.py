@@ -14,6 +14,7 @@ No I/O here: the stream's answers come through the callables a check is given.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 
 import attrs
@@ -80,7 +81,7 @@ class AckedPositions:
         self._stream_seqs = mapped_words(limit, "q")
         self._count = 0  # entries ever written: entry i lives in slot i % limit
         self._oldest = 0  # the oldest entry still kept
-        self._gaps: dict[tuple[int, int], tuple[Gap, ...]] = {}
+        self._gaps: OrderedDict[tuple[int, int], tuple[Gap, ...]] = OrderedDict()  # in publish order
         self._check_until: int | None = None  # entries after this were acked after the stream went back
 
     def __len__(self) -> int:
@@ -165,11 +166,9 @@ class AckedPositions:
         return runs
 
     def _forget_gaps_before(self, oldest: Position) -> None:
-        key = (oldest[0], oldest[1])
-        for kept in list(self._gaps):
-            if kept >= key:
-                break  # insertion order is publish order
-            del self._gaps[kept]
+        key, gaps = (oldest[0], oldest[1]), self._gaps
+        while gaps and next(iter(gaps)) < key:
+            gaps.popitem(last=False)
 
 
 def _runs(positions: Iterable[tuple[int, int]]) -> list[LostRun]:
