@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import multiprocessing
 import re
+import socket
 import statistics
 import sys
 import tempfile
@@ -109,8 +110,21 @@ async def raw_publish_rate(url: str, payloads: list[tuple[str, bytes, str]], win
     return len(payloads) / elapsed
 
 
-async def run_ingest(url: str, batches: int, rate: float, port: int) -> tuple[float, list[float]]:
-    pub, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+def free_ports(count: int) -> list[int]:
+    """Ports nothing listens on now (fixed ones collided with other work's ephemeral ports)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+async def run_ingest(url: str, batches: int, rate: float) -> tuple[float, list[float]]:
+    port, replay_port = free_ports(2)
+    pub, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}"
     context = multiprocessing.get_context("spawn")
     go, done = context.Event(), context.Event()
     engine = context.Process(target=run_engine, args=(pub, replay, batches, rate, go, done), daemon=True)
@@ -192,14 +206,14 @@ def check_sync_policy(server: EmbeddedNats, policy: str) -> None:
 
 
 async def policy_run(
-    policy: str, store_root: str | None, batches: int, latency_batches: int, rate: float, port: int,
+    policy: str, store_root: str | None, batches: int, latency_batches: int, rate: float,
 ) -> tuple[float, list[float]]:
     """Ingest's full-speed rate and its paced ack latencies (ms) on a fresh server syncing by `policy`."""
     with tempfile.TemporaryDirectory(dir=store_root) as store, \
             EmbeddedNats(store, sync_interval=policy, monitor_port=-1) as server:
         check_sync_policy(server, policy)
-        ingest_rate, _ = await run_ingest(server.url, batches, 0, port)
-        _, latencies = await run_ingest(server.url, latency_batches, rate, port + 2)
+        ingest_rate, _ = await run_ingest(server.url, batches, 0)
+        _, latencies = await run_ingest(server.url, latency_batches, rate)
     return ingest_rate, [value * 1000 for value in latencies]
 
 
@@ -214,13 +228,11 @@ async def sync_policy_figures(args: argparse.Namespace) -> None:
         f"ack latency (engine send -> JetStream ack) at {args.sync_latency_rate:.0f} batches/s, "
         f"{args.sync_latency_batches} batches"
     )
-    port = 47300
     for round_ in range(args.sync_rounds):
         shift = round_ % len(policies)
         for policy in policies[shift:] + policies[:shift]:
-            port += 4
             rate, ms = await policy_run(
-                policy, args.store_root, args.batches, args.sync_latency_batches, args.sync_latency_rate, port,
+                policy, args.store_root, args.batches, args.sync_latency_batches, args.sync_latency_rate,
             )
             runs[policy].append((rate, percentile(ms, 0.50), percentile(ms, 0.99)))
             print(
@@ -252,9 +264,9 @@ async def yardstick_and_decode_figures(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory() as store, EmbeddedNats(store) as server:
         raw_rate = await raw_publish_rate(server.url, canonical, args.window)
-        ingest_rate, _ = await run_ingest(server.url, args.batches, 0, 47100)
+        ingest_rate, _ = await run_ingest(server.url, args.batches, 0)
         paced = ingest_rate / 2
-        _, latencies = await run_ingest(server.url, args.latency_batches, paced, 47200)
+        _, latencies = await run_ingest(server.url, args.latency_batches, paced)
 
     ms = [value * 1000 for value in latencies]
     print(f"engine batches: {BLOCKS} stored blocks x {TOKENS} tokens + {BLOCKS} removals; window {args.window}")
