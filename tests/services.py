@@ -747,3 +747,33 @@ class ExternalPostgresServer(PostgresService):
 
     def stop(self) -> None:
         pass  # not ours to stop
+
+
+# --- losing an acknowledged tail (issue 31) --------------------------------------------------
+# Self-contained: JetStream acknowledges before it fsyncs, so an OS crash keeps only what
+# had reached the disk. Modelled on a local server by copying its store while it is paused
+# (what was on disk), and later putting that copy back under a SIGKILLed server.
+
+
+def copy_nats_store(server: NatsService, into: Path) -> Path:
+    """Pause a local nats-server (SIGSTOP), copy its store folder to `into`, resume it (SIGCONT); returns `into`."""
+    if not isinstance(server, LocalNatsServer) or server._process is None:
+        raise ServiceNotControllable(f"copying a store folder needs a local nats-server, not {type(server).__name__}")
+    process = server._process
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        shutil.copytree(server.store_dir, into)
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+    return into
+
+
+def restore_nats_store(server: NatsService, copy: Path) -> None:
+    """SIGKILL a local nats-server, put `copy` back as its store folder and start it on the same port:
+    every message acknowledged after the copy is gone, and later publishes reuse their stream seqs."""
+    if not isinstance(server, LocalNatsServer):
+        raise ServiceNotControllable(f"restoring a store folder needs a local nats-server, not {type(server).__name__}")
+    server.kill()
+    shutil.rmtree(server.store_dir)
+    shutil.copytree(copy, server.store_dir)
+    server.start()
