@@ -50,6 +50,10 @@ class RankingBackend(Protocol):
         """Run every code path once, so the first client request pays no compile or upload."""
         ...
 
+    def use_index(self, index: InventoryIndex) -> None:
+        """Rank against `index` from now on: decide rebuilt its index after KV_EVENTS lost messages."""
+        ...
+
     def close(self) -> None:
         ...
 

@@ -44,6 +44,9 @@ class CpuBackend:
         (`compile_kernels` has compiled the rest, in a worker thread)."""
         self.answer_texts([WARM_UP_REQUEST], settings)
 
+    def use_index(self, index: InventoryIndex) -> None:
+        self.index = index
+
     def close(self) -> None:
         pass
 

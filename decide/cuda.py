@@ -217,6 +217,12 @@ class CudaBackend:
         if answers != expected:
             raise CudaUnavailable(f"self-check: the device answered {answers!r}, cpu {expected!r}")
 
+    def use_index(self, index: InventoryIndex) -> None:
+        """Mirror another index: the next sync uploads it whole (its generation says nothing about the device copy)."""
+        self.index = index
+        index.track_dirty = True
+        self._generation = self._shapes = None
+
     def close(self) -> None:
         if self._arrays is not None:
             self._arrays.close()

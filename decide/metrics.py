@@ -30,5 +30,12 @@ class DecideMetrics(MetricSet):
         self.inventory_lag = self.gauge("kvledger_decide_inventory_lag", "KV_EVENTS messages not yet applied to the index.")
         self.undecodable_events = self.counter("kvledger_decide_undecodable_events",
                                                "KV_EVENTS messages that could not be decoded.")
+        self.stream_regressions = self.counter(
+            "kvledger_decide_stream_regressions",
+            "Times KV_EVENTS no longer held the message the index applied last (it lost acknowledged messages); "
+            "each rebuilt the index.")
+        self.rebuild_seconds = self.gauge(
+            "kvledger_decide_rebuild_seconds",
+            "Seconds from the last detected stream regression until the rebuilt index caught up with KV_EVENTS.")
         self.warm_up = self.gauge("kvledger_decide_warm_up_seconds",
                                   "Seconds the backend took to compile and answer its first request at startup.")

@@ -7,6 +7,9 @@ HTTP, and appends every answer to KV_DECISIONS with Nats-Msg-Id = request id so 
 request is recorded once. A reply leaves once its record is acknowledged, or, for a NATS
 request that asks to take the acknowledgement itself (`kvledger.client` does), once its
 record is published with the caller's ack subject (docs/decide.md, "On record").
+On every NATS reconnect and every `STREAM_CHECK_INTERVAL_S` it checks that KV_EVENTS still
+holds the message the index applied last, and rebuilds the index when the stream went
+backwards (docs/decide.md, "When KV_EVENTS loses messages").
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from kvledger.runtime.streams import (
     events_stream,
 )
 from kvledger.runtime.entry import run_stage
+from kvledger.snapshot import StreamPosition
 from kvledger.runtime.system import install_stop_signals
 
 from decide.backend import RankingBackend, choose_backend
@@ -61,11 +65,18 @@ from decide.media import (
 from decide.metrics import DecideMetrics
 from decide.ranked import AnswerTexts
 from decide.recorder import DecisionRecorder, Record
-from decide.startup import StartupError, newest_snapshot, seconds_since_process_start, settle_subscriptions
+from decide.startup import StartupError, seconds_since_process_start, settle_subscriptions
+from decide.stream_loss import (
+    CHECK_ERRORS, MSG_ID_HEADER, NO_POSITION, StreamRegression, stream_regression, trusted_snapshot,
+)
 
 log = logging.getLogger("kvledger.decide")
 
 QUEUE_GROUP = "kvledger-decide"
+# How often the index's position is checked against KV_EVENTS while running (one stream_info
+# and one get_msg), and how soon again after a reconnect whose check could not be made yet.
+STREAM_CHECK_INTERVAL_S = 2.0
+STREAM_RECHECK_S = 0.1
 _CALLER_TAKES_THE_ACK = {RECORD_ACK_HEADER: RECORD_ACK_TO_CALLER}
 
 
@@ -90,7 +101,9 @@ class DecideService(AsyncLifetime):
         self.backend: RankingBackend | None = None
         self.backend_line = ""
         self.http_port: int | None = None
-        self.started_from: str | None = None  # the snapshot object of a warm start
+        self.started_from: str | None = None  # the snapshot object of a warm start (or of the last rebuild)
+        self.last_regression: StreamRegression | None = None  # what the last rebuild was for
+        self.rebuilt_after_s: float | None = None  # from its detection until the rebuilt index caught up
         self.warm_up_seconds: float | None = None  # set before the service can become ready
         self.ready_after_process_start_s: float | None = None  # the cold start, where the OS tells it
         self._clock = clock
@@ -108,6 +121,13 @@ class DecideService(AsyncLifetime):
         self._ready = asyncio.Event()
         self._warm_target = 0
         self._stopped = asyncio.Event()
+        # The KV_EVENTS message the index applied last (seq and Msg-Id), checked against the stream.
+        self._applied = NO_POSITION
+        self._events: Subscription | None = None
+        self._following = 0  # bumped when the index is replaced: a consumer of an older one applies nothing
+        self._rebuild_started: float | None = None
+        self._check_now = asyncio.Event()
+        self._watcher: asyncio.Task | None = None
 
     # lifetime
 
@@ -121,7 +141,7 @@ class DecideService(AsyncLifetime):
         except Exception as error:
             if is_auth_error(error):
                 raise auth_failure(settings.nats, error) from None
-        self._nc = await nats.connect(**options)
+        self._nc = await nats.connect(**options, reconnected_cb=self._on_reconnected)
         js = self._js = self._nc.jetstream()
         events_spec = events_stream(settings.stream)
         await ensure_stream(js, events_spec)
@@ -130,24 +150,10 @@ class DecideService(AsyncLifetime):
         await self._recorder.start()
         self._subscriptions.append(self._recorder.subscription)
 
-        snapshot = await newest_snapshot(js)
-        if snapshot is not None:
-            self.index, name = snapshot
-            self.started_from = name
-            log.info("decide: warm start from snapshot %s (inventory_seq %d)", name, self.index.inventory_seq)
-        else:
-            log.info("decide: no snapshot in %s; replaying %s from the start", SNAPSHOTS_BUCKET, events_spec.name)
+        await self._load_index()
         await self._start_backend()
-
-        info = await js.stream_info(events_spec.name)
-        self._warm_target = info.state.last_seq
-        start_seq = max(self.index.inventory_seq + 1, info.state.first_seq, 1)
-        self.metrics.inventory_lag.set(max(self._warm_target - start_seq + 1, 0))
-        self._report_index()
-        self._subscriptions.append(await js.subscribe(
-            f"{EVENTS_SUBJECT_PREFIX}.>", stream=events_spec.name, cb=self._on_event, ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq),
-        ))
+        await self._follow_events()
+        self._watcher = asyncio.create_task(self._watch_stream(), name="decide-stream-check")
         self._singles = await self._nc.subscribe(DECIDE_SUBJECT, queue=QUEUE_GROUP, cb=self._on_single)
         self._subscriptions.append(self._singles)
         self._subscriptions.append(await self._nc.subscribe(DECIDE_BATCH_SUBJECT, queue=QUEUE_GROUP, cb=self._on_batch))
@@ -163,9 +169,16 @@ class DecideService(AsyncLifetime):
         self._check_warm()
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+            self._watcher = None
         if self._http is not None:
             await self._http.close()  # requests in progress are answered first
             self._http = None
+        if self._events is not None:
+            self._subscriptions.append(self._events)
+            self._events = None
         for subscription in self._subscriptions:
             try:
                 await subscription.unsubscribe()
@@ -186,7 +199,7 @@ class DecideService(AsyncLifetime):
         return self._ready.is_set()
 
     async def wait_ready(self, timeout: float | None = None) -> None:
-        """Return once the index has caught up with KV_EVENTS as it was at startup."""
+        """Return once the index has caught up with KV_EVENTS as it was at startup (after a rebuild: when it began)."""
         await asyncio.wait_for(self._ready.wait(), timeout)
 
     def _check_warm(self) -> None:
@@ -194,6 +207,14 @@ class DecideService(AsyncLifetime):
         # measured here ends when a client can be answered.
         listening = self.http_port is not None
         if not self._ready.is_set() and listening and self.index.inventory_seq >= self._warm_target:
+            if self._rebuild_started is not None:
+                self.rebuilt_after_s = time.monotonic() - self._rebuild_started
+                self._rebuild_started = None
+                self.metrics.rebuild_seconds.set(self.rebuilt_after_s)
+                self._ready.set()
+                log.info("decide: index rebuilt; ready again at inventory_seq %d, %.3f s after the loss was detected",
+                            self.index.inventory_seq, self.rebuilt_after_s)
+                return
             self.ready_after_process_start_s = seconds_since_process_start()
             self._ready.set()
             if self.ready_after_process_start_s is None:
@@ -221,9 +242,91 @@ class DecideService(AsyncLifetime):
 
     # following KV_EVENTS
 
-    async def _on_event(self, msg: Msg) -> None:
+    async def _load_index(self) -> None:
+        """A fresh index: from the newest snapshot KV_EVENTS still reproduces, else empty (replayed from the start)."""
+        assert self._js is not None
+        stream = self.settings.stream.events_stream
+        warm = await trusted_snapshot(self._js, stream)
+        if warm is not None:
+            self.index, self.started_from, self._applied = warm.index, warm.name, warm.position
+            log.info("decide: warm start from snapshot %s (stream seq %d)", warm.name, warm.position.seq)
+        else:
+            self.index, self.started_from, self._applied = InventoryIndex(), None, NO_POSITION
+            log.info("decide: no snapshot in %s that %s still holds; replaying it from the start", SNAPSHOTS_BUCKET, stream)
+        if self.backend is not None:
+            self.backend.use_index(self.index)
+
+    async def _follow_events(self) -> None:
+        """Follow KV_EVENTS from the index's seq on with an ordered consumer; ready once at the stream's last seq."""
+        assert self._js is not None
+        stream = self.settings.stream.events_stream
+        info = await self._js.stream_info(stream)
+        self._warm_target = info.state.last_seq
+        start_seq = max(self.index.inventory_seq + 1, info.state.first_seq, 1)
+        self.metrics.inventory_lag.set(max(self._warm_target - start_seq + 1, 0))
+        self._report_index()
+        following = self._following
+        self._events = await self._js.subscribe(
+            f"{EVENTS_SUBJECT_PREFIX}.>", stream=stream, ordered_consumer=True,
+            cb=functools.partial(self._on_event, following=following),
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq),
+        )
+
+    async def _on_reconnected(self) -> None:
+        self._check_now.set()  # a restarted server may have come back with less than it acknowledged
+
+    async def _watch_stream(self) -> None:
+        """Check the index's position against KV_EVENTS after every reconnect and every few seconds."""
+        stream = self.settings.stream.events_stream
+        urgent = False
+        while True:
+            try:
+                await asyncio.wait_for(self._check_now.wait(), STREAM_RECHECK_S if urgent else STREAM_CHECK_INTERVAL_S)
+            except TimeoutError:
+                pass
+            urgent = urgent or self._check_now.is_set()
+            self._check_now.clear()
+            assert self._js is not None
+            try:
+                regression = await stream_regression(self._js, stream, self._applied)
+                urgent = False
+                if regression is not None:
+                    await self._rebuild(regression)
+            except CHECK_ERRORS as error:  # e.g. JetStream still recovering its streams after a restart
+                log.debug("decide: KV_EVENTS could not be checked yet (%s: %s)", type(error).__name__, error)
+            except Exception:  # a bug here must not end the checks for the rest of the process
+                log.exception("decide: checking KV_EVENTS failed")
+
+    async def _rebuild(self, regression: StreamRegression) -> None:
+        """Replace the index by one KV_EVENTS reproduces; answers go on from it, not ready until it caught up."""
+        self.metrics.stream_regressions.inc()
+        self.last_regression = regression
+        self._rebuild_started = time.monotonic()
+        log.warning("decide: %s; rebuilding the index from a state the stream reproduces", regression.describe())
+        self._ready.clear()
+        self._following += 1
+        events, self._events = self._events, None
+        if events is not None:
+            try:
+                await events.unsubscribe()
+            except Exception:  # its consumer may be gone with the server's lost state; nothing left to undo
+                pass
+        while True:
+            try:
+                await self._load_index()
+                await self._follow_events()
+                break
+            except CHECK_ERRORS as error:
+                log.warning("decide: rebuilding the index failed (%s: %s); retrying", type(error).__name__, error)
+                await asyncio.sleep(STREAM_RECHECK_S)
+        self._check_warm()
+
+    async def _on_event(self, msg: Msg, following: int) -> None:
+        if following != self._following:
+            return  # delivered to the consumer of an index already replaced
         metadata = msg.metadata
         stream_seq = metadata.sequence.stream
+        self._applied = StreamPosition(stream_seq, (msg.headers or {}).get(MSG_ID_HEADER, ""))
         try:
             batch = decode_batch(msg.data)
         except RecordError as error:

@@ -1,20 +1,11 @@
-"""What decide needs before it can answer: the newest snapshot, settled subscriptions, and
-how long the process has been starting."""
+"""What decide needs before it can answer: settled subscriptions, and how long the process
+has been starting (the snapshot it starts from: `decide.stream_loss.trusted_snapshot`)."""
 
 from __future__ import annotations
 
-import logging
 import os
 
 import nats
-import nats.js.errors
-
-from kvledger.snapshot import SnapshotError, decode_snapshot
-from kvledger.runtime.streams import SNAPSHOTS_BUCKET, snapshot_seq
-
-from decide.index import InventoryIndex
-
-log = logging.getLogger("kvledger.decide")
 
 
 class StartupError(RuntimeError):
@@ -32,24 +23,6 @@ async def settle_subscriptions(nc: nats.NATS) -> None:
     """
     await nc.flush()
     await nc.flush()
-
-
-async def newest_snapshot(js: nats.js.JetStreamContext) -> tuple[InventoryIndex, str] | None:
-    """The index rebuilt from the newest KV_SNAPSHOTS object, or None without bucket or snapshot."""
-    try:
-        store = await js.object_store(SNAPSHOTS_BUCKET)
-        objects = await store.list()
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError):
-        return None
-    named = sorted(((snapshot_seq(info.name), info.name) for info in objects
-                    if not info.deleted and snapshot_seq(info.name) is not None), reverse=True)
-    for _seq, name in named:
-        try:
-            result = await store.get(name)
-            return InventoryIndex(decode_snapshot(result.data)), name
-        except (SnapshotError, nats.js.errors.Error) as error:
-            log.warning("decide: snapshot %s unusable (%s); trying an older one", name, error)
-    return None
 
 
 def seconds_since_process_start() -> float | None:
