@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from ingest.endpoints import StreamSource
 from ingest.metrics import IngestMetrics
-from ingest.publisher import JetStreamPublisher, Queued
+from ingest.publisher import JetStreamPublisher, Queued, StreamCheckIncomplete
 from ingest.replay import ReplayClient
 from ingest.sequence import Emit, SequenceTracker
 from ingest.stream_loss import AckedPositions, LostBatch, Position, plan_repair
@@ -52,6 +52,7 @@ log = logging.getLogger("kvledger.ingest")
 IDLE_PROBE_S = 1.0  # how long a quiet stream waits before asking replay for a lost tail
 BURST_LIMIT = 128  # most engine batches handled between yields (and at most half the publish window)
 DEAD_LETTER_LIMIT = 256 * 1024  # raw bytes kept per dead letter: it must fit in one NATS message
+NO_MESSAGE_FOUND = 10037  # JetStream's error code for a seq it does not hold (a missing stream is 10059)
 
 
 def _kind_of(event: object) -> str:
@@ -219,16 +220,20 @@ class EngineStream:
         async def held(position: Position) -> bool:
             try:
                 message = await js.get_msg(stream, seq=position[2])
-            except nats.js.errors.NotFoundError:
-                return False
+            except nats.js.errors.NotFoundError as error:
+                if error.err_code == NO_MESSAGE_FOUND:
+                    return False
+                raise  # the stream itself is missing (or offline): that says nothing about the batch
             found = (message.headers or {}).get("Nats-Msg-Id")
             return message.subject == self._subject and found == self._msg_id(position[0], position[1])
 
         async def last_held() -> Position | None:
             try:
                 message = await js.get_last_msg(stream, self._subject)
-            except nats.js.errors.NotFoundError:
-                return None
+            except nats.js.errors.NotFoundError as error:
+                if error.err_code == NO_MESSAGE_FOUND:
+                    return None
+                raise
             last = decode_batch(message.data)
             return last.epoch, last.seq, message.seq
 
@@ -390,21 +395,32 @@ class Bridge(AsyncLifetime):
             self.publisher.request_check()
 
     async def _check_stream(self, js: JetStreamContext | None) -> list[Queued]:
-        """Every engine stream's check, together; what the stream lost, to be sent first."""
+        """Every engine stream's check, together; what the stream lost, to be sent first.
+
+        On a new connection (`js` given) a check that could not ask about every stream stops
+        that connection (it is tried again): sending before knowing could put newer batches
+        ahead of lost ones. Between writes it is only logged, and asked again next time.
+        """
+        reconnecting = js is not None
         if js is None:
             if self._reader is None or not self._reader.is_connected:
                 return []  # NATS is away: the reconnection checks
             js = self._reader.jetstream()
         results = await asyncio.gather(*(stream.check_stream(js) for stream in self.streams), return_exceptions=True)
         first: list[Queued] = []
+        failures: list[str] = []
         for stream, result in zip(self.streams, results):
             if isinstance(result, BaseException):
                 if isinstance(result, asyncio.CancelledError):
                     raise result
-                # Nothing changed for that stream; the next check (at the latest the periodic one) asks again.
-                log.warning("%s: checking KV_EVENTS failed (%s: %s)", stream.name, type(result).__name__, result)
+                # Nothing changed for that stream: a failed check leaves its positions as they were.
+                failures.append(f"{stream.name}: {type(result).__name__}: {result}")
                 continue
             first.extend(result)
+        if failures and reconnecting:
+            raise StreamCheckIncomplete(f"could not check KV_EVENTS for {'; '.join(failures)}", first)
+        for failure in failures:
+            log.warning("checking KV_EVENTS failed (%s); asked again at the next check", failure)
         return first
 
     def _stream_went_back(self) -> None:

@@ -59,8 +59,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvledger.ingest.publisher")
 
+
+
+class StreamCheckIncomplete(Exception):
+    """A stream check on a new connection could not ask about every engine stream; `first`
+    is what it found for the others. Nothing is sent on that connection: it is tried again."""
+
+    def __init__(self, message: str, first: list[Queued]) -> None:
+        super().__init__(message)
+        self.first = first
+
+
 _RETRYABLE = (
-    asyncio.TimeoutError, OSError, nats.errors.Error, nats.js.errors.Error, AckError,
+    asyncio.TimeoutError, OSError, nats.errors.Error, nats.js.errors.Error, AckError, StreamCheckIncomplete,
 )
 
 
@@ -310,12 +321,19 @@ class JetStreamPublisher:
         self._check_requested = False
         if self._check_stream is None:
             return
-        first = await self._check_stream(js)
+        try:
+            first = await self._check_stream(js)
+        except StreamCheckIncomplete as error:
+            self._put_first(error.first)
+            raise
+        self._put_first(first)
+        # Repaired batches take the lost stream seqs again: that is not the stream going back.
+        self._last_stream_seq = 0
+
+    def _put_first(self, first: list[Queued]) -> None:
         if first:
             self._pending.extendleft(reversed(first))
             self._drained.clear()
-        # Repaired batches take the lost stream seqs again: that is not the stream going back.
-        self._last_stream_seq = 0
 
     def _on_reply(self, reply: AckReply) -> None:
         self._acks[reply.token] = reply

@@ -17,6 +17,7 @@ import signal
 import time
 from pathlib import Path
 
+import nats
 import pytest
 
 from engines import engine_endpoints, one_block, read_batches, read_stream, settings_for, wait_until
@@ -25,6 +26,7 @@ from ingest.endpoints import StreamSource
 from ingest.sequence import Emit
 from ingest.stream_loss import AckedPositions, Loss, LostBatch, LostRun, plan_repair
 from kvledger.events import Gap, GapReason, Provenance, WorkerId
+from kvledger.runtime.streams import dead_letters_stream, ensure_stream, events_stream
 from kvledger.sim.engine import SimulatedEngine
 from services import LocalNatsServer, NatsService, ServiceNotControllable
 
@@ -164,6 +166,64 @@ async def test_what_no_engine_buffers_any_more_is_an_explicit_stream_lost_gap(na
         assert repaired == short
         assert stream_lost == (kept + lost - short - first_lost) + (kept + lost - stand_in)
         assert gap_metric == 2
+    finally:
+        for engine in engines:
+            await engine.close()
+
+
+async def test_a_loss_under_a_connection_that_stays_up_is_found_by_the_periodic_check(nats_cluster, tmp_path) -> None:
+    """A 3-node cluster, KV_EVENTS on one node (R1), ingest connected to another: the node
+    holding the stream loses its acknowledged tail while ingest is idle, and ingest's own
+    connection never breaks, so only the periodic check can see it."""
+    kept, lost, after = 100, 200, 50
+    provisioning = settings_for(nats_cluster.urls)
+    nc = await nats.connect(nats_cluster.url_list)
+    try:
+        for spec in (events_stream(provisioning.stream), dead_letters_stream(provisioning.stream)):
+            await ensure_stream(nc.jetstream(), spec)
+    finally:
+        await nc.close()
+    holder = nats_cluster.nodes[await nats_cluster.stream_leader("KV_EVENTS")]
+    elsewhere = next(node for node in nats_cluster.nodes.values() if node is not holder)
+    settings = settings_for(elsewhere.url, **{"ingest.stream_check_interval_s": 0.5})
+    engines = [await SimulatedEngine(*engine_endpoints()).__aenter__() for _ in range(2)]
+    names = ["vllm-a", "vllm-b"]
+    try:
+        async with Bridge(settings, [source(n, e) for n, e in zip(names, engines)]) as bridge:
+            await bridge.wait_ready(timeout=10)
+            await publish_rounds(engines, range(kept))
+            await bridge.publisher.flush(10)
+            os.kill(holder._process.pid, signal.SIGSTOP)
+            try:
+                shutil.copytree(holder.store_dir, tmp_path / "on-disk")
+            finally:
+                os.kill(holder._process.pid, signal.SIGCONT)
+            await publish_rounds(engines, range(kept, kept + lost))
+            await wait_until(lambda: bridge.publisher.counters.published >= 2 * (kept + lost), 10, "the rest acked")
+            await bridge.publisher.flush(10)
+            reconnects = bridge.publisher.counters.reconnects
+            crashed = time.monotonic()
+            holder.kill()
+            shutil.rmtree(holder.store_dir)
+            shutil.copytree(tmp_path / "on-disk", holder.store_dir)
+            await nats_cluster.restart_async(holder.name)
+            restarted_in = time.monotonic() - crashed
+            await wait_until(lambda: bridge.metrics.stream_repaired.value > 0, 15, "the periodic check's repair")
+            await bridge.publisher.flush(10)
+            repaired_in = time.monotonic() - crashed
+            assert bridge.publisher.counters.reconnects == reconnects, "ingest's connection stayed up"
+            await publish_rounds(engines, range(kept + lost, kept + lost + after))
+            for name in names:
+                await wait_until(
+                    lambda: _last_seq_is(elsewhere.url, name, kept + lost + after - 1), 10, f"{name}'s last batch",
+                )
+            repaired = bridge.metrics.stream_repaired.value
+        for name in names:
+            batches = await read_batches(elsewhere.url, f"kv.ev.{name}.0")
+            assert [b.seq for b in batches] == list(range(kept + lost + after))
+            assert gaps_of(batches) == []
+        assert 2 * lost <= repaired <= 2 * (kept + lost)
+        print(f"\nlost {repaired:.0f} acknowledged batches; node back {restarted_in:.2f} s, repaired {repaired_in:.2f} s after the crash")
     finally:
         for engine in engines:
             await engine.close()
