@@ -247,3 +247,30 @@ def test_scenario_messages_are_distinct() -> None:
     ids = [batch.msg_id for batch, _ in kept + lost + after]
     assert len(set(ids)) == len(ids)
     assert len(after) > len(lost)  # the new messages go past where decide stood: only the Msg-Id can tell
+
+
+def test_a_backend_switched_to_a_rebuilt_index_answers_as_one_made_for_it() -> None:
+    """`use_index`: what a rebuild relies on. On cuda the device copy is replaced whole, though the
+    new index's generation and shapes may equal the old one's."""
+    import attrs
+
+    from decide.backend import choose_backend
+    from decide.cpu import CpuBackend
+    from decide.index import index_from_batches
+
+    kept, lost, after = scenario()
+    followed = index_from_batches(kept + lost)
+    rebuilt = index_from_batches(kept + [(batch, len(kept) + n + 1) for n, (batch, _) in enumerate(after)])
+    reuse = settings_for("nats://127.0.0.1:4222").reuse
+    backend, _ = choose_backend("auto", followed)
+
+    def answers() -> list:
+        return [attrs.evolve(answer, backend="cpu") for answer in backend.decide_batch(requests(), reuse)]
+
+    try:
+        assert answers() == CpuBackend(followed).decide_batch(requests(), reuse)  # on cuda: now on the device
+        backend.use_index(rebuilt)
+        assert answers() == CpuBackend(rebuilt).decide_batch(requests(), reuse)
+        assert answers() != CpuBackend(followed).decide_batch(requests(), reuse)
+    finally:
+        backend.close()
