@@ -45,6 +45,7 @@ from kvledger.runtime.streams import (
     decisions_stream,
     events_stream,
 )
+from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.entry import run_stage
 from kvledger.snapshot import StreamPosition
 from kvledger.runtime.system import install_stop_signals
@@ -311,14 +312,15 @@ class DecideService(AsyncLifetime):
                 await events.unsubscribe()
             except Exception:  # its consumer may be gone with the server's lost state; nothing left to undo
                 pass
+        retry = Backoff(first_s=STREAM_RECHECK_S, limit_s=STREAM_CHECK_INTERVAL_S)
         while True:
             try:
                 await self._load_index()
                 await self._follow_events()
                 break
-            except CHECK_ERRORS as error:
+            except CHECK_ERRORS as error:  # the server went away again meanwhile
                 log.warning("decide: rebuilding the index failed (%s: %s); retrying", type(error).__name__, error)
-                await asyncio.sleep(STREAM_RECHECK_S)
+                await retry.wait()
         self._check_warm()
 
     async def _on_event(self, msg: Msg, following: int) -> None:
