@@ -195,6 +195,31 @@ async def test_decide_notices_the_stream_losing_its_tail_and_answers_as_the_stre
           f"-> rebuilt and caught up {caught_up - restarted:.3f} s (rebuild {service.rebuilt_after_s:.3f} s)")
 
 
+async def test_the_periodic_check_notices_a_stream_gone_backwards_without_a_reconnect(nats_server) -> None:
+    """KV_EVENTS deleted and made again under a connected decide (as a cluster's new leader with an
+    old copy would present it): no reconnect, so the check every 2 s finds it."""
+    settings = settings_for(nats_server.url)
+    stream_name = settings.stream.events_stream
+    kept, lost, after = scenario()
+    async with await nats.connect(nats_server.url) as nc:
+        js = nc.jetstream()
+        await ensure_stream(js, events_stream(settings.stream))
+        await publish(js, kept + lost)
+        async with DecideService(settings) as service:
+            await answers_of(nc, service, len(kept) + len(lost))
+            await js.delete_stream(stream_name)
+            await ensure_stream(js, events_stream(settings.stream))
+            replaced = time.monotonic()
+            await publish(js, after[:3])
+            await wait_until(lambda: service.last_regression is not None, DEADLINE_S, "decide noticing", interval=0.005)
+            detected = time.monotonic()
+            answers = await answers_of(nc, service, 3)
+            assert answers == reference_answers(await fold_of_the_stream(js, stream_name), settings)
+            assert service.started_from is None and service.last_regression.last_seq == 3
+            assert detected - replaced < 2.0 + 1.0  # one check interval, and slack for a busy machine
+    print(f"\nstream replaced -> detected {detected - replaced:.3f} s; rebuild {service.rebuilt_after_s:.3f} s")
+
+
 async def test_a_snapshot_whose_position_the_stream_no_longer_holds_is_refused(nats_server) -> None:
     settings = settings_for(nats_server.url)
     kept, lost, _ = scenario()
