@@ -268,9 +268,39 @@ ORDER BY dimension, key;""",
     ("horizon_s",),
 )
 
+STREAM_LOSSES = Query(
+    "stream_losses",
+    "Every time a stream was found to have lost acknowledged messages, and the ledger seqs SQL holds from them",
+    """SELECT g.stream, g.generation, g.detected_ts, g.checkpoint_name, g.stream_last_seq,
+       g.first_stream_seq, g.ledger_offset, g.lost_first_ledger_seq, g.lost_last_ledger_seq,
+       (SELECT COUNT(*) FROM event_log e
+        WHERE g.stream = 'KV_EVENTS' AND e.event_idx = 0
+          AND e.stream_seq BETWEEN g.lost_first_ledger_seq AND g.lost_last_ledger_seq) AS batches_in_sql
+FROM stream_generations g
+ORDER BY g.stream, g.generation;""",
+    (),
+)
+
+ONLY_IN_SQL = Query(
+    "only_in_sql",
+    "Batches SQL holds whose KV_EVENTS message was lost and that the stream never delivered again",
+    """SELECT e.publisher, e.dp_rank, e.provenance, e.epoch, e.engine_seq, e.stream_seq AS ledger_seq,
+       e.ingest_ts, g.generation
+FROM event_log e
+JOIN stream_generations g
+  ON g.stream = 'KV_EVENTS' AND e.stream_seq BETWEEN g.lost_first_ledger_seq AND g.lost_last_ledger_seq
+WHERE e.event_idx = 0
+  AND NOT EXISTS (SELECT 1 FROM recovered_batches r
+                  WHERE r.publisher = e.publisher AND r.dp_rank = e.dp_rank AND r.provenance = e.provenance
+                    AND r.epoch = e.epoch AND r.engine_seq = e.engine_seq)
+ORDER BY e.publisher, e.dp_rank, e.provenance, e.epoch, e.engine_seq;""",
+    (),
+)
+
 QUERIES: tuple[Query, ...] = (
     SEQ_AT_TIME, INVENTORY_AT_SEQ, INVENTORY_SUMMARY_AT_SEQ, BLOCK_HISTORY, DECISION, GAPS,
     UNCERTAIN_PERIODS, WORKERS, DEAD_LETTERS, CHECKPOINTS, DECISION_QUALITY, DECISION_QUALITY_SUMMARY,
+    STREAM_LOSSES, ONLY_IN_SQL,
 )  # fmt: skip
 
 
@@ -304,6 +334,12 @@ class Audit:
             if sharded is not None:
                 return sharded
         return seqs.get(name, 0)
+
+    def stream_losses(self) -> list[dict]:
+        return run(self.connection, STREAM_LOSSES)
+
+    def only_in_sql(self) -> list[dict]:
+        return run(self.connection, ONLY_IN_SQL)
 
     def seq_at_time(self, ts: float) -> int:
         return run(self.connection, SEQ_AT_TIME, ts=ts)[0]["stream_seq"] or 0

@@ -233,6 +233,28 @@ def audit_gaps(settings: Settings, worker: str | None, as_json: bool) -> int:
 
 
 @_refusing_old_schemas
+def audit_stream_losses(settings: Settings, batches: bool, as_json: bool) -> int:
+    """Losses found in the streams; with `batches`, the batches that exist only in SQL."""
+    engine, audit, connection = _audit(settings)
+    try:
+        losses = audit.stream_losses()
+        only_in_sql = audit.only_in_sql() if batches else None
+        if as_json:
+            _emit({"losses": losses, **({"only_in_sql": only_in_sql} if batches else {})}, True)
+        else:
+            print("stream losses:" if losses else "stream losses: none found")
+            if losses:
+                print_table(losses)
+            if batches:
+                print("batches that exist only in SQL (their stream message lost, never delivered again):")
+                print_table(only_in_sql)
+    finally:
+        connection.close()
+        engine.dispose()
+    return 0
+
+
+@_refusing_old_schemas
 def audit_dead_letters(settings: Settings, limit: int, as_json: bool) -> int:
     engine, audit, connection = _audit(settings)
     try:

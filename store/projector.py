@@ -148,19 +148,38 @@ def _note_verdict(verdict: Verdict, stream: str, metrics: StoreMetrics) -> None:
 
 
 def event_identities(connection: sa.Connection, ledger_seqs: list[int]) -> dict[int, str]:
-    """The Nats-Msg-Id of the batch SQL recorded at each ledger seq (those with events)."""
+    """What SQL recorded at each ledger seq (those with events): the batch's Nats-Msg-Id and ingest time.
+
+    The ingest time makes it the record, not only the batch: a batch ingest publishes again
+    after a loss is encoded again, at another time, so a reused seq that happens to hold the
+    same batch as before still reads as another message.
+    """
     e = tables.event_log.c
     rows = connection.execute(
-        sa.select(e.stream_seq, e.publisher, e.dp_rank, e.epoch, e.engine_seq, e.provenance)
+        sa.select(e.stream_seq, e.publisher, e.dp_rank, e.epoch, e.engine_seq, e.provenance, e.ingest_ts)
         .where(e.stream_seq.in_(ledger_seqs), e.event_idx == 0)
     )
     return {
-        row.stream_seq: (
+        row.stream_seq: _record_identity(
             f"{row.publisher}:{row.dp_rank}:{row.epoch}:{row.engine_seq}" if row.provenance == Provenance.NATIVE.value
-            else f"{row.publisher}:{row.dp_rank}:retained:{row.epoch}:{row.engine_seq}"
+            else f"{row.publisher}:{row.dp_rank}:retained:{row.epoch}:{row.engine_seq}",
+            row.ingest_ts,
         )
         for row in rows
     }
+
+
+def event_message_identity(message) -> str | None:
+    """`event_identities`' text for a KV_EVENTS message (None: not a readable batch)."""
+    try:
+        batch = decode_batch(message.data)
+    except RecordError:
+        return None
+    return _record_identity(batch.msg_id, batch.ingest_ts)
+
+
+def _record_identity(msg_id: str, ingest_ts: float) -> str:
+    return f"{msg_id}@{ingest_ts!r}"
 
 
 def decision_identities(connection: sa.Connection, ledger_seqs: list[int]) -> dict[int, str]:
@@ -177,14 +196,34 @@ def no_identities(connection: sa.Connection, ledger_seqs: list[int]) -> dict[int
 
 async def verify_stream(
     cursor: StreamCursor, js: JetStreamContext, checkpoint: int, sql_identity, *, name: str, metrics: StoreMetrics,
+    message_identity=msg_id_of,
 ) -> Verdict:
-    """`StreamCursor.verify` with the database work off the event loop's thread where it is heavy."""
+    """`StreamCursor.verify`, its findings counted."""
     verdict = await cursor.verify(
-        js, checkpoint, sql_identity, msg_id_of, name=name,
+        js, checkpoint, sql_identity, message_identity, name=name,
         ledger_high=lambda: ledger_high(cursor.engine, cursor.stream),
     )
     _note_verdict(verdict, cursor.stream, metrics)
     return verdict
+
+
+def _recovered_row(batch, stream_seq: int, ledger_seq: int) -> dict:
+    worker = batch.worker
+    return {
+        "publisher": worker.publisher, "dp_rank": worker.dp_rank, "provenance": batch.provenance.value,
+        "epoch": batch.epoch, "engine_seq": batch.seq, "stream_seq": stream_seq, "ledger_seq": ledger_seq,
+        "recovered_ts": time.time(),
+    }  # fmt: skip
+
+
+def _note_recovered(engine: sa.Engine, rows: list[dict]) -> None:
+    """Insert `rows` into recovered_batches, keeping a row already there (the first recovery found)."""
+    if engine.dialect.name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    else:
+        from sqlalchemy.dialects.postgresql import insert
+    with engine.begin() as connection:
+        connection.execute(insert(tables.recovered_batches).on_conflict_do_nothing(), rows)
 
 
 async def _wait_out_failure(error: Exception, stream: str, metrics: StoreMetrics, backoff: Backoff, stop: asyncio.Event) -> None:
@@ -240,7 +279,7 @@ class EventsProjector:
                         self.quality.resume_at(await asyncio.to_thread(last_ingest_ts, self.engine))
                 verdict = await verify_stream(
                     self.cursor, js, self.fold.inventory_seq, event_identities, name=self.shard.checkpoint_name,
-                    metrics=self.metrics,
+                    metrics=self.metrics, message_identity=event_message_identity,
                 )
                 subscription = await bind_consumer(
                     js, self.stream, self.durable, verdict.start_stream_seq - 1, batch_size=self.settings.store.batch_size
@@ -295,6 +334,7 @@ class EventsProjector:
                 fresh = others = 0
                 ledger = self.cursor.ledger
                 duplicates_before = fold.counters["duplicate_batch"]
+                recovered: list[dict] = []
                 for message in messages:
                     stream_seq = message.metadata.sequence.stream
                     seq = ledger(stream_seq)
@@ -332,9 +372,15 @@ class EventsProjector:
                         # SQL holds this batch already (read again after a rewind, or published
                         # twice): its rows are not written a second time.
                         fold.inventory_seq = changes.last_seq = seq
+                        if self.cursor.generations and batch.events:
+                            recovered.append(_recovered_row(batch, stream_seq, seq))
                         continue
                     builder.add_batch(changes, batch, seq, facts, fold)
                 encoded = None
+                if recovered:
+                    # Before the transaction that moves the checkpoint past them, idempotently:
+                    # a crash in between reads them again and notes them again.
+                    await asyncio.to_thread(_note_recovered, self.engine, recovered)
                 if fold.counters["duplicate_batch"] > duplicates_before:
                     self.metrics.duplicates.labels(self.stream).inc(fold.counters["duplicate_batch"] - duplicates_before)
                 if others:

@@ -252,3 +252,19 @@ stream_generations = sa.Table(
     sa.Column("checkpoint_name", sa.String(64), nullable=False),  # the projector that found it
     sa.Column("detected_ts", _TS, nullable=False),
 )
+
+# One row per batch SQL held already that the stream delivered again after a loss (ingest
+# republished it, or the stream kept it at another seq): where the stream holds it now. A
+# batch in a generation's lost range without a row here exists only in SQL.
+recovered_batches = sa.Table(
+    "recovered_batches",
+    metadata,
+    sa.Column("publisher", _PUBLISHER, primary_key=True),
+    sa.Column("dp_rank", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("provenance", _NAME, primary_key=True),
+    sa.Column("epoch", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("engine_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("stream_seq", _SEQ, nullable=False),  # KV_EVENTS seq holding it now
+    sa.Column("ledger_seq", _SEQ, nullable=False),  # the ledger seq that delivery mapped to (not written)
+    sa.Column("recovered_ts", _TS, nullable=False),
+)

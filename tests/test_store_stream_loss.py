@@ -17,13 +17,14 @@ import signal
 import sqlite3
 from pathlib import Path
 
+import attrs
 import pytest
 import sqlalchemy as sa
 
 from kvledger.events import EventBatch
 from kvledger.fold import InventoryFold
 from services import LocalNatsServer
-from store import database, tables
+from store import audit, database, tables
 from store_harness import RunningStore, checkpoint, poll, publish, recorded_stream, store_settings
 
 pytestmark = pytest.mark.service
@@ -55,8 +56,10 @@ def _crash_back_to(server: LocalNatsServer, copy: Path) -> None:
 
 
 def _by_subject(batches: list[EventBatch]) -> list[EventBatch]:
-    """The same batches, each subject's in its order, subjects one after another (as ingest repairs them)."""
-    return sorted(batches, key=lambda batch: batch.subject)  # sorted() is stable
+    """The same batches as ingest publishes them again: each subject's in its order, subjects one after
+    another, each encoded anew (so at another ingest time)."""
+    again = [attrs.evolve(batch, ingest_ts=batch.ingest_ts + 10_000.0) for batch in batches]
+    return sorted(again, key=lambda batch: batch.subject)  # sorted() is stable
 
 
 def _truth(batches: list[EventBatch]) -> InventoryFold:
@@ -161,10 +164,16 @@ async def test_the_lost_tail_is_read_again_by_identity_and_every_batch_is_once_i
         await store.__aexit__(None, None, None)
     _assert_healed(db_url, batches)
     assert _sql_uncertain(db_url) == _uncertain(_truth(batches))
-    # SQL says which ledger seqs the stream lost: those of the acknowledged part after the copy.
-    assert generation.lost_last_ledger_seq == acked
-    assert ON_DISK < generation.lost_first_ledger_seq <= acked
-    assert generation.ledger_offset >= acked - generation.first_stream_seq + 1
+    # SQL says which ledger seqs the stream lost (the acknowledged part after the copy) and
+    # that the stream delivered every batch of them again: none exists only in SQL.
+    assert (generation.first_stream_seq, generation.lost_first_ledger_seq, generation.lost_last_ledger_seq) == (
+        ON_DISK + 1, ON_DISK + 1, acked,
+    )
+    assert generation.ledger_offset == acked - ON_DISK
+    with database.opened(db_url) as engine, engine.connect() as connection:
+        assert audit.Audit(connection).only_in_sql() == []
+        recovered = connection.execute(sa.select(sa.func.count()).select_from(tables.recovered_batches)).scalar_one()
+    assert recovered == sum(1 for batch in batches[ON_DISK:ACKED] if batch.events)
 
 
 async def test_sql_rolled_back_with_the_stream_heals_from_the_stream(nats_server, sqlite_url, tmp_path) -> None:
@@ -216,4 +225,10 @@ async def test_a_loss_nobody_repairs_leaves_sql_ahead_and_says_so(nats_server, d
     _assert_healed(db_url, batches)  # SQL kept the lost batches and applied the new ones
     assert (generation.first_stream_seq, generation.lost_first_ledger_seq, generation.lost_last_ledger_seq) == (
         ON_DISK + 1, ON_DISK + 1, acked,
+    )
+    with database.opened(db_url) as engine, engine.connect() as connection:
+        only_in_sql = audit.Audit(connection).only_in_sql()
+    assert sorted((row["publisher"], row["dp_rank"], row["provenance"], row["epoch"], row["engine_seq"])
+                  for row in only_in_sql) == sorted(
+        (b.worker.publisher, b.worker.dp_rank, b.provenance.value, b.epoch, b.seq) for b in batches[ON_DISK:ACKED] if b.events
     )

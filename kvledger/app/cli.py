@@ -489,6 +489,18 @@ def _audit_workers(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     return audit_workers(loaded.settings, args.json)
 
 
+def _audit_stream_losses_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batches", action="store_true",
+                        help="also list the batches that exist only in SQL (their stream message lost for good)")
+    _json_flag(parser)
+
+
+def _audit_stream_losses(args: argparse.Namespace, loaded: LoadedSettings) -> int:
+    from store.commands import audit_stream_losses
+
+    return audit_stream_losses(loaded.settings, args.batches, args.json)
+
+
 def _audit_quality_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--horizon-ms", type=float, default=500.0, metavar="MS",
                         help="judge each decision this long after it, in stream time (default 500)")
@@ -533,6 +545,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("audit", "dead-letters"), _audit_dead_letters, "records that could not be used",
             _audit_dead_letters_arguments),
     Command(("audit", "workers"), _audit_workers, "every worker and where its stream stands", _json_flag),
+    Command(("audit", "stream-losses"), _audit_stream_losses, "where a stream lost acknowledged messages, and what "
+            "exists only in SQL", _audit_stream_losses_arguments),
     Command(("audit", "quality"), _audit_quality, "whether decisions were still true at a horizon: stale hints, "
             "lost credit", _audit_quality_arguments),
     Command(
