@@ -232,3 +232,64 @@ async def test_a_loss_nobody_repairs_leaves_sql_ahead_and_says_so(nats_server, d
                   for row in only_in_sql) == sorted(
         (b.worker.publisher, b.worker.dp_rank, b.provenance.value, b.epoch, b.seq) for b in batches[ON_DISK:ACKED] if b.events
     )
+
+
+async def _publish_decisions(url: str, request_ids: list[str]) -> int:
+    """Decision records as decide writes them (one per request id) into KV_DECISIONS; the last stream seq."""
+    import json
+
+    import nats
+
+    from builders import BLOCK_SIZE, local_hashes
+    from kvledger.decision_codec import decision_to_json
+    from kvledger.reuse import ReuseRequest, decide
+    from kvledger.runtime.streams import DECISIONS_SUBJECT, decisions_stream, ensure_stream
+    from kvledger.settings import ReuseSettings, Settings
+
+    decision = decide(InventoryFold(), ReuseRequest("template", local_hashes([1, 2]), BLOCK_SIZE), ReuseSettings())
+    template = decision_to_json(decision)
+    connection = await nats.connect(url)
+    try:
+        js = connection.jetstream()
+        await ensure_stream(js, decisions_stream(Settings().stream))
+        last = 0
+        for request_id in request_ids:
+            record = json.dumps({**template, "request_id": request_id}).encode()
+            last = (await js.publish(DECISIONS_SUBJECT, record, headers={"Nats-Msg-Id": request_id})).seq
+        return last
+    finally:
+        await connection.close()
+
+
+def _sql_request_ids(url: str) -> list[str]:
+    with database.opened(url) as engine, engine.connect() as connection:
+        return [row[0] for row in connection.execute(sa.select(tables.decisions.c.request_id))]
+
+
+@pytest.mark.parametrize("store_during_crash", ["running", "restarted"])
+async def test_decisions_the_stream_lost_stay_in_sql_and_new_ones_on_reused_seqs_are_projected(
+    nats_server, db_url, tmp_path, store_during_crash,
+) -> None:
+    server = _local(nats_server)
+    settings = store_settings(server.url, db_url, batch_size=16)
+    ids = [f"req-{n}" for n in range(300)]
+    await _publish_decisions(server.url, ids[:100])
+    store = await RunningStore(settings).__aenter__()
+    try:
+        await store.until(lambda: checkpoint(db_url, "decisions") >= 100, "the first decisions projected")
+        _copy_store(server, tmp_path / "on-disk")
+        await _publish_decisions(server.url, ids[100:200])
+        await store.until(lambda: checkpoint(db_url, "decisions") >= 200, "the acknowledged decisions projected")
+        if store_during_crash == "restarted":
+            await store.__aexit__(None, None, None)
+        _crash_back_to(server, tmp_path / "on-disk")
+        if store_during_crash == "restarted":
+            store = await RunningStore(settings).__aenter__()
+        await _publish_decisions(server.url, ids[200:])  # take the lost seqs 101-200
+        await store.until(lambda: len(_sql_request_ids(db_url)) >= 300, "the new decisions projected")
+    finally:
+        await store.__aexit__(None, None, None)
+    recorded = _sql_request_ids(db_url)
+    assert sorted(recorded) == sorted(ids)  # each once: none lost, none deleted, none twice
+    (generation,) = [g for g in _generations(db_url) if g.stream == "KV_DECISIONS"]
+    assert (generation.first_stream_seq, generation.lost_first_ledger_seq, generation.lost_last_ledger_seq) == (101, 101, 200)
