@@ -78,6 +78,9 @@ QUEUE_GROUP = "kvledger-decide"
 # and one get_msg), and how soon again after a reconnect whose check could not be made yet.
 STREAM_CHECK_INTERVAL_S = 2.0
 STREAM_RECHECK_S = 0.1
+# nats-py re-creates an ordered consumer after two heartbeats missed; its default (5 s) left
+# decide 10-15 s behind after every nats-server restart, its consumer (in memory) being gone.
+CONSUMER_HEARTBEAT_S = 1.0
 _CALLER_TAKES_THE_ACK = {RECORD_ACK_HEADER: RECORD_ACK_TO_CALLER}
 
 
@@ -122,8 +125,11 @@ class DecideService(AsyncLifetime):
         self._ready = asyncio.Event()
         self._warm_target = 0
         self._stopped = asyncio.Event()
-        # The KV_EVENTS message the index applied last (seq and Msg-Id), checked against the stream.
+        # The KV_EVENTS message the index applied last (seq and Msg-Id), checked against the stream,
+        # and the positions it stood at when its consumer resumed, not yet checked (see _on_event).
         self._applied = NO_POSITION
+        self._unchecked: list[StreamPosition] = []
+        self._consumer_seq = 0
         self._events: Subscription | None = None
         self._following = 0  # bumped when the index is replaced: a consumer of an older one applies nothing
         self._rebuild_started: float | None = None
@@ -142,7 +148,8 @@ class DecideService(AsyncLifetime):
         except Exception as error:
             if is_auth_error(error):
                 raise auth_failure(settings.nats, error) from None
-        self._nc = await nats.connect(**options, reconnected_cb=self._on_reconnected)
+        self._nc = await nats.connect(**options, disconnected_cb=self._on_disconnected,
+                                      reconnected_cb=self._on_reconnected)
         js = self._js = self._nc.jetstream()
         events_spec = events_stream(settings.stream)
         await ensure_stream(js, events_spec)
@@ -267,14 +274,23 @@ class DecideService(AsyncLifetime):
         self.metrics.inventory_lag.set(max(self._warm_target - start_seq + 1, 0))
         self._report_index()
         following = self._following
+        self._consumer_seq = 0
         self._events = await self._js.subscribe(
-            f"{EVENTS_SUBJECT_PREFIX}.>", stream=stream, ordered_consumer=True,
+            f"{EVENTS_SUBJECT_PREFIX}.>", stream=stream, ordered_consumer=True, idle_heartbeat=CONSUMER_HEARTBEAT_S,
             cb=functools.partial(self._on_event, following=following),
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq),
         )
 
+    async def _on_disconnected(self) -> None:
+        self._resumed()
+
     async def _on_reconnected(self) -> None:
         self._check_now.set()  # a restarted server may have come back with less than it acknowledged
+
+    def _resumed(self) -> None:
+        """What comes next may come from a stream that lost messages: where the index stands is checked first."""
+        self._unchecked.append(self._applied)
+        self._check_now.set()
 
     async def _watch_stream(self) -> None:
         """Check the index's position against KV_EVENTS after every reconnect and every few seconds."""
@@ -288,11 +304,16 @@ class DecideService(AsyncLifetime):
             urgent = urgent or self._check_now.is_set()
             self._check_now.clear()
             assert self._js is not None
+            unchecked = list(self._unchecked)
             try:
-                regression = await stream_regression(self._js, stream, self._applied)
+                regression = None
+                for position in [*unchecked, self._applied]:
+                    regression = regression or await stream_regression(self._js, stream, position)
                 urgent = False
                 if regression is not None:
                     await self._rebuild(regression)
+                else:
+                    del self._unchecked[:len(unchecked)]  # those added meanwhile wait for the next check
             except CHECK_ERRORS as error:  # e.g. JetStream still recovering its streams after a restart
                 log.debug("decide: KV_EVENTS could not be checked yet (%s: %s)", type(error).__name__, error)
             except Exception:  # a bug here must not end the checks for the rest of the process
@@ -306,6 +327,7 @@ class DecideService(AsyncLifetime):
         log.warning("decide: %s; rebuilding the index from a state the stream reproduces", regression.describe())
         self._ready.clear()
         self._following += 1
+        self._unchecked.clear()
         events, self._events = self._events, None
         if events is not None:
             try:
@@ -328,7 +350,16 @@ class DecideService(AsyncLifetime):
             return  # delivered to the consumer of an index already replaced
         metadata = msg.metadata
         stream_seq = metadata.sequence.stream
-        self._applied = StreamPosition(stream_seq, (msg.headers or {}).get(MSG_ID_HEADER, ""))
+        consumer_seq = metadata.sequence.consumer
+        if consumer_seq != self._consumer_seq + 1:
+            # nats-py re-created the ordered consumer (after a stall or a reconnect) from the seq
+            # after ours: it follows the stream as it is now, which may have reused the seqs of
+            # messages the index applied. Checking where the index stands now would compare a
+            # new message with itself; the position before the consumer resumed is checked.
+            self._resumed()
+        self._consumer_seq = consumer_seq
+        if stream_seq > self._applied.seq:  # a restored consumer may deliver again what the index has
+            self._applied = StreamPosition(stream_seq, (msg.headers or {}).get(MSG_ID_HEADER, ""))
         try:
             batch = decode_batch(msg.data)
         except RecordError as error:

@@ -195,6 +195,46 @@ async def test_decide_notices_the_stream_losing_its_tail_and_answers_as_the_stre
           f"-> rebuilt and caught up {caught_up - restarted:.3f} s (rebuild {service.rebuilt_after_s:.3f} s)")
 
 
+async def test_a_consumer_resuming_on_reused_seqs_is_caught_by_the_position_before_it(
+    nats_server, tmp_path, monkeypatch,
+) -> None:
+    """With no reconnect check and no periodic check in time, the ordered consumer re-created after the
+    restart delivers the new messages at the reused seqs first; checking where the index then
+    stands would compare a new message with itself. The position before the consumer resumed is checked."""
+    import decide.service
+
+    async def nothing(self) -> None:
+        return None
+
+    monkeypatch.setattr(decide.service, "STREAM_CHECK_INTERVAL_S", 60.0)
+    monkeypatch.setattr(DecideService, "_on_reconnected", nothing)
+    monkeypatch.setattr(DecideService, "_on_disconnected", nothing)
+    settings = settings_for(nats_server.url)
+    stream_name = settings.stream.events_stream
+    kept, lost, after = scenario()
+    async with await nats.connect(nats_server.url) as nc:
+        js = nc.jetstream()
+        await ensure_stream(js, events_stream(settings.stream))
+        await ensure_stream(js, decisions_stream(settings.stream))
+        await publish(js, kept)
+        on_disk = services.copy_nats_store(nats_server, tmp_path / "on-disk")
+    async with DecideService(settings) as service:
+        async with await nats.connect(nats_server.url) as nc:
+            await publish(nc.jetstream(), lost)
+            await answers_of(nc, service, len(kept) + len(lost))
+        services.restore_nats_store(nats_server, on_disk)
+        restarted = time.monotonic()
+        async with await nats.connect(nats_server.url) as nc:
+            js = nc.jetstream()
+            await publish(js, after)
+            await wait_until(lambda: service.last_regression is not None, DEADLINE_S, "decide noticing", interval=0.005)
+            detected = time.monotonic()
+            answers = await answers_of(nc, service, len(kept) + len(after))
+            assert answers == reference_answers(await fold_of_the_stream(js, stream_name), settings)
+    assert service.last_regression.applied == StreamPosition(len(kept) + len(lost), lost[-1][0].msg_id)
+    print(f"\nloss -> detected by the consumer's resumption alone {detected - restarted:.3f} s")
+
+
 async def test_the_periodic_check_notices_a_stream_gone_backwards_without_a_reconnect(nats_server) -> None:
     """KV_EVENTS deleted and made again under a connected decide (as a cluster's new leader with an
     old copy would present it): no reconnect, so the check every 2 s finds it."""
