@@ -27,6 +27,8 @@ log = logging.getLogger("kvledger.decide")
 
 NO_POSITION = StreamPosition(0, "")
 MSG_ID_HEADER = "Nats-Msg-Id"
+# Errors that mean "could not check now" (the server restarting, JetStream not yet recovered), not loss.
+CHECK_ERRORS = (nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError)
 
 
 @attrs.frozen
@@ -138,7 +140,3 @@ async def trusted_snapshot(js: nats.js.JetStreamContext, stream: str) -> WarmSta
         fold.inventory_seq = position.seq  # the fold's redelivery rule compares stream seqs
         return WarmStart(InventoryIndex(fold), name, position)
     return None
-
-
-# Errors that mean "could not check now" (the server restarting, JetStream not yet recovered), not loss.
-CHECK_ERRORS = (nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError)

@@ -8,7 +8,6 @@ reuse the lost stream seqs.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -34,7 +33,7 @@ from decide.stream_loss import stream_regression
 pytestmark = pytest.mark.service
 
 W1, W2, W3, W4 = (WorkerId(f"w{number}") for number in range(1, 5))
-GHOST = WorkerId("ghost")  # held only in snapshots that must be refused
+GHOST = WorkerId("ghost")  # announced only by a lost batch (and snapshots that must be refused)
 DEADLINE_S = 20.0
 TARGETS = ("w1", "w2", "w3", "w4", "ghost", None)
 
