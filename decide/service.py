@@ -289,7 +289,8 @@ class DecideService(AsyncLifetime):
 
     def _resumed(self) -> None:
         """What comes next may come from a stream that lost messages: where the index stands is checked first."""
-        self._unchecked.append(self._applied)
+        if not self._unchecked or self._unchecked[-1] != self._applied:
+            self._unchecked.append(self._applied)
         self._check_now.set()
 
     async def _watch_stream(self) -> None:
