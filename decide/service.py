@@ -36,6 +36,7 @@ from kvledger.runtime.lifetime import AsyncLifetime
 from kvledger.runtime.nats_options import auth_failure, connect_options, is_auth_error
 from kvledger.reuse import Reason, ReuseRequest
 from kvledger.settings import Settings
+from kvledger.snapshot import StreamPosition
 from kvledger.runtime.streams import (
     ensure_stream,
     DECIDE_BATCH_SUBJECT,
@@ -47,7 +48,6 @@ from kvledger.runtime.streams import (
 )
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.entry import run_stage
-from kvledger.snapshot import StreamPosition
 from kvledger.runtime.system import install_stop_signals
 
 from decide.backend import RankingBackend, choose_backend
@@ -221,7 +221,7 @@ class DecideService(AsyncLifetime):
                 self.metrics.rebuild_seconds.set(self.rebuilt_after_s)
                 self._ready.set()
                 log.info("decide: index rebuilt; ready again at inventory_seq %d, %.3f s after the loss was detected",
-                            self.index.inventory_seq, self.rebuilt_after_s)
+                         self.index.inventory_seq, self.rebuilt_after_s)
                 return
             self.ready_after_process_start_s = seconds_since_process_start()
             self._ready.set()
