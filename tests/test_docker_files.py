@@ -2,7 +2,8 @@
 pyproject — checked statically, without a Docker engine.
 
 Every service that runs the kvledger image has its command parsed by the real
-`kvledger.app.cli.build_parser()` (with `${VAR:-default}` expanded to the default), every
+`kvledger.app.cli.build_parser()` (with `${VAR:-default}` expanded to the default and a
+required `${VAR:?message}` to a placeholder), every
 `KVLEDGER_*` variable must be in `ENV_REGISTRY` and load through `load_settings`, the cluster
 file has a routed three-node JetStream cluster, replicated streams and two decide replicas,
 and the Dockerfile copies everything the wheel is built from.
@@ -29,16 +30,24 @@ REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
 COMPOSE_FILES = ("compose.yml", "compose.cluster.yml")
 CLUSTER_NATS = "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"
-CLUSTER_ROUTES = "nats://nats-1:6222,nats://nats-2:6222,nats://nats-3:6222"
 
-_VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}|\$(?P<bare>[A-Za-z_][A-Za-z0-9_]*)")
+_VARIABLE = re.compile(
+    r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?(?P<operator>[-?])(?P<default>[^}]*))?\}|\$(?P<bare>[A-Za-z_][A-Za-z0-9_]*)"
+)
+# The secrets compose.yml requires (`${VAR:?message}`): compose refuses to start without them.
+REQUIRED_SECRETS = {"KVLEDGER_NATS_INGEST_PASSWORD", "KVLEDGER_NATS_STORE_PASSWORD", "KVLEDGER_NATS_DECIDE_PASSWORD",
+                    "KVLEDGER_NATS_ROUTER_PASSWORD", "KVLEDGER_DECIDE_HTTP_TOKEN", "POSTGRES_PASSWORD"}
 
 
 def expand(value: str) -> str:
-    """Compose interpolation with an empty environment: `${VAR:-default}` becomes default."""
+    """Compose interpolation with an empty environment: `${VAR:-default}` becomes default, a
+    required secret `${VAR:?message}` the placeholder `required-VAR`."""
     value = value.replace("$$", "\0")
 
     def substitute(match: re.Match[str]) -> str:
+        if match.group("operator") == "?":
+            assert match.group("name") in REQUIRED_SECRETS, f"{value!r}: only secrets may be required"
+            return f"required-{match.group('name')}"
         if match.group("bare") is not None or match.group("default") is None:
             name = match.group("bare") or match.group("name")
             raise AssertionError(f"{value!r}: ${name} has no default, so the file does not work out of the box")
@@ -159,34 +168,56 @@ def test_store_waits_for_migrations_and_migrate_for_postgres(name: str) -> None:
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert services["store"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
-    assert services["postgres"]["image"].startswith("postgres:15")
+    assert expand(services["postgres"]["image"]) == "postgres:15"
 
 
 def test_single_node_compose() -> None:
     services = load_compose("compose.yml")["services"]
     nats = services["nats"]
-    assert nats["image"] == "nats:2.10"
-    assert command_of(nats) == ["-js", "-sd", "/data", "-m", "8222"]
+    assert expand(nats["image"]) == "nats:2.15"
+    assert command_of(nats) == ["--config", "/etc/nats/nats-server.conf"]
+    assert "./nats-server.conf:/etc/nats/nats-server.conf:ro" in nats["volumes"]
+    assert set(environment_of(nats)) == {f"KVLEDGER_NATS_{user}_PASSWORD" for user in ("INGEST", "STORE", "DECIDE", "ROUTER")}
     assert any(volume.endswith(":/data") for volume in nats["volumes"])
     assert "9103:9103" in services["decide"]["ports"]
+    assert environment_of(services["decide"])["KVLEDGER_DECIDE_HTTP_TOKEN"] == "required-KVLEDGER_DECIDE_HTTP_TOKEN"
     for service_name in ("ingest", "store", "decide"):
         assert command_of(services[service_name])[1:3] == ["--nats", "nats://nats:4222"]
+        assert environment_of(services[service_name])["KVLEDGER_NATS_USER"] == service_name
+    assert {"prometheus", "grafana"} == {name for name, service in services.items() if service.get("profiles")}
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_every_stage_has_a_readiness_check_with_a_start_period(name: str) -> None:
+    for service_name, service in kvledger_services(name).items():
+        if command_of(service)[0] in ("ingest", "store", "decide"):
+            check = service["healthcheck"]
+            assert "/readyz" in " ".join(check["test"]), service_name
+            assert check["start_period"], service_name
+
+
+def test_nats_configurations_sync_jetstream_every_second_in_one_place() -> None:
+    single = (DOCKER / "nats-server.conf").read_text(encoding="utf-8")
+    cluster = (DOCKER / "nats-server.cluster.conf").read_text(encoding="utf-8")
+    assert re.findall(r"^\s*sync_interval:\s*(\S+)", single, re.MULTILINE) == ["1s"]
+    assert "sync_interval" not in cluster and "include ./nats-server.conf" in cluster
 
 
 def test_cluster_has_three_routed_jetstream_nodes() -> None:
     services = load_compose("compose.cluster.yml")["services"]
-    nodes = sorted(name for name, service in services.items() if str(service.get("image", "")).startswith("nats:"))
+    nodes = sorted(name for name, service in services.items() if expand(str(service.get("image", ""))).startswith("nats:"))
     assert nodes == ["nats-1", "nats-2", "nats-3"]
+    configuration = (DOCKER / "nats-server.cluster.conf").read_text(encoding="utf-8")
+    routes = re.findall(r"nats-route://([\w-]+):6222", configuration)
+    assert sorted(routes) == nodes
+    assert re.search(r"^cluster \{[^}]*name: kvledger", configuration, re.MULTILINE)
     volumes = set()
     for node in nodes:
         argv = command_of(services[node])
         options = dict(zip(argv, argv[1:]))
-        assert "-js" in argv
-        assert options["--cluster_name"] == "kvledger"
-        assert options["--cluster"] == "nats://0.0.0.0:6222"
-        assert options["--routes"] == CLUSTER_ROUTES
+        assert options["--config"] == "/etc/nats/nats-server.cluster.conf"
         assert options["--server_name"] == node
-        assert options["-sd"] == "/data"
+        assert "./nats-server.cluster.conf:/etc/nats/nats-server.cluster.conf:ro" in services[node]["volumes"]
         [volume] = [v for v in services[node]["volumes"] if v.endswith(":/data")]
         volumes.add(volume)
     assert len(volumes) == 3, "each NATS node needs its own data volume"
@@ -250,13 +281,13 @@ def copied_sources() -> set[str]:
 def test_dockerfile_base_entrypoint_and_user() -> None:
     instructions = dockerfile_instructions()
     by_name = [(name.upper(), argument) for name, argument in instructions]
-    assert by_name[0] == ("FROM", "python:3.11-slim")
+    assert by_name[:2] == [("ARG", "PYTHON_IMAGE=python:3.11-slim"), ("FROM", "${PYTHON_IMAGE}")]
     entrypoints = [argument for name, argument in by_name if name == "ENTRYPOINT"]
     assert entrypoints == ['["kvledger"]']
     assert [argument for name, argument in by_name if name == "CMD"] == ['["--help"]']
     users = [argument for name, argument in by_name if name == "USER"]
     assert users and not users[-1].startswith(("root", "0")), "the image must not run as root"
-    assert any(name == "RUN" and "pip install --no-cache-dir ." in argument for name, argument in by_name)
+    assert any(name == "RUN" and "pip install --no-cache-dir --no-deps ." in argument for name, argument in by_name)
 
 
 def test_dockerfile_copies_what_the_wheel_is_built_from() -> None:
