@@ -11,9 +11,7 @@ each worker's inventory as the batches fold in engine order, and say what the st
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import signal
 import sqlite3
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import sqlalchemy as sa
 
 from kvledger.events import EventBatch
 from kvledger.fold import InventoryFold
-from services import LocalNatsServer
+from services import LocalNatsServer, copy_nats_store, restore_nats_store
 from store import audit, database, tables
 from store_harness import RunningStore, checkpoint, poll, publish, recorded_stream, store_settings
 
@@ -36,23 +34,6 @@ ACKED = 1200  # batches acknowledged (and projected) before the crash
 
 def _batches() -> list[EventBatch]:
     return [item for item in recorded_stream(seed=31, batches=BATCHES) if isinstance(item, EventBatch)]
-
-
-def _copy_store(server: LocalNatsServer, into: Path) -> None:
-    """What a power loss leaves: the store folder as it is on disk at this moment (server paused meanwhile)."""
-    pid = server._process.pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        shutil.copytree(server.store_dir, into)
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
-def _crash_back_to(server: LocalNatsServer, copy: Path) -> None:
-    server.kill()
-    shutil.rmtree(server.store_dir)
-    shutil.copytree(copy, server.store_dir)
-    server.start()
 
 
 def _by_subject(batches: list[EventBatch]) -> list[EventBatch]:
@@ -144,12 +125,12 @@ async def test_the_lost_tail_is_read_again_by_identity_and_every_batch_is_once_i
     store = await RunningStore(settings).__aenter__()
     try:
         await store.until(lambda: checkpoint(db_url) >= ON_DISK, "the first part projected")
-        _copy_store(server, tmp_path / "on-disk")
+        copy_nats_store(server, tmp_path / "on-disk")
         acked = await publish(server.url, batches[ON_DISK:ACKED])
         await store.until(lambda: checkpoint(db_url) >= acked, "the acknowledged part projected")
         if store_during_crash == "restarted":
             await store.__aexit__(None, None, None)
-        _crash_back_to(server, tmp_path / "on-disk")
+        restore_nats_store(server, tmp_path / "on-disk")
         if store_during_crash == "restarted":
             store = await RunningStore(settings).__aenter__()
         # ingest's repair, then new traffic: the reused seqs now hold other batches than SQL recorded.
@@ -190,10 +171,10 @@ async def test_sql_rolled_back_with_the_stream_heals_from_the_stream(nats_server
         source = sqlite3.connect(path)
         source.backup(sqlite3.connect(tmp_path / "ledger-copy.db"))  # what SQL had on disk
         source.close()
-        _copy_store(server, tmp_path / "on-disk")
+        copy_nats_store(server, tmp_path / "on-disk")
         acked = await publish(server.url, batches[ON_DISK:ACKED])
         await store.until(lambda: checkpoint(sqlite_url) >= acked, "the acknowledged part projected")
-    _crash_back_to(server, tmp_path / "on-disk")
+    restore_nats_store(server, tmp_path / "on-disk")
     shutil.copyfile(tmp_path / "ledger-copy.db", path)
     for suffix in ("-wal", "-shm"):
         Path(f"{path}{suffix}").unlink(missing_ok=True)
@@ -210,11 +191,11 @@ async def test_a_loss_nobody_repairs_leaves_sql_ahead_and_says_so(nats_server, d
     batches = _batches()
     settings = store_settings(server.url, db_url, batch_size=64)
     await publish(server.url, batches[:ON_DISK])
-    _copy_store(server, tmp_path / "on-disk")
+    copy_nats_store(server, tmp_path / "on-disk")
     acked = await publish(server.url, batches[ON_DISK:ACKED])
     async with RunningStore(settings) as store:
         await store.until(lambda: checkpoint(db_url) >= acked, "the acknowledged part projected")
-    _crash_back_to(server, tmp_path / "on-disk")
+    restore_nats_store(server, tmp_path / "on-disk")
     await publish(server.url, batches[ACKED:])
     async with RunningStore(settings) as store:
         await store.until(lambda: len(_generations(db_url)) == 1, "the loss found")
@@ -277,12 +258,12 @@ async def test_decisions_the_stream_lost_stay_in_sql_and_new_ones_on_reused_seqs
     store = await RunningStore(settings).__aenter__()
     try:
         await store.until(lambda: checkpoint(db_url, "decisions") >= 100, "the first decisions projected")
-        _copy_store(server, tmp_path / "on-disk")
+        copy_nats_store(server, tmp_path / "on-disk")
         await _publish_decisions(server.url, ids[100:200])
         await store.until(lambda: checkpoint(db_url, "decisions") >= 200, "the acknowledged decisions projected")
         if store_during_crash == "restarted":
             await store.__aexit__(None, None, None)
-        _crash_back_to(server, tmp_path / "on-disk")
+        restore_nats_store(server, tmp_path / "on-disk")
         if store_during_crash == "restarted":
             store = await RunningStore(settings).__aenter__()
         await _publish_decisions(server.url, ids[200:])  # take the lost seqs 101-200
