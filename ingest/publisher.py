@@ -23,9 +23,9 @@ When the buffer is full, `publish` waits: the caller stops reading ZMQ (backpres
 and the engine's replay buffer keeps the rest.
 JetStream acknowledges before it fsyncs, so an acknowledged batch can still be lost (an OS
 crash, a power loss). On every connection, before anything is sent on it, and between
-writes when asked (`request_check`), the publisher awaits `check_stream`, which may put
-batches the stream lost back at the front of the buffer, in order: they then go out
-before everything newer. An ack at a stream seq not above the last one acknowledged says
+writes when asked (`request_check`) or before the first write after a quiet spell, the
+publisher awaits `check_stream`, which may put batches the stream lost back at the front
+of the buffer, in order: they then go out before everything newer. An ack at a stream seq not above the last one acknowledged says
 the stream went back under a connection that stayed up (`on_stream_back`).
 """
 
@@ -69,6 +69,11 @@ class StreamCheckIncomplete(Exception):
         super().__init__(message)
         self.first = first
 
+
+# A write after this long without one checks the stream first: a crashed node takes longer
+# to come back (a restart with recovery is rarely under half a second here), and a check is
+# one stream lookup per engine stream, paid only by the first write of a burst.
+CHECK_AFTER_QUIET_S = 0.25
 
 _RETRYABLE = (
     asyncio.TimeoutError, OSError, nats.errors.Error, nats.js.errors.Error, AckError, StreamCheckIncomplete,
@@ -346,15 +351,23 @@ class JetStreamPublisher:
     async def _pump(self) -> None:
         in_flight: deque[tuple[int, float]] = deque()  # (reply token, sent at)
         next_index = 0  # index in _pending of the next message to send
+        quiet_since: float | None = time.monotonic()  # since when nothing was sent (None: writing); the connection was just checked
         # One timer wakes the pump a few times per ack timeout, rather than a timeout per wait.
         watchdog = _Watchdog(self._ack_timeout / 4, self._wake.set)
         try:
             while True:
                 self._wake.clear()
-                if self._check_requested and not in_flight:
-                    await self._check(None)  # nothing in flight, so nothing buffered was sent: next_index is 0
+                if not in_flight:  # so nothing buffered was sent: next_index is 0
+                    # After a quiet spell the stream may have lost what it acknowledged without
+                    # our connection noticing (a cluster node holding the stream crashed and came
+                    # back meanwhile): check before the first write, not after it landed.
+                    quiet = quiet_since is not None and time.monotonic() - quiet_since >= CHECK_AFTER_QUIET_S
+                    if self._check_requested or (quiet and next_index < len(self._pending)):
+                        await self._check(None)
+                        quiet_since = time.monotonic()
                 # Everything queued since the last write goes in one write, once that one is settled.
                 if next_index < len(self._pending) and not in_flight:
+                    quiet_since = None
                     next_index = self._send(in_flight, next_index)
                 self.in_flight = len(in_flight)
                 if self._broken.is_set():
@@ -363,6 +376,8 @@ class JetStreamPublisher:
                 if not in_flight:
                     if not self._pending:
                         self._drained.set()
+                        if quiet_since is None:
+                            quiet_since = time.monotonic()
                     await self._wake.wait()
                     continue
                 if in_flight[0][0] not in self._acks:
