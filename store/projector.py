@@ -267,36 +267,44 @@ class EventsProjector:
             self.snapshots = SnapshotWriter(js, self.engine, self.settings.store, replicas=self.settings.stream.replicas)
         else:
             log.info("store shard %s of KV_EVENTS: no inventory snapshots are written (decide replays KV_EVENTS)", self.shard)
-        while not stop.is_set():
-            recorder = None
-            try:
-                recorder = RecorderProcess(self.settings.db.url, self.stream, self.shard.checkpoint_name)
-                await asyncio.to_thread(recorder.wait_ready)
-                if self.fold is None:
-                    self.fold, self.index = await asyncio.to_thread(load_fold, self.engine, self.shard)
-                    log.info("fold rebuilt from SQL at stream seq %d", self.fold.inventory_seq)
-                    if self.quality is not None:
-                        self.quality.resume_at(await asyncio.to_thread(last_ingest_ts, self.engine))
-                verdict = await verify_stream(
-                    self.cursor, js, self.fold.inventory_seq, event_identities, name=self.shard.checkpoint_name,
-                    metrics=self.metrics, message_identity=event_message_identity,
-                )
-                subscription = await bind_consumer(
-                    js, self.stream, self.durable, verdict.start_stream_seq - 1, batch_size=self.settings.store.batch_size
-                )
-                self.ready = True
-                backoff.reset()
-                watch = ConsumerWatch(js, self.stream, self.durable)
-                await self._consume(subscription, watch, verdict.start_stream_seq - 1, recorder, stop)
-            except DATABASE_ERRORS + NATS_ERRORS as error:
-                self.ready = False
-                if isinstance(error, DATABASE_ERRORS):
-                    # The transaction may or may not have committed: the SQL checkpoint decides.
-                    self.fold = None
-                await _wait_out_failure(error, self.stream, self.metrics, backoff, stop)
-            finally:
-                if recorder is not None:
-                    await asyncio.to_thread(recorder.close)
+        recorder = None
+        try:
+            while not stop.is_set():
+                try:
+                    if recorder is None:
+                        recorder = RecorderProcess(self.settings.db.url, self.stream, self.shard.checkpoint_name)
+                        await asyncio.to_thread(recorder.wait_ready)
+                    if self.fold is None:
+                        self.fold, self.index = await asyncio.to_thread(load_fold, self.engine, self.shard)
+                        log.info("fold rebuilt from SQL at stream seq %d", self.fold.inventory_seq)
+                        if self.quality is not None:
+                            self.quality.resume_at(await asyncio.to_thread(last_ingest_ts, self.engine))
+                    verdict = await verify_stream(
+                        self.cursor, js, self.fold.inventory_seq, event_identities, name=self.shard.checkpoint_name,
+                        metrics=self.metrics, message_identity=event_message_identity,
+                    )
+                    subscription = await bind_consumer(
+                        js, self.stream, self.durable, verdict.start_stream_seq - 1, batch_size=self.settings.store.batch_size
+                    )
+                    self.ready = True
+                    backoff.reset()
+                    watch = ConsumerWatch(js, self.stream, self.durable)
+                    await self._consume(subscription, watch, verdict.start_stream_seq - 1, recorder, stop)
+                except DATABASE_ERRORS + NATS_ERRORS as error:
+                    self.ready = False
+                    if isinstance(error, DATABASE_ERRORS):
+                        # The transaction may or may not have committed: the SQL checkpoint decides,
+                        # through a fresh fold and a fresh writer (its connection may be broken).
+                        self.fold = None
+                        if recorder is not None:
+                            await asyncio.to_thread(recorder.close)
+                            recorder = None
+                    # A NATS failure keeps the writer: starting one is a process start, which
+                    # would delay every rebind (a lost stream's included) by a second or more.
+                    await _wait_out_failure(error, self.stream, self.metrics, backoff, stop)
+        finally:
+            if recorder is not None:
+                await asyncio.to_thread(recorder.close)
         self.ready = False
 
     async def _consume(self, subscription, watch: ConsumerWatch, last_stream_seq: int, recorder, stop: asyncio.Event) -> None:
