@@ -239,6 +239,7 @@ class EngineStream:
 
         metrics = self._bridge.metrics
         metrics.stream_checks.inc()
+        started = time.perf_counter()
         loss = await self.positions.find_loss(held, last_held)
         if loss is None:
             return []
@@ -270,9 +271,9 @@ class EngineStream:
         metrics.stream_repaired.inc(repair.repaired)
         log.warning(
             "%s: KV_EVENTS lost %d acknowledged batches (%s%s); %d fetched again from the engine and republished, "
-            "%d no longer buffered there (Gap stream_lost)",
+            "%d no longer buffered there (Gap stream_lost); found and fetched in %.0f ms",
             self.name, loss.batches, loss.describe(), "" if loss.reaches_back else ", from the last one it holds",
-            repair.repaired, repair.lost,
+            repair.repaired, repair.lost, (time.perf_counter() - started) * 1000,
         )
         return queued
 
