@@ -15,6 +15,7 @@ backwards (docs/decide.md, "When KV_EVENTS loses messages").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 import nats
+import nats.errors
 import nats.js
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -196,7 +198,13 @@ class DecideService(AsyncLifetime):
         # Requests already taken are answered (and recorded) before the connection drains.
         await self._batcher.close()
         if self._nc is not None and not self._nc.is_closed:
-            await self._nc.drain()
+            try:
+                await self._nc.drain()
+            except nats.errors.ConnectionReconnectingError:
+                # Nothing drains through a connection that is not up; closing it flushes what was
+                # queued meanwhile into the lost socket, and the client is closed all the same.
+                with contextlib.suppress(OSError):
+                    await self._nc.close()
         self._nc = None
         if self.backend is not None:
             self.backend.close()

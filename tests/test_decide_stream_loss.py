@@ -338,3 +338,13 @@ def test_a_backend_switched_to_a_rebuilt_index_answers_as_one_made_for_it() -> N
         assert answers() != CpuBackend(followed).decide_batch(requests(), reuse)
     finally:
         backend.close()
+
+
+async def test_decide_closes_cleanly_while_its_connection_is_reconnecting(nats_server) -> None:
+    """A test or a shutdown may end while nats-server is being restored: drain is refused then."""
+    service = DecideService(settings_for(nats_server.url))
+    async with service:
+        await service.wait_ready(DEADLINE_S)
+        nats_server.kill()
+        await wait_until(lambda: service._nc.is_reconnecting, DEADLINE_S, "decide reconnecting", interval=0.01)
+    assert service._nc is None
