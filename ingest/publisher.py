@@ -25,8 +25,9 @@ JetStream acknowledges before it fsyncs, so an acknowledged batch can still be l
 crash, a power loss). On every connection, before anything is sent on it, and between
 writes when asked (`request_check`) or before the first write after a quiet spell, the
 publisher awaits `check_stream`, which may put batches the stream lost back at the front
-of the buffer, in order: they then go out before everything newer. An ack at a stream seq not above the last one acknowledged says
-the stream went back under a connection that stayed up (`on_stream_back`).
+of the buffer, in order: they then go out before everything newer. An ack at a stream seq
+not above the last one acknowledged says the stream went back under a connection that
+stayed up (`on_stream_back`); the check then runs before the next write.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
     from ingest.stream_loss import AckedPositions
 
 log = logging.getLogger("kvledger.ingest.publisher")
-
 
 
 class StreamCheckIncomplete(Exception):
@@ -146,7 +146,7 @@ class JetStreamPublisher:
         self._check_stream = check_stream
         self._on_stream_back = on_stream_back
         self._check_requested = False
-        self._last_stream_seq = 0  # the highest stream seq acked for a batch with positions, since the last check
+        self._last_stream_seq = 0  # the highest stream seq acked for a batch with positions
         self._pending: deque[Queued] = deque()
         self._max_buffered = max_buffered
         self._room = asyncio.Event()  # set when acks made room in a full buffer
@@ -329,11 +329,14 @@ class JetStreamPublisher:
         try:
             first = await self._check_stream(js)
         except StreamCheckIncomplete as error:
-            self._put_first(error.first)
+            if error.first:
+                self._put_first(error.first)
+                self._last_stream_seq = 0
             raise
-        self._put_first(first)
-        # Repaired batches take the lost stream seqs again: that is not the stream going back.
-        self._last_stream_seq = 0
+        if first:
+            self._put_first(first)
+            # Repaired batches take the lost stream seqs again: that is not the stream going back.
+            self._last_stream_seq = 0
 
     def _put_first(self, first: list[Queued]) -> None:
         if first:
@@ -351,7 +354,8 @@ class JetStreamPublisher:
     async def _pump(self) -> None:
         in_flight: deque[tuple[int, float]] = deque()  # (reply token, sent at)
         next_index = 0  # index in _pending of the next message to send
-        quiet_since: float | None = time.monotonic()  # since when nothing was sent (None: writing); the connection was just checked
+        # Since when nothing was sent (None: writing); the connection was checked just now.
+        quiet_since: float | None = time.monotonic()
         # One timer wakes the pump a few times per ack timeout, rather than a timeout per wait.
         watchdog = _Watchdog(self._ack_timeout / 4, self._wake.set)
         try:
