@@ -5,9 +5,9 @@ One `EngineStream` task per (publisher, dp_rank, provenance). Each resumes from 
 there, then follows the SUB socket, probing the replay socket whenever it is idle so a
 lost last message is noticed too. All publishing goes through one ordered publisher.
 Each stream remembers where JetStream stored what it acknowledged; on every connection to
-NATS and every `ingest.stream_check_interval_s`, the publisher pauses between writes while
-the streams check that KV_EVENTS still holds it, and puts what it lost back in front
-(`ingest/stream_loss.py`).
+NATS, before the first write after a quiet spell and every `ingest.stream_check_interval_s`,
+the publisher pauses between writes while the streams check that KV_EVENTS still holds it,
+and puts what it lost back in front (`ingest/stream_loss.py`).
 """
 
 from __future__ import annotations

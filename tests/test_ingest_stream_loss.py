@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import time
-from pathlib import Path
 
 import nats
 import nats.js.errors
@@ -29,32 +28,7 @@ from ingest.stream_loss import AckedPositions, Loss, LostBatch, LostRun, plan_re
 from kvledger.events import Gap, GapReason, Provenance, WorkerId
 from kvledger.runtime.streams import dead_letters_stream, ensure_stream, events_stream
 from kvledger.sim.engine import SimulatedEngine
-from services import LocalNatsServer, NatsService, ServiceNotControllable
-
-
-def _local(server: NatsService) -> LocalNatsServer:
-    if not isinstance(server, LocalNatsServer) or server._process is None:
-        raise ServiceNotControllable(f"copying a store folder needs a local nats-server, not {type(server).__name__}")
-    return server
-
-
-def copy_store(server: NatsService, into: Path) -> None:
-    """What was on disk now: the store folder copied while the server is paused (SIGSTOP … SIGCONT)."""
-    local = _local(server)
-    os.kill(local._process.pid, signal.SIGSTOP)
-    try:
-        shutil.copytree(local.store_dir, into)
-    finally:
-        os.kill(local._process.pid, signal.SIGCONT)
-
-
-def lose_since_copy(server: NatsService, copy: Path) -> None:
-    """A crash: SIGKILL, the store folder back to `copy`, started again on the same port."""
-    local = _local(server)
-    local.kill()
-    shutil.rmtree(local.store_dir)
-    shutil.copytree(copy, local.store_dir)
-    local.start()
+from services import copy_nats_store, restore_nats_store
 
 
 def source(name: str, engine: SimulatedEngine) -> StreamSource:
@@ -98,12 +72,12 @@ async def test_batches_the_stream_lost_are_fetched_again_and_republished_in_orde
             await bridge.wait_ready(timeout=10)
             await publish_rounds(engines, range(kept))
             await wait_until(lambda: bridge.publisher.counters.published >= 2 * kept, 10, "the first batches acked")
-            copy_store(nats_server, tmp_path / "on-disk")
+            copy_nats_store(nats_server, tmp_path / "on-disk")
             await publish_rounds(engines, range(kept, kept + lost))
             await wait_until(lambda: bridge.publisher.counters.published >= 2 * (kept + lost), 10, "the rest acked")
             await bridge.publisher.flush(10)
             traffic = asyncio.create_task(publish_rounds(engines, range(kept + lost, kept + lost + after), 0.05))
-            await asyncio.to_thread(lose_since_copy, nats_server, tmp_path / "on-disk")
+            await asyncio.to_thread(restore_nats_store, nats_server, tmp_path / "on-disk")
             restored = time.monotonic()
             await wait_until(lambda: bridge.metrics.stream_repaired.value > 0, 10, "the repair")
             found_in = time.monotonic() - restored
@@ -142,12 +116,12 @@ async def test_what_no_engine_buffers_any_more_is_an_explicit_stream_lost_gap(na
             await bridge.wait_ready(timeout=10)
             await publish_rounds(engines, range(kept))
             await wait_until(lambda: bridge.publisher.counters.published >= 2 * kept, 10, "the first batches acked")
-            copy_store(nats_server, tmp_path / "on-disk")
+            copy_nats_store(nats_server, tmp_path / "on-disk")
             await publish_rounds(engines, range(kept, kept + lost))
             await wait_until(lambda: bridge.publisher.counters.published >= 2 * (kept + lost), 10, "the rest acked")
             await bridge.publisher.flush(10)
             forgetful.shrink_replay_buffer(0)  # it buffers nothing any more
-            lose_since_copy(nats_server, tmp_path / "on-disk")
+            restore_nats_store(nats_server, tmp_path / "on-disk")
             await wait_until(lambda: bridge.metrics.stream_lost.value > 0, 10, "the stream check")
             await bridge.publisher.flush(10)
             await publish_rounds(engines, range(kept + lost, kept + lost + after))
