@@ -64,6 +64,16 @@ async def _healed(pipeline: Pipeline, fleet: SimulatedFleet, url: str) -> int:
     return await pipeline.events_last_seq()
 
 
+async def _acknowledged_after_the_copy(pipeline: Pipeline, fleet: SimulatedFleet, requests: list, server, copy) -> None:
+    """Serve and project a part; copy nats-server's store (what a power loss leaves on disk); serve and project
+    another part, acknowledged and in SQL, that the copy lacks."""
+    await serve_round_robin(fleet, requests[:PART])
+    await pipeline.settled(batches_sent(fleet))
+    copy_nats_store(server, copy)
+    await serve_round_robin(fleet, requests[PART:2 * PART], start=PART)
+    await wait_until(lambda: sum(_sql_identities(pipeline).values()) == batches_sent(fleet), 60, "the acknowledged part in SQL")
+
+
 def _assert_truth(pipeline: Pipeline, fleet: SimulatedFleet) -> None:
     assert pipeline.sql_inventory() == truth_inventory(fleet)
     assert pipeline.sql("SELECT COUNT(*) FROM workers WHERE uncertain_since IS NOT NULL") == [(0,)]
@@ -77,12 +87,7 @@ async def test_a_lost_acknowledged_tail_is_fetched_again_and_nothing_diverges(na
         settings = pipeline_settings(nats_server.url, db_url, **REUSE_ON)
         pipeline = await Pipeline(settings, fleet).__aenter__()
         try:
-            await serve_round_robin(fleet, requests[:PART])
-            await pipeline.settled(batches_sent(fleet))
-            copy_nats_store(nats_server, tmp_path / "on-disk")
-            await serve_round_robin(fleet, requests[PART:2 * PART], start=PART)
-            await wait_until(lambda: sum(_sql_identities(pipeline).values()) == batches_sent(fleet), 60,
-                             "the acknowledged part in SQL")
+            await _acknowledged_after_the_copy(pipeline, fleet, requests, nats_server, tmp_path / "on-disk")
             if stages == "restarted":
                 await pipeline.__aexit__(None, None, None)
             restore_nats_store(nats_server, tmp_path / "on-disk")
@@ -108,12 +113,7 @@ async def test_what_no_engine_buffers_any_more_is_a_stream_lost_gap_and_sql_keep
     async with SimulatedFleet(WORKERS, gpu_blocks=48, cpu_blocks=96) as fleet:
         settings = pipeline_settings(nats_server.url, db_url, **REUSE_ON)
         async with Pipeline(settings, fleet) as pipeline:
-            await serve_round_robin(fleet, requests[:PART])
-            await pipeline.settled(batches_sent(fleet))
-            copy_nats_store(nats_server, tmp_path / "on-disk")
-            await serve_round_robin(fleet, requests[PART:2 * PART], start=PART)
-            await wait_until(lambda: sum(_sql_identities(pipeline).values()) == batches_sent(fleet), 60,
-                             "the acknowledged part in SQL")
+            await _acknowledged_after_the_copy(pipeline, fleet, requests, nats_server, tmp_path / "on-disk")
             # The engines move on: none still buffers what the stream is about to lose.
             for worker in fleet.workers:
                 worker.engine.shrink_replay_buffer(1)
