@@ -55,6 +55,7 @@ from kvledger.runtime.system import install_stop_signals
 from decide.backend import RankingBackend, choose_backend
 from decide.batching import MicroBatcher
 from decide.cpu import compile_kernels
+from decide.dynamo_indexer import DynamoIndexerApi
 from decide.index import InventoryIndex
 from decide.media import (
     MEDIA_TYPES,
@@ -124,6 +125,7 @@ class DecideService(AsyncLifetime):
             failure_reply=_failure_reply,
         )
         self._http: HttpFront | None = None
+        self.dynamo = DynamoIndexerApi(lambda: self.index)  # Dynamo's indexer API: reads, never recorded
         self._ready = asyncio.Event()
         self._warm_target = 0
         self._stopped = asyncio.Event()
@@ -501,6 +503,8 @@ class DecideService(AsyncLifetime):
         routes[("POST", "/v1/decide/batch")] = Route(
             functools.partial(self._http_decide, batch=True), settings.http_max_batch_bytes, needs_token=True,
         )
+        routes.update(self.dynamo.routes(max_request_bytes=settings.http_max_request_bytes,
+                                         max_query_bytes=settings.http_max_batch_bytes))
         return routes
 
     async def _http_decide(self, request: Request, *, batch: bool) -> Response:

@@ -44,6 +44,7 @@ class Request:
     path: str
     headers: Mapping[str, str]  # lower-cased names
     body: bytes
+    query: str = ""  # the query string, undecoded
 
     @property
     def media_type(self) -> str:
@@ -154,7 +155,8 @@ class HttpFront:
         body, refusal = await self._read_body(raw, route.max_body_bytes)
         if refusal is not None:
             return _reply(refusal, {"Connection": "close"})
-        request = Request(raw.method, raw.path, {name.lower(): value for name, value in raw.headers.items()}, body)
+        headers = {name.lower(): value for name, value in raw.headers.items()}
+        request = Request(raw.method, raw.path, headers, body, raw.query_string)
         try:
             response = await route.handler(request)
         except Exception as error:  # a handler bug must not take the service down
