@@ -29,6 +29,17 @@ SECRETS = ("KVLEDGER_NATS_INGEST_PASSWORD", "KVLEDGER_NATS_STORE_PASSWORD", "KVL
 READY_TIMEOUT_S = 180.0
 
 
+def require_compose() -> None:
+    """Raise ServiceUnavailable unless a Docker engine answers and the compose plugin runs."""
+    services.container_source("compose stack", "docker compose")
+    try:
+        found = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        found = False
+    if not found:
+        raise services.ServiceUnavailable("a Docker engine answers but `docker compose` does not (install the compose plugin)")
+
+
 class ComposeStack:
     """One compose project: its commands, published ports, logs, and SQL."""
 

@@ -19,7 +19,6 @@ import nats
 import pytest
 import sqlalchemy as sa
 
-import services
 from conftest import _service_or_skip
 from engines import wait_until
 from kvledger.events import WorkerId
@@ -27,7 +26,7 @@ from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.fleet import SimulatedFleet, SimulatedWorker, free_tcp_port
 from kvledger.sim.workload import DEMO_BLOCK_SIZE, EngineCache, synthetic_requests
 from pipeline import truth_inventory
-from stacks import COMPOSE_FILE, ComposeStack, compose_stack, http
+from stacks import COMPOSE_FILE, ComposeStack, compose_stack, http, require_compose
 
 pytestmark = [pytest.mark.container, pytest.mark.service]
 
@@ -57,7 +56,7 @@ def engine_ports() -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def stack(engine_ports, tmp_path_factory) -> Iterator[ComposeStack]:
-    _service_or_skip(lambda: services.container_source("kvledger stack", "docker compose"))
+    _service_or_skip(require_compose)
     publish, replay = engine_ports
     with compose_stack(
         COMPOSE_FILE, PORTS_CHOSEN_BY_DOCKER, tmp_path_factory.mktemp("compose"),

@@ -17,14 +17,13 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-import services
 from conftest import _service_or_skip
 from engines import wait_until
 from kvledger.events import WorkerId
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.fleet import SimulatedWorker, free_tcp_port
 from kvledger.sim.workload import DEMO_BLOCK_SIZE, EngineCache, synthetic_requests
-from stacks import CLUSTER_COMPOSE_FILE, ComposeStack, compose_stack, http
+from stacks import CLUSTER_COMPOSE_FILE, ComposeStack, compose_stack, http, require_compose
 from test_compose import engine_truth, sql_inventory
 
 pytestmark = [pytest.mark.container, pytest.mark.service]
@@ -63,7 +62,7 @@ def engine_ports() -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def cluster(engine_ports, tmp_path_factory) -> Iterator[ComposeStack]:
-    _service_or_skip(lambda: services.container_source("kvledger cluster", "docker compose"))
+    _service_or_skip(require_compose)
     publish, replay = engine_ports
     with compose_stack(
         CLUSTER_COMPOSE_FILE, PORTS_CHOSEN_BY_DOCKER, tmp_path_factory.mktemp("cluster"),
