@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Self
 
@@ -322,4 +324,96 @@ class LocalNatsCluster:
         raise TimeoutError(f"no {what} within {timeout_s:.0f}s (last error: {last_error!r})")
 
 
-__all__ = ["CLUSTER_NAME", "NODE_NAMES", "ClusterNode", "LocalNatsCluster", "cluster_binary"]
+# --- store faults (issue 31): what a crash or a bad disk leaves in a node's store folder ----------
+#
+# JetStream acknowledges before it fsyncs. Copying a paused node's store folder keeps what
+# was on disk at that instant; putting the copy back after a SIGKILL is the crash that loses
+# everything acknowledged since. A truncated or bit-flipped message block is a bad disk.
+
+
+def copy_stores(cluster: LocalNatsCluster, names: Iterable[str], into: Path) -> dict[str, Path]:
+    """Pause every node of `names` at once (SIGSTOP), copy each one's store folder to `into/<name>`,
+    resume them (SIGCONT): one instant's disk for all of them, as a coordinated power loss sees it."""
+    nodes = [cluster.nodes[name] for name in names]
+    paused = []
+    try:
+        for node in nodes:
+            os.kill(node._process.pid, signal.SIGSTOP)
+            paused.append(node)
+        return {node.name: Path(shutil.copytree(node.store_dir, into / node.name)) for node in nodes}
+    finally:
+        for node in paused:
+            os.kill(node._process.pid, signal.SIGCONT)
+
+
+def put_back_stores(cluster: LocalNatsCluster, copies: dict[str, Path]) -> None:
+    """The crash: SIGKILL each node of `copies` and replace its store folder with its copy (not restarted)."""
+    for name, copy in copies.items():
+        node = cluster.nodes[name]
+        node.kill()
+        shutil.rmtree(node.store_dir)
+        shutil.copytree(copy, node.store_dir)
+
+
+async def restart_together(cluster: LocalNatsCluster, names: Iterable[str], timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Launch every node of `names` (killed first if running) and wait until all are healthy and agree on
+    a meta leader: nodes that all went down cannot come back one at a time, as none elects a leader alone."""
+    nodes = [cluster.nodes[name] for name in names]
+    for node in nodes:
+        node.kill()
+        node.launch()
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(lambda: all(node.healthy() for node in nodes) and cluster._meta_agreed()):
+        down = [node for node in nodes if not node.running]
+        if down or time.monotonic() > deadline:
+            details = "\n".join(node.exit_detail() for node in nodes)
+            raise ServiceStartError(f"{', '.join(n.name for n in nodes)} not healthy after their restart:\n{details}")
+        await asyncio.sleep(POLL_INTERVAL_S * 5)
+
+
+def stream_state(cluster: LocalNatsCluster, name: str, stream: str) -> dict | None:
+    """`stream`'s state as node `name` holds it (messages, first_seq, last_seq …), from its /jsz; None while
+    the node is down or does not host the stream."""
+    jsz = _monitor_json(cluster.nodes[name].monitor_port, "/jsz?streams=true") if cluster.nodes[name].running else None
+    for account in (jsz or {}).get("account_details") or []:
+        for detail in account.get("stream_detail") or []:
+            if detail.get("name") == stream:
+                return detail.get("state")
+    return None
+
+
+def restored_messages(cluster: LocalNatsCluster, name: str, stream: str) -> list[int]:
+    """How many messages of `stream` node `name` found in its store at each start, oldest start first
+    (its log's "Restored N messages for stream '$G > STREAM'" lines)."""
+    pattern = re.compile(rf"Restored ([0-9,]+) messages for stream '\$G > {re.escape(stream)}'")
+    log = cluster.nodes[name].log_path.read_text(errors="replace")
+    return [int(found.group(1).replace(",", "")) for found in pattern.finditer(log)]
+
+
+def message_blocks(cluster: LocalNatsCluster, name: str, stream: str) -> list[Path]:
+    """The message block files (`msgs/*.blk`) of `stream` in node `name`'s store folder, in block order."""
+    folder = cluster.nodes[name].store_dir / "jetstream" / "$G" / "streams" / stream / "msgs"
+    return sorted(folder.glob("*.blk"), key=lambda path: int(path.stem))
+
+
+def truncate_block(path: Path, keep: float = 0.5) -> int:
+    """Cut a message block file to `keep` of its length (a write the disk never finished); returns the new size."""
+    size = int(path.stat().st_size * keep)
+    os.truncate(path, size)
+    return size
+
+
+def flip_bytes(path: Path, at: float = 0.5, count: int = 16) -> int:
+    """Invert `count` bytes of a file from `at` of its length (bit rot); returns the offset of the first one."""
+    data = bytearray(path.read_bytes())
+    offset = int(len(data) * at)
+    data[offset : offset + count] = bytes(byte ^ 0xFF for byte in data[offset : offset + count])
+    path.write_bytes(bytes(data))
+    return offset
+
+
+__all__ = [
+    "CLUSTER_NAME", "NODE_NAMES", "ClusterNode", "LocalNatsCluster", "cluster_binary",
+    "copy_stores", "flip_bytes", "message_blocks", "put_back_stores", "restart_together", "restored_messages",
+    "stream_state", "truncate_block",
+]
