@@ -21,7 +21,7 @@ import msgspec
 import xxhash
 
 from kvledger.events import Cleared, Event, Removed, Stored, Tier
-from kvledger.hashing import block_seed, local_block_hashes, parse_extra_keys
+from kvledger.hashing import BlockKeys, block_seed, local_block_hashes, parse_extra_keys
 
 _encoder = msgspec.msgpack.Encoder()  # a rejected event's raw form, for its dead letter
 
@@ -57,8 +57,10 @@ class Engine(enum.Enum):
 
 
 # vLLM's AllBlocksCleared comes from its GPU pool's reset_prefix_cache: offload tiers survive.
-# SGLang's flush_cache resets the radix tree and its host pool together. TensorRT-LLM's
-# clear is of its KV-cache manager's one pool (its host tier is reported as moves).
+# SGLang's flush_cache resets the radix tree and its host pool together. TensorRT-LLM's own
+# ZMQ publisher never sends one (kv_cache_events.py defines AllBlocksCleared and emits none);
+# on an engine=trtllm endpoint a clear is kvledger's forwarder announcing a `created` event,
+# a new KV-cache manager whose every cache level (GPU, host, disk) starts empty.
 CLEAR_SCOPE: dict[Engine, Tier | None] = {Engine.VLLM: Tier.DEVICE, Engine.SGLANG: None, Engine.TRTLLM: None}
 
 
@@ -280,7 +282,7 @@ def _stored(fields: dict[str, Any]) -> tuple[Stored, bool]:
             return event, True
         raise WireError(f"BlockStored has {len(hashes)} blocks of {block_size} tokens but {len(tokens) - lookahead} token ids")
     try:
-        keys = parse_extra_keys(fields.get("extra_keys"), lora_name)
+        keys = _with_mm_keys(parse_extra_keys(fields.get("extra_keys"), lora_name), fields.get("mm_keys"), len(hashes))
         if keys and len(keys) != len(hashes):
             raise ValueError(f"extra_keys has {len(keys)} entries for {len(hashes)} blocks")
         lookahead_tokens = fields.get("lookahead_token_ids")
@@ -296,6 +298,29 @@ def _stored(fields: dict[str, Any]) -> tuple[Stored, bool]:
     except ValueError as error:
         raise WireError(str(error)) from None
     return msgspec.structs.replace(event, local_hashes=tuple(local)), False
+
+
+def _with_mm_keys(keys: tuple[BlockKeys, ...], mm_keys: object, count: int) -> tuple[BlockKeys, ...]:
+    """Add TensorRT-LLM's `mm_keys` (one list per block of `{"type": "mm_key", "hash": hex, "start_offset"}`)
+    to the blocks' keys: each image by the first 16 hex digits of its hash, as Dynamo reads it."""
+    if mm_keys is None:
+        return keys
+    if not isinstance(mm_keys, (list, tuple)) or len(mm_keys) != count:
+        raise ValueError(f"mm_keys must be one list per block ({count})")
+    merged = []
+    for position, entry in enumerate(mm_keys):
+        base = keys[position] if position < len(keys) else BlockKeys()
+        hashes = list(base.mm_hashes)
+        for item in entry or ():
+            digest = item.get("hash") if isinstance(item, dict) else None
+            if not isinstance(digest, str) or not digest:
+                raise ValueError(f"mm_keys[{position}] has an item without a hex hash: {item!r:.80}")
+            try:
+                hashes.append(int(digest[:16], 16))
+            except ValueError:
+                raise ValueError(f"mm_keys[{position}] hash {digest!r:.40} is not hex") from None
+        merged.append(BlockKeys(tuple(sorted(hashes)), base.cache_salt) if hashes else base)
+    return tuple(merged)
 
 
 def _is_remote(fields: dict[str, Any]) -> bool:
@@ -414,6 +439,7 @@ class _VllmStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False)
     # Anything but None here (per-block keys, lookahead) is left to the generic path.
     extra_keys: tuple[None, ...] | None = None
     lookahead_token_ids: None = None
+    mm_keys: None = None  # TensorRT-LLM's per-block multimodal keys: the generic path hashes them
     ownership: str | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
