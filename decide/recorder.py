@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import nats
@@ -35,6 +35,7 @@ class Record:
     answer: bytes
     relied_prefix: bytes = b""
     ack_to: str | None = None  # where JetStream acks it when the caller takes the ack; None: the recorder waits for it
+    headers: Mapping[str, str] | None = None  # what else the record carries: the request, a shadow answer
 
 
 class DecisionsNotRecorded(RuntimeError):
@@ -94,6 +95,8 @@ class DecisionRecorder:
         headers = {"Nats-Msg-Id": record.request_id, "Nats-Expected-Stream": self._stream}
         if record.relied_prefix:
             headers[RELIED_PREFIX_HEADER] = record.relied_prefix.decode()
+        if record.headers:
+            headers.update(record.headers)
         await self._nc.publish(self._subject, record.answer, reply=reply, headers=headers)
 
     async def _on_ack(self, msg: Msg) -> None:

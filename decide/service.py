@@ -30,7 +30,8 @@ from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from kvledger.decision_codec import (
-    RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, RequestError, error_reply, record_ack_subject,
+    RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, REQUEST_HEADER, SHADOW_HEADER, RequestError, error_reply,
+    record_ack_subject, request_header,
 )
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
 from kvledger.runtime.http import HttpFront, HttpLimits, Request, Response, Route, health_routes
@@ -57,6 +58,7 @@ from decide.batching import MicroBatcher
 from decide.cpu import compile_kernels
 from decide.dynamo_indexer import DynamoIndexerApi
 from decide.index import InventoryIndex
+from decide.inflight import InflightLedger, InflightRouting
 from decide.media import (
     MEDIA_TYPES,
     EncodedAnswers,
@@ -69,6 +71,7 @@ from decide.media import (
 from decide.metrics import DecideMetrics
 from decide.ranked import AnswerTexts
 from decide.recorder import DecisionRecorder, Record
+from decide.shadow import ShadowDecisions, shadow_reuse
 from decide.startup import StartupError, seconds_since_process_start, settle_subscriptions
 from decide.stream_loss import (
     CHECK_ERRORS, MSG_ID_HEADER, NO_POSITION, StreamRegression, stream_regression, trusted_snapshot,
@@ -139,6 +142,10 @@ class DecideService(AsyncLifetime):
         self._rebuild_started: float | None = None
         self._check_now = asyncio.Event()
         self._watcher: asyncio.Task | None = None
+        # Beside the live answer: what reuse would choose (decide/shadow.py), and the blocks of
+        # requests routed within the TTL (decide/inflight.py).
+        self.shadow: ShadowDecisions | None = None
+        self.inflight = InflightRouting(InflightLedger(settings.decide.inflight_ttl_ms / 1000))
 
     # lifetime
 
@@ -162,6 +169,8 @@ class DecideService(AsyncLifetime):
         await self._recorder.start()
         self._subscriptions.append(self._recorder.subscription)
 
+        shadow = shadow_reuse(settings)
+        self.shadow = ShadowDecisions(shadow) if shadow is not None else None
         await self._load_index()
         await self._start_backend()
         await self._follow_events()
@@ -399,7 +408,10 @@ class DecideService(AsyncLifetime):
         """Rank requests with the chosen backend and record the metrics."""
         assert self.backend is not None, "answering starts after start() chose the backend"
         started = time.perf_counter()
-        answers = self.backend.answer_texts(requests, self.settings.reuse, clock=self._clock)
+        if self.inflight.ledger.ttl_s or any(request.fallback is not None for request in requests):
+            answers = self.inflight.answer(self.backend, requests, self.settings.reuse, clock=self._clock)
+        else:
+            answers = self.backend.answer_texts(requests, self.settings.reuse, clock=self._clock)
         elapsed = time.perf_counter() - started
         name = self.backend.name
         self.metrics.latency.labels(name, "single" if len(requests) == 1 else "batch").observe(elapsed)
@@ -430,10 +442,21 @@ class DecideService(AsyncLifetime):
         # Answers go from the ranked arrays straight to JSON, the same bytes that are recorded.
         records = []
         if valid:
-            answers = self.decide_many([request for _, request in valid])
-            for (position, request), payload, relied in zip(valid, answers.answers, answers.relied_prefixes):
+            requests = [request for _, request in valid]
+            answers = self.decide_many(requests)
+            shadows, shadow_relied = (self.shadow.answer(self.backend, requests, clock=self._clock)
+                                      if self.shadow is not None else ((), ()))
+            for number, ((position, request), payload, relied) in enumerate(
+                zip(valid, answers.answers, answers.relied_prefixes)
+            ):
                 parts[position] = payload
-                records.append(Record(request.request_id, payload, relied, ack_to[position] if ack_to else None))
+                headers = {REQUEST_HEADER: request_header(request)}
+                if shadows:
+                    headers[SHADOW_HEADER] = shadows[number]
+                    # Both are prefixes of the request's sequence hashes: the longer holds the other.
+                    relied = max(relied, shadow_relied[number], key=len)
+                records.append(Record(request.request_id, payload, relied, ack_to[position] if ack_to else None,
+                                      headers))
         await self._record(records)
         return EncodedAnswers(tuple(parts), frozenset(refused))
 

@@ -95,6 +95,9 @@ class WireRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     cache_salt: str | None = None
     extra_keys: list[Any] | None = None  # vLLM's per-block list, as its BlockStored.extra_keys
     lookahead: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOOKAHEAD)] = 0  # 1: EAGLE's window
+    # Where the caller places the request when no worker has credit, native or in flight:
+    # the answer's target then, so decide knows where it went (docs/decide.md, In-flight credit).
+    fallback: str | None = None
 
 
 _JSON_REQUEST = msgspec.json.Decoder(WireRequest)
@@ -111,6 +114,7 @@ _FIELD_RULES = {
     "local_hashes": f"a list of integers in [0, {U64_MAX}] (or their decimal strings)",
     "lookahead": f"an integer in [0, {MAX_LOOKAHEAD}] (1: EAGLE's window)",
     "target": "a worker's name, or null",
+    "fallback": "a worker's name, or null",
     "lora_name": "a string or null",
     "cache_salt": "a string or null",
     "extra_keys": "a list with one entry per block, or null",
@@ -176,6 +180,10 @@ def _request_of(wire: WireRequest) -> reuse.ReuseRequest:
         target = WorkerId.parse(wire.target) if wire.target else None
     except ValueError as error:
         raise RequestError("target", str(error)) from None
+    try:
+        fallback = WorkerId.parse(wire.fallback) if wire.fallback else None
+    except ValueError as error:
+        raise RequestError("fallback", str(error)) from None
     has_tokens, has_hashes = wire.token_ids is not None, wire.local_hashes is not None
     if has_tokens == has_hashes:
         raise RequestError("token_ids", "give exactly one of token_ids or local_hashes")
@@ -197,7 +205,7 @@ def _request_of(wire: WireRequest) -> reuse.ReuseRequest:
         )
     if len(local) > MAX_REQUEST_BLOCKS:
         raise RequestError("token_ids" if has_tokens else "local_hashes", f"more than {MAX_REQUEST_BLOCKS} blocks")
-    return reuse.ReuseRequest(request_id, tuple(local), wire.block_size, target, lora_name)
+    return reuse.ReuseRequest(request_id, tuple(local), wire.block_size, target, lora_name, fallback)
 
 
 def _id_of(data: bytes, decode) -> object:
@@ -266,8 +274,21 @@ class Candidate(msgspec.Struct, frozen=True):
     saving_ms: float
 
 
-class Answer(msgspec.Struct, frozen=True):
-    """decide's answer (docs/decide.md's answer, with `settings_digest`), in the order its writer writes the fields."""
+class Inflight(msgspec.Struct, frozen=True):
+    """Blocks the answer's target is expected to hold beyond its native prefix, because decide
+    routed requests with them there within `decide.inflight_ttl_ms` and no event of its engine
+    has yet confirmed or contradicted them. Routing credit, never execution credit
+    (`credited_blocks` counts native blocks alone)."""
+
+    blocks: int  # past the target's native prefix: positions `overlaps[target].any` .. + blocks - 1
+    credit: float  # blocks × reuse.device_credit_weight: what target choice counted beside credited_blocks
+
+
+class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
+    """decide's answer (docs/decide.md's answer, with `settings_digest`), in the order its writer writes the fields.
+
+    `inflight` is written only when the target has in-flight credit (`decide.inflight_ttl_ms`).
+    """
 
     request_id: str
     inventory_seq: int
@@ -281,6 +302,7 @@ class Answer(msgspec.Struct, frozen=True):
     uncertain_workers: tuple[str, ...]
     backend: str
     settings_digest: str
+    inflight: Inflight | None = None
 
 
 ANSWER_DECODER = msgspec.json.Decoder(Answer)
@@ -339,3 +361,85 @@ RECORD_ACK_TO_CALLER = "caller"
 def record_ack_subject(reply: str) -> str:
     """Where JetStream acknowledges the record of the answer sent to `reply`: under the caller's own inbox."""
     return reply + ".recorded"
+
+
+# --- what a KV_DECISIONS record carries beside the answer ------------------------------------
+
+# The request as asked, so a replay can answer it again under other settings (docs/audit.md,
+# "What-if replay"): its block size, the target and fallback it named, and its local hashes
+# (little-endian u64 in hex, at most MAX_RELIED_BLOCKS; `blocks` says how many it had).
+REQUEST_HEADER = "Kvledger-Request"
+# What reuse would have chosen under the shadow settings (`decide.shadow`): a `ShadowAnswer`.
+SHADOW_HEADER = "Kvledger-Shadow"
+
+
+class RecordedRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A request as its record keeps it (header `REQUEST_HEADER`, compact JSON)."""
+
+    block_size: int
+    blocks: int
+    local_hashes: str  # hex of the first min(blocks, MAX_RELIED_BLOCKS) local hashes, little-endian u64
+    target: str | None = None
+    fallback: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether every block of the request is recorded (a longer one is replayed on its first blocks only)."""
+        return len(self.local_hashes) // 16 == self.blocks
+
+    def reuse_request(self, request_id: str) -> reuse.ReuseRequest:
+        data = bytes.fromhex(self.local_hashes)
+        local = struct.unpack(f"<{len(data) // 8}Q", data)
+        return reuse.ReuseRequest(
+            request_id, local, self.block_size, WorkerId.parse(self.target) if self.target else None, None,
+            WorkerId.parse(self.fallback) if self.fallback else None,
+        )
+
+
+class ShadowAnswer(msgspec.Struct, frozen=True):
+    """The would-be answer under the shadow settings, as its record keeps it (header `SHADOW_HEADER`)."""
+
+    settings_digest: str
+    reason: str
+    target: str | None
+    baseline_blocks: int
+    chosen: Candidate | None
+
+
+_RECORDED_REQUEST = msgspec.json.Decoder(RecordedRequest)
+_SHADOW = msgspec.json.Decoder(ShadowAnswer)
+_ENCODER = msgspec.json.Encoder()
+
+
+def request_header(request: reuse.ReuseRequest) -> str:
+    """The `REQUEST_HEADER` value of a request."""
+    local = request.local_hashes[:MAX_RELIED_BLOCKS]
+    return _ENCODER.encode(RecordedRequest(
+        request.block_size, len(request.local_hashes), struct.pack(f"<{len(local)}Q", *local).hex(),
+        request.target.name if request.target is not None else None,
+        request.fallback.name if request.fallback is not None else None,
+    )).decode()
+
+
+def request_from_header(text: str | None) -> RecordedRequest | None:
+    return None if not text else _RECORDED_REQUEST.decode(text)
+
+
+def shadow_header(answer: bytes) -> str:
+    """The `SHADOW_HEADER` value for one answer's JSON under the shadow settings (only the fields judged)."""
+    return _ENCODER.encode(_SHADOW.decode(answer)).decode()
+
+
+def shadow_from_header(text: str | None) -> ShadowAnswer | None:
+    return None if not text else _SHADOW.decode(text)
+
+
+def with_inflight(answer: bytes, inflight: Inflight) -> bytes:
+    """An answer's JSON with its `inflight` field written last, as `Answer` encodes it."""
+    return answer[:-1] + b',"inflight":' + _ENCODER.encode(inflight) + b"}"
+
+
+def hashes_text(hashes) -> bytes:
+    """Sequence hashes as `RELIED_PREFIX_HEADER` writes them (little-endian u64 in hex)."""
+    hashes = list(hashes)[:MAX_RELIED_BLOCKS]
+    return struct.pack(f"<{len(hashes)}Q", *hashes).hex().encode()

@@ -43,6 +43,9 @@ class ReuseRequest:
     block_size: int
     target: WorkerId | None = None
     lora_name: str | None = None
+    # Where the caller places the request when nobody has credit (decide/inflight.py); the
+    # model itself never reads it.
+    fallback: WorkerId | None = None
 
     @classmethod
     def from_tokens(

@@ -40,6 +40,8 @@ __all__ = [
     "load_settings",
     "read_environment",
     "reference_table_markdown",
+    "enabled_reuse",
+    "reuse_settings_from",
     "settings_digest",
 ]
 
@@ -370,6 +372,19 @@ class DecideSettings:
     )
     http_body_timeout_s: float = _setting(
         10.0, "Seconds a request body may take to arrive whole (else 408).", rule=_positive()
+    )
+    shadow: bool = _setting(
+        False, "Also answer every request under the shadow reuse settings (decide.shadow_settings) and record "
+        "that would-be answer beside the live one, never in the reply.",
+    )
+    shadow_settings: str | None = _setting(
+        None, "A TOML file whose [reuse] section, laid over the live reuse settings, gives the shadow settings; "
+        "unset = the live reuse settings with both enable flags on.",
+        rule=_Rule(lambda value: "must not be empty" if value == "" else None),
+    )
+    inflight_ttl_ms: float = _setting(
+        0.0, "How long a request decide routed counts as held on its target (in-flight credit) until the "
+        "engine's own events confirm it; 0 = off.", rule=_at_least(0),
     )
 
 
@@ -742,6 +757,22 @@ def load_settings(
 
 
 # ------------------------------------------------------------------- output
+
+
+def reuse_settings_from(path: str | os.PathLike[str], base: ReuseSettings) -> ReuseSettings:
+    """The [reuse] section of a TOML settings file laid over `base`: what a shadow or a replay compares.
+
+    Other sections of the file are checked like any settings file's, then ignored.
+    """
+    found = _from_file(os.fspath(path))
+    values = {SETTINGS_REGISTRY[key].field: value for key, (value, _) in found.items()
+              if SETTINGS_REGISTRY[key].section == "reuse"}
+    return _converter.structure({**_converter.unstructure(base), **values}, ReuseSettings)
+
+
+def enabled_reuse(base: ReuseSettings) -> ReuseSettings:
+    """`base` with both enable flags on: what reuse would do under the configured cost model."""
+    return attrs.evolve(base, enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)
 
 
 def settings_digest(reuse: ReuseSettings) -> str:

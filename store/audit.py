@@ -177,7 +177,7 @@ blocks AS (
    AND s.tier IN ('device', 'host', 'disk')
    AND (b.role = 'target' OR s.tier = d.chosen_tier)
    AND s.stored_seq <= j.horizon_seq AND (s.removed_seq IS NULL OR s.removed_seq > j.inventory_seq)
-  WHERE j.horizon_seq IS NOT NULL
+  WHERE j.horizon_seq IS NOT NULL AND b.role IN ('source', 'target')
   GROUP BY b.stream_seq, b.role, b.position
 ),
 quality AS (
@@ -268,6 +268,140 @@ ORDER BY dimension, key;""",
     ("horizon_s",),
 )
 
+# Shadow decisions (decide.shadow) are judged as live hints are: the shadow's chosen source
+# must still hold the blocks it would have transferred, on its tier, at the horizon seq.
+_SHADOW_JUDGED = """WITH judged AS (
+  SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.shadow_settings_digest, d.shadow_reason,
+         d.target, d.shadow_source, d.shadow_dp_rank, d.shadow_tier, d.shadow_transfer_blocks, d.shadow_saving_ms,
+         (SELECT MIN(e.stream_seq) FROM event_log e WHERE e.ingest_ts >= d.decided_ts + :horizon_s) - 1 AS horizon_seq
+  FROM decisions d
+  WHERE d.shadow_source IS NOT NULL
+),
+blocks AS (
+  SELECT b.stream_seq, b.position,
+         MAX(CASE WHEN s.stored_seq <= j.horizon_seq AND (s.removed_seq IS NULL OR s.removed_seq > j.horizon_seq)
+                  THEN 1 ELSE 0 END) AS held,
+         MIN(CASE WHEN s.stored_seq <= j.inventory_seq AND s.removed_seq > j.inventory_seq
+                   AND s.removed_seq <= j.horizon_seq THEN s.removed_ts END) AS first_removed_ts,
+         MAX(CASE WHEN s.removed_seq > j.inventory_seq AND s.removed_seq <= j.horizon_seq
+                  THEN s.removed_ts END) AS last_removed_ts
+  FROM judged j
+  JOIN decision_blocks b ON b.stream_seq = j.stream_seq AND b.role = 'shadow_source'
+  LEFT JOIN block_residency s
+    ON s.sequence_hash = b.sequence_hash AND s.provenance = 'native'
+   AND s.publisher = j.shadow_source AND s.dp_rank = j.shadow_dp_rank AND s.tier = j.shadow_tier
+   AND s.stored_seq <= j.horizon_seq AND (s.removed_seq IS NULL OR s.removed_seq > j.inventory_seq)
+  WHERE j.horizon_seq IS NOT NULL
+  GROUP BY b.stream_seq, b.position
+),
+quality AS (
+  SELECT j.stream_seq, j.request_id, j.decided_ts, j.inventory_seq, j.horizon_seq, j.shadow_settings_digest,
+         j.shadow_reason, j.target, j.shadow_source, j.shadow_dp_rank, j.shadow_tier, j.shadow_transfer_blocks,
+         j.shadow_saving_ms,
+         COUNT(b.position) AS source_blocks,
+         SUM(CASE WHEN b.held = 0 THEN 1 ELSE 0 END) AS source_gone,
+         (MIN(CASE WHEN b.held = 0 THEN b.last_removed_ts END) - j.decided_ts) * 1000 AS source_gone_after_ms,
+         (MIN(b.first_removed_ts) - j.decided_ts) * 1000 AS first_eviction_ms
+  FROM judged j LEFT JOIN blocks b ON b.stream_seq = j.stream_seq
+  GROUP BY j.stream_seq, j.request_id, j.decided_ts, j.inventory_seq, j.horizon_seq, j.shadow_settings_digest,
+           j.shadow_reason, j.target, j.shadow_source, j.shadow_dp_rank, j.shadow_tier, j.shadow_transfer_blocks,
+           j.shadow_saving_ms
+),
+judged_shadow AS (
+  SELECT q.*,
+         CASE WHEN q.horizon_seq IS NULL OR q.source_blocks = 0 THEN NULL
+              WHEN q.source_gone > 0 THEN 1 ELSE 0 END AS stale
+  FROM quality q
+)"""
+
+SHADOW_QUALITY = Query(
+    "shadow_quality",
+    "Whether each shadow decision's would-be hint was still true at its horizon: the shadow source's transferred blocks",
+    _SHADOW_JUDGED + """
+SELECT stream_seq, request_id, decided_ts, shadow_settings_digest, target, shadow_source, shadow_dp_rank,
+       shadow_tier, shadow_transfer_blocks, shadow_saving_ms, inventory_seq, horizon_seq, stale, source_blocks,
+       source_gone, source_gone_after_ms, first_eviction_ms
+FROM judged_shadow
+ORDER BY stream_seq;""",
+    ("horizon_s",),
+)
+
+SHADOW_QUALITY_SUMMARY = Query(
+    "shadow_quality_summary",
+    "Would-be hints of shadow decisions at a horizon, per shadow settings, worker and tier: stale-hint rate, estimated TTFT saved, blocks moved",
+    _SHADOW_JUDGED + """,
+keyed AS (
+  SELECT 'settings' AS dimension, shadow_settings_digest AS key, stale, shadow_saving_ms, shadow_transfer_blocks
+  FROM judged_shadow WHERE stale IS NOT NULL
+  UNION ALL
+  SELECT 'worker',
+         CASE WHEN shadow_dp_rank = 0 THEN shadow_source
+              ELSE shadow_source || '/' || CAST(shadow_dp_rank AS VARCHAR(12)) END,
+         stale, shadow_saving_ms, shadow_transfer_blocks
+  FROM judged_shadow WHERE stale IS NOT NULL
+  UNION ALL
+  SELECT 'tier', shadow_tier, stale, shadow_saving_ms, shadow_transfer_blocks
+  FROM judged_shadow WHERE stale IS NOT NULL
+)
+SELECT dimension, key, COUNT(*) AS hints, SUM(stale) AS stale_hints,
+       CAST(SUM(stale) AS DOUBLE PRECISION) / NULLIF(COUNT(*), 0) AS stale_hint_rate,
+       SUM(shadow_saving_ms) AS estimated_ttft_saved_ms,
+       SUM(CASE WHEN stale = 0 THEN shadow_saving_ms ELSE 0 END) AS fresh_ttft_saved_ms,
+       SUM(shadow_transfer_blocks) AS blocks_moved
+FROM keyed
+GROUP BY dimension, key
+ORDER BY dimension, key;""",
+    ("horizon_s",),
+)
+
+# In-flight credit (decide.inflight_ttl_ms) is confirmed when the target held every in-flight
+# block at the horizon; lost credit counted with it covers the credited and in-flight blocks.
+INFLIGHT_QUALITY_SUMMARY = Query(
+    "inflight_quality_summary",
+    "In-flight credit at a horizon, per target: decisions that had it, how many the engine confirmed, lost credit with and without it",
+    """WITH judged AS (
+  SELECT d.stream_seq, d.target, d.target_publisher, d.target_dp_rank, d.inventory_seq,
+         (SELECT MIN(e.stream_seq) FROM event_log e WHERE e.ingest_ts >= d.decided_ts + :horizon_s) - 1 AS horizon_seq
+  FROM decisions d
+  WHERE d.target_publisher IS NOT NULL
+),
+blocks AS (
+  SELECT b.stream_seq, b.role, b.position,
+         MAX(CASE WHEN s.stored_seq IS NOT NULL THEN 1 ELSE 0 END) AS held
+  FROM judged j
+  JOIN decision_blocks b ON b.stream_seq = j.stream_seq AND b.role IN ('target', 'inflight')
+  LEFT JOIN block_residency s
+    ON s.sequence_hash = b.sequence_hash AND s.provenance = 'native'
+   AND s.publisher = j.target_publisher AND s.dp_rank = j.target_dp_rank AND s.tier IN ('device', 'host', 'disk')
+   AND s.stored_seq <= j.horizon_seq AND (s.removed_seq IS NULL OR s.removed_seq > j.horizon_seq)
+  WHERE j.horizon_seq IS NOT NULL
+  GROUP BY b.stream_seq, b.role, b.position
+),
+per_decision AS (
+  SELECT j.stream_seq, j.target,
+         SUM(CASE WHEN b.role = 'target' THEN 1 ELSE 0 END) AS target_blocks,
+         SUM(CASE WHEN b.role = 'target' AND b.held = 0 THEN 1 ELSE 0 END) AS target_gone,
+         SUM(CASE WHEN b.role = 'inflight' THEN 1 ELSE 0 END) AS inflight_blocks,
+         SUM(CASE WHEN b.role = 'inflight' AND b.held = 0 THEN 1 ELSE 0 END) AS inflight_gone
+  FROM judged j JOIN blocks b ON b.stream_seq = j.stream_seq
+  GROUP BY j.stream_seq, j.target
+)
+SELECT target AS worker,
+       SUM(CASE WHEN inflight_blocks > 0 THEN 1 ELSE 0 END) AS inflight_decisions,
+       SUM(inflight_blocks) AS inflight_blocks,
+       SUM(CASE WHEN inflight_blocks > 0 AND inflight_gone = 0 THEN 1 ELSE 0 END) AS confirmed,
+       CAST(SUM(CASE WHEN inflight_blocks > 0 AND inflight_gone = 0 THEN 1 ELSE 0 END) AS DOUBLE PRECISION)
+         / NULLIF(SUM(CASE WHEN inflight_blocks > 0 THEN 1 ELSE 0 END), 0) AS confirmed_rate,
+       SUM(CASE WHEN target_blocks > 0 THEN 1 ELSE 0 END) AS credited,
+       SUM(CASE WHEN target_gone > 0 THEN 1 ELSE 0 END) AS lost_credit,
+       SUM(CASE WHEN target_blocks + inflight_blocks > 0 THEN 1 ELSE 0 END) AS credited_with_inflight,
+       SUM(CASE WHEN target_gone + inflight_gone > 0 THEN 1 ELSE 0 END) AS lost_with_inflight
+FROM per_decision
+GROUP BY target
+ORDER BY target;""",
+    ("horizon_s",),
+)
+
 STREAM_LOSSES = Query(
     "stream_losses",
     "Every time a stream was found to have lost acknowledged messages, and the ledger seqs SQL holds from them",
@@ -300,7 +434,7 @@ ORDER BY e.publisher, e.dp_rank, e.provenance, e.epoch, e.engine_seq;""",
 QUERIES: tuple[Query, ...] = (
     SEQ_AT_TIME, INVENTORY_AT_SEQ, INVENTORY_SUMMARY_AT_SEQ, BLOCK_HISTORY, DECISION, GAPS,
     UNCERTAIN_PERIODS, WORKERS, DEAD_LETTERS, CHECKPOINTS, DECISION_QUALITY, DECISION_QUALITY_SUMMARY,
-    STREAM_LOSSES, ONLY_IN_SQL,
+    SHADOW_QUALITY, SHADOW_QUALITY_SUMMARY, INFLIGHT_QUALITY_SUMMARY, STREAM_LOSSES, ONLY_IN_SQL,
 )  # fmt: skip
 
 
@@ -411,6 +545,19 @@ class Audit:
     def decision_quality_summary(self, horizon_s: float) -> list[dict]:
         """The rates per (dimension, key): dimension worker, tier, reason or hour (its start, epoch seconds)."""
         return [_plain_numbers(row) for row in run(self.connection, DECISION_QUALITY_SUMMARY, horizon_s=horizon_s)]
+
+
+    def shadow_quality(self, horizon_s: float) -> list[dict]:
+        """Each shadow decision with a would-be hint, judged at its horizon; `stale` None while pending."""
+        return [_plain_numbers(row) for row in run(self.connection, SHADOW_QUALITY, horizon_s=horizon_s)]
+
+    def shadow_quality_summary(self, horizon_s: float) -> list[dict]:
+        """Would-be hints per (dimension, key): dimension settings (digest), worker or tier."""
+        return [_plain_numbers(row) for row in run(self.connection, SHADOW_QUALITY_SUMMARY, horizon_s=horizon_s)]
+
+    def inflight_quality_summary(self, horizon_s: float) -> list[dict]:
+        """In-flight credit per target worker: confirmed at the horizon, lost credit with and without it."""
+        return [_plain_numbers(row) for row in run(self.connection, INFLIGHT_QUALITY_SUMMARY, horizon_s=horizon_s)]
 
 
 def _plain_numbers(row: dict) -> dict:

@@ -29,7 +29,10 @@ import sqlalchemy as sa
 import sqlalchemy.exc
 from nats.js import JetStreamContext
 
-from kvledger.decision_codec import ANSWER_DECODER, RELIED_PREFIX_HEADER, relied_prefix_from_header
+from kvledger.decision_codec import (
+    ANSWER_DECODER, RELIED_PREFIX_HEADER, REQUEST_HEADER, SHADOW_HEADER, relied_prefix_from_header,
+    request_from_header, shadow_from_header,
+)
 from kvledger.events import Provenance, RecordError, WorkerId, decode_batch, decode_dead_letter
 from kvledger.snapshot import StreamPosition
 from kvledger.fold import InventoryFold
@@ -479,7 +482,11 @@ def decision_rows(message, seq: int) -> list[TableRow]:
     chosen = decision.chosen
     target = WorkerId.parse(decision.target) if decision.target else None
     target_prefix = decision.overlaps[decision.target].any if decision.target in decision.overlaps else 0
-    relied = relied_prefix_from_header((message.headers or {}).get(RELIED_PREFIX_HEADER))
+    headers = message.headers or {}
+    relied = relied_prefix_from_header(headers.get(RELIED_PREFIX_HEADER))
+    shadow = shadow_from_header(headers.get(SHADOW_HEADER))
+    shadow_chosen = shadow.chosen if shadow is not None else None
+    inflight = decision.inflight
     row = {
         "stream_seq": seq,
         "request_id": decision.request_id,
@@ -503,11 +510,34 @@ def decision_rows(message, seq: int) -> list[TableRow]:
         "target_dp_rank": target.dp_rank if target else None,
         "target_prefix_blocks": min(target_prefix, len(relied)),
         "chosen_prefix_blocks": chosen.prefix_blocks if chosen else None,
+        "shadow_settings_digest": shadow.settings_digest if shadow else None,
+        "shadow_reason": shadow.reason if shadow else None,
+        "shadow_target": shadow.target if shadow else None,
+        "shadow_baseline_blocks": shadow.baseline_blocks if shadow else None,
+        "shadow_source": shadow_chosen.source if shadow_chosen else None,
+        "shadow_dp_rank": shadow_chosen.dp_rank if shadow_chosen else None,
+        "shadow_tier": shadow_chosen.tier if shadow_chosen else None,
+        "shadow_prefix_blocks": shadow_chosen.prefix_blocks if shadow_chosen else None,
+        "shadow_transfer_blocks": shadow_chosen.transfer_blocks if shadow_chosen else None,
+        "shadow_saving_ms": shadow_chosen.saving_ms if shadow_chosen else None,
+        "inflight_blocks": inflight.blocks if inflight else 0,
+        "inflight_credit": inflight.credit if inflight else None,
     }
     rows = [(tables.decisions, row)]
     if chosen is not None:
         rows += _relied_rows(seq, "source", relied, decision.baseline_blocks, chosen.prefix_blocks)
     rows += _relied_rows(seq, "target", relied, 0, target_prefix)
+    if shadow_chosen is not None:
+        rows += _relied_rows(seq, "shadow_source", relied, shadow.baseline_blocks, shadow_chosen.prefix_blocks)
+    if inflight is not None:
+        rows += _relied_rows(seq, "inflight", relied, target_prefix, target_prefix + inflight.blocks)
+    request = request_from_header(headers.get(REQUEST_HEADER))
+    if request is not None:
+        rows.append((tables.decision_requests, {
+            "stream_seq": seq, "block_size": request.block_size, "blocks": request.blocks,
+            "requested_target": request.target, "fallback": request.fallback,
+            "local_hashes": bytes.fromhex(request.local_hashes),
+        }))
     return rows
 
 

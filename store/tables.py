@@ -180,6 +180,22 @@ decisions = sa.Table(
     sa.Column("target_dp_rank", sa.Integer),
     sa.Column("target_prefix_blocks", sa.Integer, nullable=False, server_default="0"),
     sa.Column("chosen_prefix_blocks", sa.Integer),
+    # What reuse would have chosen under the shadow settings (decide.shadow), never in the reply:
+    # its blocks are decision_blocks of role `shadow_source`.
+    sa.Column("shadow_settings_digest", sa.String(128)),
+    sa.Column("shadow_reason", _NAME),
+    sa.Column("shadow_target", sa.String(160)),
+    sa.Column("shadow_baseline_blocks", sa.Integer),
+    sa.Column("shadow_source", _PUBLISHER),
+    sa.Column("shadow_dp_rank", sa.Integer),
+    sa.Column("shadow_tier", _NAME),
+    sa.Column("shadow_prefix_blocks", sa.Integer),
+    sa.Column("shadow_transfer_blocks", sa.Integer),
+    sa.Column("shadow_saving_ms", sa.Double),
+    # In-flight credit on the target (decide.inflight_ttl_ms): blocks past its native prefix,
+    # decision_blocks of role `inflight`; routing credit, never execution credit.
+    sa.Column("inflight_blocks", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("inflight_credit", sa.Double),
     sa.Index("ix_decisions_request_id", "request_id"),
     sa.Index("ix_decisions_decided_ts", "decided_ts"),  # history pruning finds old decisions by time
 )
@@ -194,6 +210,20 @@ decision_blocks = sa.Table(
     sa.Column("role", _NAME, primary_key=True),  # source | target
     sa.Column("position", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("sequence_hash", _HASH, nullable=False),
+)
+
+# The request of each decision as its record carried it (header Kvledger-Request), so a
+# what-if replay can answer it again: block size, the target and fallback it named (NULL:
+# none), its block count, and its first local hashes (at most 16 384) as little-endian u64.
+decision_requests = sa.Table(
+    "decision_requests",
+    metadata,
+    sa.Column("stream_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("block_size", sa.Integer, nullable=False),
+    sa.Column("blocks", sa.Integer, nullable=False),
+    sa.Column("requested_target", sa.String(160)),
+    sa.Column("fallback", sa.String(160)),
+    sa.Column("local_hashes", sa.LargeBinary, nullable=False),
 )
 
 # One row per consumer: the last stream seq whose effects are committed.

@@ -30,9 +30,9 @@ def empty_db(request: pytest.FixtureRequest) -> str:
 
 def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, capsys) -> None:
     assert main(["db", "upgrade", "--db", empty_db]) == 0
-    assert "empty -> 0006" in capsys.readouterr().out
+    assert "empty -> 0007" in capsys.readouterr().out
     with database.opened(empty_db) as engine:
-        assert database.current_revision(engine) == database.head_revision() == "0006"
+        assert database.current_revision(engine) == database.head_revision() == "0007"
         with engine.connect() as connection:
             # The migrations build exactly the tables the code writes to.
             assert compare_metadata(MigrationContext.configure(connection), metadata) == []
@@ -48,20 +48,22 @@ def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, cap
             connection.rollback()
     assert main(["db", "downgrade", "--db", empty_db]) == 0
     with database.opened(empty_db) as engine:
-        assert database.current_revision(engine) == "0005"
-        with engine.connect() as connection:
-            # 0005's schema again, without what 0006 added for streams that lose messages
-            inspector = sa.inspect(connection)
-            assert "stream_generations" not in inspector.get_table_names()
-            assert "decision_blocks" in inspector.get_table_names()
-        database.upgrade(engine)
         assert database.current_revision(engine) == "0006"
+        with engine.connect() as connection:
+            # 0006's schema again, without what 0007 added for shadow decisions and replay
+            inspector = sa.inspect(connection)
+            assert "decision_requests" not in inspector.get_table_names()
+            assert "shadow_source" not in {column["name"] for column in inspector.get_columns("decisions")}
+            assert "decision_block_stays" in inspector.get_view_names()
+            assert "stream_generations" in inspector.get_table_names()
+        database.upgrade(engine)
+        assert database.current_revision(engine) == "0007"
 
 
 async def test_the_store_refuses_an_older_schema_and_says_which_command_to_run(nats_server, empty_db) -> None:
     with database.opened(empty_db) as engine:
         database.upgrade(engine, "0001")
-    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0006; run `kvledger db upgrade --db "):
+    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0007; run `kvledger db upgrade --db "):
         await StoreService(store_settings(nats_server.url, empty_db)).run(asyncio.Event())
 
 
