@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 import kvledger
+from kvledger.app import trtllm_forward
 from kvledger.runtime.entry import REFUSED, configure_logging
 from kvledger.settings import (
     LoadedSettings,
@@ -534,6 +535,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(("ingest",), _ingest, "bridge engine KV events from ZMQ into JetStream", _ingest_arguments),
     Command(("store",), _store, "project the event, decision and dead-letter streams into SQL", _store_arguments),
     Command(("decide",), _decide, "answer reuse decisions over NATS and HTTP", _decide_arguments),
+    Command(("trtllm-forward",), trtllm_forward.run, "publish a TensorRT-LLM LLM's KV events as ZMQ", trtllm_forward.arguments),
     Command(("db", "upgrade"), _db_upgrade, "apply database migrations", _revision_argument("head")),
     Command(("db", "downgrade"), _db_downgrade, "undo database migrations", _revision_argument("-1")),
     Command(("db", "current"), _db_current, "show the database schema revision"),
