@@ -39,7 +39,7 @@ from kvledger.reuse import ReuseRequest
 from kvledger.settings import ReuseSettings
 
 from decide.backend import RankingBackend
-from decide.ranked import PREFIX_ANY, AnswerBatch, AnswerTexts, Clock, sequence_hashes_of
+from decide.ranked import PREFIX_ANY, REASONS, AnswerBatch, AnswerTexts, Clock, sequence_hashes_of
 
 
 @attrs.define
@@ -61,20 +61,24 @@ class InflightLedger:
     def __len__(self) -> int:
         return sum(map(len, self._entries.values()))
 
-    def note(self, worker: WorkerId, sequence: Sequence[int], now: float) -> None:
-        """`worker` will hold every block of `sequence` once its prefill ran: in flight until `now` + TTL."""
+    def note(self, worker: WorkerId, sequence: Sequence[int], native: int, now: float) -> None:
+        """`worker` will hold every block of `sequence` once its prefill ran: in flight until `now` + TTL.
+
+        The first `native` blocks it holds already (confirmed); the rest wait for its engine.
+        """
         expiry = now + self.ttl_s
         entries = self._entries
-        for sequence_hash in sequence:
+        for position, sequence_hash in enumerate(sequence):
+            confirmed = position < native
             held = entries.get(sequence_hash)
             if held is None:
-                entries[sequence_hash] = {worker: _Entry(expiry)}
+                entries[sequence_hash] = {worker: _Entry(expiry, confirmed)}
             else:
                 entry = held.get(worker)
                 if entry is None:
-                    held[worker] = _Entry(expiry)
-                else:  # routed there again: pending again until the engine says
-                    entry.expiry, entry.confirmed = expiry, False
+                    held[worker] = _Entry(expiry, confirmed)
+                else:  # routed there again: what it does not hold is pending again until its engine says
+                    entry.expiry, entry.confirmed = expiry, confirmed
         self._expiring.append((expiry, worker, list(sequence)))
 
     def expire(self, now: float) -> None:
@@ -124,7 +128,7 @@ class _Routed:
     texts: AnswerTexts
     position: int
     worker: WorkerId | None
-    routing_credit: float
+    routing_credit: float  # native credit plus in-flight blocks × device_credit_weight
 
 
 class InflightRouting:
@@ -137,6 +141,7 @@ class InflightRouting:
         self, backend: RankingBackend, requests: Sequence[ReuseRequest], settings: ReuseSettings, *,
         clock: Clock = time.perf_counter,
     ) -> AnswerTexts:
+        """The batch's answers, its requests taken in order: each one sees what those before it put in flight."""
         ledger = self.ledger
         now = ledger.clock()
         ledger.expire(now)
@@ -144,67 +149,54 @@ class InflightRouting:
         batch = backend.answer_batch(requests, settings, clock=clock)
         texts = AnswerTexts.of(batch)
         sequence, offsets = sequence_hashes_of(requests)
-        sequences = [sequence[offsets[r]:offsets[r + 1]].tolist() for r in range(len(requests))]
         tracking = ledger.ttl_s > 0
 
-        natives = [self._natives(batch, r) for r in range(len(requests))]
-        extras: list[dict[WorkerId, int]] = []
-        best: list[_Routed] = []
-        again: list[tuple[int, WorkerId]] = []
-        for r, request in enumerate(requests):
-            target = self._target(batch, r)
-            extra: dict[WorkerId, int] = {}
-            if tracking and sequences[r]:
-                for worker in {*ledger.workers_at(sequences[r][0], now), *([target] if target is not None else [])}:
-                    blocks = ledger.extra_blocks(worker, sequences[r], natives[r].get(worker, 0), now)
-                    if blocks:
-                        extra[worker] = blocks
-            extras.append(extra)
-            credit = float(batch.ranked.credited[r]) + extra.get(target, 0) * weight if target is not None else 0.0
-            best.append(_Routed(batch, texts, r, target, credit))
-            if request.target is None:
-                again.extend((r, worker) for worker in sorted(extra) if worker != target)
-        self._consider(backend, requests, settings, clock, again, best, extras, weight)
-        fallback = [(r, request.fallback) for r, request in enumerate(requests)
-                    if request.target is None and request.fallback is not None and best[r].routing_credit == 0
-                    and best[r].worker != request.fallback]
-        if fallback:
-            self._consider(backend, requests, settings, clock, fallback, best, extras, weight, forced=True)
+        def ranked_for(request: ReuseRequest, worker: WorkerId, extra: dict[WorkerId, int]) -> _Routed:
+            # As a router naming `worker` would have asked: the model's answer for that target.
+            again = backend.answer_batch([attrs.evolve(request, target=worker)], settings, clock=clock)
+            credit = float(again.ranked.credited[0]) + extra.get(worker, 0) * weight
+            return _Routed(again, AnswerTexts.of(again), 0, worker, credit)
 
         answers, relied, reasons = [], [], collections.Counter()
         for r, request in enumerate(requests):
-            routed = best[r]
+            hashes = sequence[offsets[r]:offsets[r + 1]].tolist()
+            natives = self._natives(batch, r)
+            target = self._target(batch, r)
+            extra: dict[WorkerId, int] = {}
+            if tracking and hashes:
+                for worker in {*ledger.workers_at(hashes[0], now), *([target] if target is not None else [])}:
+                    blocks = ledger.extra_blocks(worker, hashes, natives.get(worker, 0), now)
+                    if blocks:
+                        extra[worker] = blocks
+            credit = float(batch.ranked.credited[r]) + extra.get(target, 0) * weight if target is not None else 0.0
+            routed = _Routed(batch, texts, r, target, credit)
+            if request.target is None:
+                for worker in sorted(extra):
+                    if worker != routed.worker:
+                        other = ranked_for(request, worker, extra)
+                        if other.routing_credit > routed.routing_credit or (
+                                other.routing_credit == routed.routing_credit and (routed.worker is None or worker < routed.worker)):
+                            routed = other
+                if routed.routing_credit == 0 and request.fallback is not None and routed.worker != request.fallback:
+                    routed = ranked_for(request, request.fallback, extra)
             answer = routed.texts.answers[routed.position]
             relied_text = routed.texts.relied_prefixes[routed.position]
-            reasons[routed.batch.reasons()[routed.position]] += 1
+            reasons[REASONS[int(routed.batch.ranked.reason[routed.position])]] += 1
             worker = routed.worker
-            blocks = extras[r].get(worker, 0) if worker is not None else 0
+            blocks = extra.get(worker, 0) if worker is not None else 0
             if blocks:
                 answer = with_inflight(answer, Inflight(blocks, blocks * weight))
-                held = min(natives[r].get(worker, 0) + blocks, MAX_RELIED_BLOCKS)
+                held = min(natives.get(worker, 0) + blocks, MAX_RELIED_BLOCKS)
                 if held > len(relied_text) // 16:
-                    relied_text = hashes_text(sequences[r][:held])
-            routed_there = request.target is not None or routed.routing_credit > 0 or worker == request.fallback
-            if tracking and worker is not None and routed_there:
-                ledger.note(worker, sequences[r], now)
+                    relied_text = hashes_text(hashes[:held])
+            # Where the request goes: the target it named, the one its credit chose, or its fallback.
+            placed = request.target is not None or routed.routing_credit > 0 or (
+                worker is not None and worker == request.fallback)
+            if tracking and placed and worker is not None:
+                ledger.note(worker, hashes, natives.get(worker, 0), now)
             answers.append(answer)
             relied.append(relied_text)
         return AnswerTexts(answers, relied, dict(reasons))
-
-    def _consider(self, backend, requests, settings, clock, pairs, best, extras, weight, *, forced=False) -> None:
-        """Rank each (request, worker) again with that worker as the target; keep it where its routing credit wins."""
-        if not pairs:
-            return
-        batch = backend.answer_batch([attrs.evolve(requests[r], target=worker) for r, worker in pairs], settings,
-                                     clock=clock)
-        texts = AnswerTexts.of(batch)
-        for position, (r, worker) in enumerate(pairs):
-            credit = float(batch.ranked.credited[position]) + extras[r].get(worker, 0) * weight
-            current = best[r]
-            wins = credit > current.routing_credit or (
-                credit == current.routing_credit and current.worker is not None and worker < current.worker)
-            if forced or wins:
-                best[r] = _Routed(batch, texts, position, worker, credit)
 
     @staticmethod
     def _natives(batch: AnswerBatch, r: int) -> dict[WorkerId, int]:
