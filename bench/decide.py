@@ -446,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-service", action="store_true", help="skip the end-to-end service figures")
     parser.add_argument("--parity-sample", type=int, default=100, help="answers checked against the reference")
     parser.add_argument("--gpu-profile", action="store_true", help="print where one cuda pass spends its host time")
+    parser.add_argument("--only", help="comma-separated paths to time (single, batched, untargeted, values, ranking, "
+                        "reuse_off, shadow); default all")
     parser.add_argument("--dirty-chunk", type=int, default=16, help="event batches applied between device updates")
     args = parser.parse_args(argv)
 
@@ -515,8 +517,21 @@ def main(argv: list[str] | None = None) -> int:
           f"mean {candidates:.1f} candidates and {overlapping:.1f} workers in overlaps per answer")
 
     from decide.cpu import rank_batch
+    from decide.shadow import ShadowDecisions
+    from kvledger.decision_codec import request_header
+    from kvledger.settings import enabled_reuse
 
     untargeted = [attrs.evolve(q, target=None) for q in queries]
+    reuse_off = ReuseSettings()
+    shadow = ShadowDecisions(enabled_reuse(reuse_off))
+
+    def recorded(batch: list[ReuseRequest], shadows: ShadowDecisions | None) -> list[bytes]:
+        texts = cpu.answer_texts(batch, reuse_off)
+        headers = [request_header(q) for q in batch]
+        if shadows is not None:
+            headers += shadows.answer(cpu, batch)[0]
+        return texts.answers
+
     paths = {
         "single": (f"cpu, single requests, full answers as JSON bytes (and relied-on prefixes), {args.workers} workers",
                    lambda: time_single(lambda q: cpu.answer_texts([q], reuse).answers, queries, args.rounds)),
@@ -533,6 +548,14 @@ def main(argv: list[str] | None = None) -> int:
         "ranking": (f"cpu, batches of {args.batch}, ranking only (arrays, no Python answers), {args.workers} workers",
                     lambda: time_batches(lambda qs: rank_batch(index, qs, reuse).reason, queries, args.batch,
                                          args.rounds)),
+        # What the service computes per batch with reuse off (the default), with and without
+        # shadow decisions (decide.shadow: the batch ranked again with both enable flags on).
+        "reuse_off": (f"cpu, batches of {args.batch}, reuse off: JSON answers, relied-on prefixes and each record's "
+                      f"request header, {args.workers} workers",
+                      lambda: time_batches(lambda qs: recorded(qs, None), queries, args.batch, args.rounds)),
+        "shadow": (f"cpu, batches of {args.batch}, reuse off with decide.shadow: the same, plus each record's shadow "
+                   f"header (the batch ranked again with reuse on), {args.workers} workers",
+                   lambda: time_batches(lambda qs: recorded(qs, shadow), queries, args.batch, args.rounds)),
     }
     if with_dynamo:
         dynamo_path = (f"Dynamo RadixTree.find_matches, single, in its own process (one core), {args.workers} "
@@ -541,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
         # shares the same minute of a shared machine.
         paths = {name: path for name, path in (("single", paths["single"]), ("batched", paths["batched"]),
                                                 ("dynamo", dynamo_path), *paths.items())}
+    if args.only:
+        paths = {name: path for name, path in paths.items() if name in args.only.split(",")}
     print(f"\n{args.repeats} runs of each path, taken in turns, each after an idle {SETTLE_S:.0f} s and lasting at "
           f"least {MEASURE_S} s; shown: the median run's rate (the range of all runs), p50 and p99\n")
     runs = interleaved(args.repeats, {name: measure for name, (_, measure) in paths.items()})
@@ -577,6 +602,12 @@ def main(argv: list[str] | None = None) -> int:
                 gpu_lines += lines
                 mismatches += differing
     print()
+    if "reuse_off" in runs and "shadow" in runs:
+        off, on = median_run(runs["reuse_off"]), median_run(runs["shadow"])
+        print(f"decide.shadow costs the batched rate {1 - on['per_s'] / off['per_s']:.0%} with reuse off "
+              f"({off['per_s']:,.0f}/s -> {on['per_s']:,.0f}/s)")
+    if "batched" not in runs or "single" not in runs:
+        return 0 if not mismatches else 1
     batched = median_run(runs["batched"])
     single_p99 = f"cpu single p99 {median_run(runs['single'])['p99_ms'] * 1000:.0f} µs (goal <= 50 µs, in process: " \
                  "the service adds NATS request/reply and the KV_DECISIONS ack)"

@@ -286,12 +286,20 @@ _DECISION_QUALITY_COLUMNS = ("stream_seq", "request_id", "reason", "target", "ch
 
 @_refusing_old_schemas
 def audit_quality(settings: Settings, horizon_ms: float, by: Sequence[str] | None, per_decision: bool,
-                  as_json: bool) -> int:
+                  as_json: bool, judged: str = "live") -> int:
     if not horizon_ms >= 0:
         print(f"kvledger audit quality: --horizon-ms must be 0 or more, got {horizon_ms}", file=sys.stderr)
         return 2
     engine, audit, connection = _audit(settings)
     try:
+        if judged == "shadow":  # the would-be hints of decide.shadow
+            rows = (audit.shadow_quality(horizon_ms / 1000) if per_decision else
+                    [row for row in audit.shadow_quality_summary(horizon_ms / 1000) if not by or row["dimension"] in by])
+            _emit(rows, as_json)
+            return 0
+        if judged == "inflight":
+            _emit(audit.inflight_quality_summary(horizon_ms / 1000), as_json)
+            return 0
         if per_decision:
             _emit(audit.decision_quality(horizon_ms / 1000), as_json, _DECISION_QUALITY_COLUMNS)
             return 0
@@ -321,6 +329,23 @@ def quality_totals(url: str, horizon_s: float) -> dict[str, int]:
         engine.dispose()
     by_reason = [row for row in rows if row["dimension"] == "reason"]  # every judged decision once
     return {name: sum(row[name] or 0 for row in by_reason) for name in ("hints", "stale_hints", "credited", "lost_credit")}
+
+
+def shadow_totals(url: str, horizon_s: float) -> dict[str, float]:
+    """Shadow decisions' would-be hints over the whole ledger at one horizon (every shadow setting together)."""
+    with database.opened(url) as engine, engine.connect() as connection:
+        rows = [row for row in Audit(connection).shadow_quality_summary(horizon_s) if row["dimension"] == "tier"]
+    return {name: sum(row[name] or 0 for row in rows)
+            for name in ("hints", "stale_hints", "estimated_ttft_saved_ms", "fresh_ttft_saved_ms", "blocks_moved")}
+
+
+def inflight_totals(url: str, horizon_s: float) -> dict[str, int]:
+    """In-flight credit over the whole ledger at one horizon: how often, how often confirmed, lost credit with it."""
+    with database.opened(url) as engine, engine.connect() as connection:
+        rows = Audit(connection).inflight_quality_summary(horizon_s)
+    return {name: sum(row[name] or 0 for row in rows)
+            for name in ("inflight_decisions", "confirmed", "credited", "lost_credit", "credited_with_inflight",
+                         "lost_with_inflight")}
 
 
 def ledger_counts(url: str) -> dict[str, int]:

@@ -212,6 +212,8 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4, help="simulated engines (default 4)")
     parser.add_argument("--trace", metavar="FILE", help="a Mooncake-format JSONL trace instead of the built-in workload")
     parser.add_argument("--enable-reuse", action="store_true", help="turn on decode-to-prefill reuse (GPU and host)")
+    parser.add_argument("--inflight-ms", type=float, default=0.0, metavar="MS",
+                        help="in-flight credit: a routed request counts on its worker this long (default 0: off)")
     parser.add_argument("--gpu-blocks", type=int, default=256, help="GPU cache per worker, in blocks (default 256)")
     parser.add_argument("--cpu-blocks", type=int, default=1024, help="CPU tier per worker, in blocks (default 1024)")
 
@@ -237,6 +239,10 @@ def _demo(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     extra: dict[str, object] = {"ingest.http_port": 0, "store.http_port": 0, "decide.http_port": 0}
     if args.enable_reuse:
         extra |= {"reuse.enable_decode_to_prefill_reuse": True, "reuse.enable_decode_to_prefill_gpu_reuse": True}
+    else:  # what reuse would have done, recorded beside each answer and judged below
+        extra |= {"decide.shadow": True}
+    if args.inflight_ms:
+        extra |= {"decide.inflight_ttl_ms": args.inflight_ms}
     configure_logging(logging.WARNING)
     # The demo is self-contained: its own nats-server on a free port, not `up`'s 4222.
     with _local_system(loaded, args.data_dir, extra, nats_port=-1) as settings:
@@ -257,7 +263,7 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
     from kvledger.runtime.nats_options import connect_options
     from kvledger.runtime.system import run_services
     from kvledger.sim.workload import DEMO_BLOCK_SIZE, mooncake_requests, synthetic_requests
-    from store.commands import ledger_counts, quality_totals
+    from store.commands import inflight_totals, ledger_counts, quality_totals, shadow_totals
 
     console = Console()
     requests = mooncake_requests(args.trace) if args.trace else synthetic_requests(100_000)
@@ -304,6 +310,8 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
     horizon_ms = settings.store.quality_horizon_s * 1000
     console.print(f"[dim]judging {counts['decisions']} decisions at their {horizon_ms:g} ms horizon (SQL)...[/]")
     quality = quality_totals(settings.db.url, settings.store.quality_horizon_s)
+    shadow = shadow_totals(settings.db.url, settings.store.quality_horizon_s)
+    inflight = inflight_totals(settings.db.url, settings.store.quality_horizon_s)
     bridged, events, inventory, decisions = counts["batches"], counts["events"], counts["blocks_held"], counts["decisions"]
     summary = Table(title="kvledger demo", show_header=False, min_width=72)
     summary.add_column(style="bold")
@@ -328,6 +336,22 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
         (f"stale-hint rate at {horizon_ms:g} ms", _rate(quality["stale_hints"], quality["hints"], "hints")),
         (f"lost-credit rate at {horizon_ms:g} ms", _rate(quality["lost_credit"], quality["credited"], "credited decisions")),
     ]
+    if not args.enable_reuse:
+        rows += [
+            ("shadow: would-be reuse hints (reuse off)", f"{shadow['hints']:.0f}"),
+            (f"shadow: stale-hint rate at {horizon_ms:g} ms", _rate(shadow["stale_hints"], shadow["hints"], "hints")),
+            ("shadow: estimated TTFT saved (fresh hints)",
+             f"{shadow['estimated_ttft_saved_ms'] / 1000:.1f} s ({shadow['fresh_ttft_saved_ms'] / 1000:.1f} s)"),
+            ("shadow: blocks that would have moved", f"{shadow['blocks_moved']:.0f}"),
+        ]
+    if args.inflight_ms:
+        rows += [
+            (f"in-flight credit ({args.inflight_ms:g} ms): routed by it", str(score.routed_by_inflight)),
+            (f"in-flight credit confirmed at {horizon_ms:g} ms",
+             _rate(inflight["confirmed"], inflight["inflight_decisions"], "decisions with in-flight credit")),
+            (f"lost-credit rate with in-flight blocks at {horizon_ms:g} ms",
+             _rate(inflight["lost_with_inflight"], inflight["credited_with_inflight"], "credited decisions")),
+        ]
     for name, value in rows:
         summary.add_row(name, value)
     console.print(summary)
@@ -505,16 +529,21 @@ def _audit_stream_losses(args: argparse.Namespace, loaded: LoadedSettings) -> in
 def _audit_quality_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--horizon-ms", type=float, default=500.0, metavar="MS",
                         help="judge each decision this long after it, in stream time (default 500)")
-    parser.add_argument("--by", choices=("worker", "tier", "reason", "hour"), action="append",
+    parser.add_argument("--by", choices=("worker", "tier", "reason", "hour", "settings"), action="append",
                         help="only these groupings (repeatable; default: all four)")
     parser.add_argument("--decisions", action="store_true", help="one row per decision instead of the rates")
+    judged = parser.add_mutually_exclusive_group()
+    judged.add_argument("--shadow", dest="judged", action="store_const", const="shadow", default="live",
+                        help="the would-be hints of shadow decisions (decide.shadow), per settings, worker and tier")
+    judged.add_argument("--inflight", dest="judged", action="store_const", const="inflight",
+                        help="in-flight credit per target: confirmed, lost credit with and without it")
     _json_flag(parser)
 
 
 def _audit_quality(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     from store.commands import audit_quality
 
-    return audit_quality(loaded.settings, args.horizon_ms, args.by, args.decisions, args.json)
+    return audit_quality(loaded.settings, args.horizon_ms, args.by, args.decisions, args.json, args.judged)
 
 
 @attrs.frozen

@@ -26,7 +26,9 @@ log = logging.getLogger("kvledger.demo")
 # What the loop hears back: decide's answer, or None when there is none (the request is
 # then placed as it would be without kvledger). Raw JSON answers are read as an Answer
 # too, since kvledger/app/cli.py still hands in an `ask` of its own that returns them.
-Ask = Callable[[Request, str | None], Awaitable[Answer | None]]
+# The request, the target it is placed on (None: decide picks), and where it goes when no
+# worker has credit (its `fallback`).
+Ask = Callable[[Request, str | None, str | None], Awaitable[Answer | None]]
 
 
 class Worker(Protocol):
@@ -44,6 +46,7 @@ class DemoScore:
     baseline_hit_blocks: int = 0
     decisions: int = 0
     routed_by_credit: int = 0
+    routed_by_inflight: int = 0  # routed where in-flight credit, not native credit alone, pointed
     reuse_chosen: int = 0
     reuse_saving_ms: float = 0.0
     uncertain_answers: int = 0
@@ -66,11 +69,11 @@ class DemoScore:
 def decide_asker(client: DecideClient, block_size: int = DEMO_BLOCK_SIZE) -> Ask:
     """The loop's decision call: a request's tokens to decide through `client`, under the request's own id."""
 
-    async def ask(request: Request, target: str | None) -> Answer | None:
+    async def ask(request: Request, target: str | None, fallback: str | None = None) -> Answer | None:
         try:
             return await client.decide(DecideRequest(
                 request_id=request.request_id, token_ids=request_tokens(request, block_size), block_size=block_size,
-                target=target,
+                target=target, fallback=fallback,
             ))
         except DecideError as error:  # the demo goes on; this request is placed without advice
             log.warning("demo: no decision for %s: %s", request.request_id, error)
@@ -102,15 +105,17 @@ async def run_closed_loop(
         if time.monotonic() - started > duration_s:
             break
         placed = workers[number % len(workers)]
-        answer = await ask(request, placed.worker.name if reuse else None)
+        # With no credit anywhere, every worker is equally good: spread the load, and say so, so
+        # decide knows where the request went (in-flight credit, decide.inflight_ttl_ms).
+        answer = await ask(request, placed.worker.name if reuse else None, None if reuse else placed.worker.name)
         score.decisions += 1
         target = placed
-        # With no credit anywhere, every worker is equally good: spread the load.
-        if not reuse and answer is not None and answer.credited_blocks:
+        if not reuse and answer is not None and (answer.credited_blocks or answer.inflight is not None):
             credited = by_name.get(answer.target or "")
             if credited is not None:
                 target = credited
                 score.routed_by_credit += 1
+                score.routed_by_inflight += answer.inflight is not None
         transferred = 0
         if answer is not None and answer.chosen is not None:
             score.reuse_chosen += 1
