@@ -1,14 +1,16 @@
 """What one SQL transaction writes: fold facts turned into rows, with no SQL in sight.
 
-`ChangeBuilder` keeps, for every block the fold holds, the key of its open residency row
-`(stored_seq, slot)`, so a removal finds its row without a lookup in the database. Rows
-stored and removed inside one transaction are inserted already closed.
+`ChangeBuilder` keeps, for every block the fold holds, the key of its open stay
+`(stored_seq, slot)`, so a removal becomes a `block_removals` row without a lookup in the
+database. A stay is written once; its end is a row of its own (store/tables.py).
 """
 
 from __future__ import annotations
 
 import json
 import time
+
+from collections.abc import Callable
 
 import attrs
 
@@ -31,13 +33,18 @@ ResidencyIndex = dict[tuple[WorkerId, Provenance], dict[Tier, dict[BlockKey, Row
 _U64 = 1 << 64
 _I64_LIMIT = 1 << 63
 
-# Positions in a residency row (the column order of store.tables.block_residency).
-RESIDENCY_COLUMNS = (
-    "stored_seq", "slot", "publisher", "dp_rank", "tier", "provenance", "engine_hash", "sequence_hash",
-    "parent_hash", "local_hash", "stored_ts", "conflict_since", "removed_seq", "removed_ts", "removal_cause",
-    "group_idx", "ownership", "kv_cache_spec_kind", "sliding_window", "refs", "unresolved",
+# Positions in a stay row (the column order of store.tables.block_stays).
+STAY_COLUMNS = (
+    "placement_id", "stored_seq", "slot", "engine_hash", "sequence_hash", "parent_hash", "local_hash", "stored_ts",
+    "conflict_since", "refs", "unresolved",
 )  # fmt: skip
-_CONFLICT, _REMOVED_SEQ, _REMOVED_TS, _CAUSE, _REFS = 11, 12, 13, 14, 19
+REMOVAL_COLUMNS = ("placement_id", "stored_seq", "slot", "removed_seq", "removed_ts", "removal_cause")
+# What a placement is (store.tables.placements without its id), in this order.
+PLACEMENT_COLUMNS = (
+    "publisher", "dp_rank", "provenance", "tier", "group_idx", "ownership", "kv_cache_spec_kind", "sliding_window",
+)  # fmt: skip
+PlacementIds = Callable[[tuple], int]  # a placement's values -> its id (store.recorder.PlacementIds)
+_CONFLICT, _REFS = 8, 9
 _ALL_TIERS = tuple(tier.value for tier in Tier)
 EVENT_LOG_COLUMNS = (
     "stream_seq", "event_idx", "publisher", "dp_rank", "epoch", "engine_seq", "provenance", "kind", "tier",
@@ -61,15 +68,14 @@ class ChangeSet:
     first_seq: int
     last_seq: int = 0
     event_rows: list[tuple] = attrs.field(factory=list)
-    # (stored_seq, slot) -> row, for rows first stored in this transaction
+    # (stored_seq, slot) -> stay row, for stays begun in this transaction
     new_residency: dict[RowKey, list] = attrs.field(factory=dict)
-    # (removed_seq, removed_ts, cause, stored_seq, slot) for rows already in the database
-    removals: list[tuple] = attrs.field(factory=list)
+    removals: list[tuple] = attrs.field(factory=list)  # block_removals rows, any stay's
     # (removed_seq, removed_ts, cause, publisher, dp_rank, provenance, *four tier names):
-    # close every open row of that worker on those tiers stored before this transaction
+    # end every open stay of that worker on those tiers begun before this transaction
     clears: list[tuple] = attrs.field(factory=list)
-    references: list[tuple] = attrs.field(factory=list)  # (refs, stored_seq, slot)
-    conflicts: list[tuple] = attrs.field(factory=list)  # (conflict_since, stored_seq, slot)
+    references: list[tuple] = attrs.field(factory=list)  # (refs, placement_id, stored_seq, slot)
+    conflicts: list[tuple] = attrs.field(factory=list)  # (conflict_since, placement_id, stored_seq, slot)
     # (publisher, dp_rank, provenance) -> periods opened in this transaction, oldest first
     new_uncertain: dict[tuple, list[list]] = attrs.field(factory=dict)
     # (until_seq, until_ts, resolved_by, publisher, dp_rank, provenance)
@@ -87,13 +93,28 @@ class ChangeSet:
 
 
 class ChangeBuilder:
-    """Turns (batch, stream seq, facts) into a ChangeSet, tracking open residency rows."""
+    """Turns (batch, stream seq, facts) into a ChangeSet, tracking open stays and placements."""
 
-    def __init__(self, index: ResidencyIndex | None = None) -> None:
+    def __init__(self, index: ResidencyIndex | None, placement_ids: PlacementIds) -> None:
         self.index: ResidencyIndex = index if index is not None else {}
+        self._placement_ids = placement_ids
+        self._placements: dict[tuple, int] = {}  # (worker, provenance, tier, group, ownership, kind, window) -> id
 
     def begin(self, first_seq: int) -> ChangeSet:
         return ChangeSet(first_seq)
+
+    def placement(self, record) -> int:
+        """The placement id of a fold record's worker, tier, provenance, group, ownership, kind and window."""
+        key = (record.worker, record.provenance, record.tier, record.group_idx, record.ownership, record.spec_kind,
+               record.sliding_window)  # fmt: skip
+        found = self._placements.get(key)
+        if found is None:
+            worker = record.worker
+            found = self._placements[key] = self._placement_ids((
+                worker.publisher, worker.dp_rank, record.provenance.value, record.tier.value, record.group_idx,
+                record.ownership, record.spec_kind, record.sliding_window,
+            ))  # fmt: skip
+        return found
 
     def add_batch(self, changes: ChangeSet, batch: EventBatch, stream_seq: int, facts: list[Fact], fold: InventoryFold) -> None:
         changes.last_seq = stream_seq
@@ -126,60 +147,54 @@ class ChangeBuilder:
         self, changes: ChangeSet, facts: list[Fact], stream_seq: int, ts: float, worker: WorkerId, provenance: Provenance
     ) -> None:
         # The hot path: one batch's stores and removals all belong to its worker and provenance,
-        # so their index and row prefix are looked up once.
-        index, new_rows = self.index, changes.new_residency
+        # so their index is looked up once, and a run of records in one placement reuses its id.
+        index, new_rows, removals = self.index, changes.new_residency, changes.removals
         owner = (worker, provenance)
         held = index.get(owner)
         if held is None:
             held = index[owner] = {}
-        publisher, dp_rank, provenance_name = worker.publisher, worker.dp_rank, provenance.value
-        last_tier, tier_held, tier_name = None, None, None
+        last_tier, tier_held = None, None
+        last_place, place = None, 0
         slot = removed = 0
         for fact in facts:
             kind = type(fact)
-            if kind is BlockStoredFact:
+            if kind is BlockStoredFact or kind is BlockRemovedFact:
                 record = fact.record
                 if record.tier is not last_tier:
-                    last_tier, tier_name = record.tier, record.tier.value
+                    last_tier = record.tier
                     tier_held = held.get(last_tier)
                     if tier_held is None:
                         tier_held = held[last_tier] = {}
-                key = (stream_seq, slot)
-                engine, sequence, parent, local = record.engine_hash, record.sequence_hash, record.parent_hash, record.local_hash
-                new_rows[key] = [
-                    stream_seq, slot, publisher, dp_rank, tier_name, provenance_name,
-                    engine - _U64 if engine >= _I64_LIMIT else engine,
-                    sequence - _U64 if sequence >= _I64_LIMIT else sequence,
-                    None if parent is None else (parent - _U64 if parent >= _I64_LIMIT else parent),
-                    local - _U64 if local >= _I64_LIMIT else local,
-                    ts, stream_seq if record.conflict else None, None, None, None,
-                    record.group_idx, record.ownership, record.spec_kind, record.sliding_window, record.refs,
-                    record.unresolved,
-                ]  # fmt: skip
-                slot += 1
-                tier_held[record.key] = key
-            elif kind is BlockRemovedFact:
-                record = fact.record
-                if record.tier is not last_tier:
-                    last_tier, tier_name = record.tier, record.tier.value
-                    tier_held = held.get(last_tier)
-                    if tier_held is None:
-                        tier_held = held[last_tier] = {}
-                key = tier_held.pop(record.key)
-                removed += 1
-                row = new_rows.get(key)
-                if row is not None:
-                    row[_REMOVED_SEQ], row[_REMOVED_TS], row[_CAUSE] = stream_seq, ts, fact.cause.value
+                where = (record.tier, record.group_idx, record.ownership, record.spec_kind, record.sliding_window)
+                if where != last_place:
+                    last_place, place = where, self.placement(record)
+                if kind is BlockStoredFact:
+                    key = (stream_seq, slot)
+                    engine, sequence, parent, local = record.engine_hash, record.sequence_hash, record.parent_hash, record.local_hash
+                    refs = record.refs
+                    new_rows[key] = [
+                        place, stream_seq, slot,
+                        engine - _U64 if engine >= _I64_LIMIT else engine,
+                        sequence - _U64 if sequence >= _I64_LIMIT else sequence,
+                        None if parent is None else (parent - _U64 if parent >= _I64_LIMIT else parent),
+                        local - _U64 if local >= _I64_LIMIT else local,
+                        ts, stream_seq if record.conflict else None, None if refs == 1 else refs,
+                        True if record.unresolved else None,
+                    ]  # fmt: skip
+                    slot += 1
+                    tier_held[record.key] = key
                 else:
-                    changes.removals.append((stream_seq, ts, fact.cause.value, key[0], key[1]))
+                    key = tier_held.pop(record.key)
+                    removed += 1
+                    removals.append((place, key[0], key[1], stream_seq, ts, fact.cause.value))
             elif kind is BlockReferencedFact:
                 record = fact.record
                 key = index[(record.worker, record.provenance)][record.tier][record.key]
                 row = new_rows.get(key)
                 if row is not None:
-                    row[_REFS] = record.refs
+                    row[_REFS] = None if record.refs == 1 else record.refs
                 else:
-                    changes.references.append((record.refs, key[0], key[1]))
+                    changes.references.append((record.refs, self.placement(record), key[0], key[1]))
             elif kind is InventoryClearedFact:
                 if fact.tier is None:
                     cleared = index.pop((fact.worker, fact.provenance), None) or {}
@@ -199,7 +214,7 @@ class ChangeBuilder:
                     if row is None:
                         older = True
                     else:
-                        row[_REMOVED_SEQ], row[_REMOVED_TS], row[_CAUSE] = stream_seq, ts, fact.cause.value
+                        removals.append((row[0], key[0], key[1], stream_seq, ts, fact.cause.value))
                 if older:
                     changes.clears.append((
                         stream_seq, ts, fact.cause.value, fact.worker.publisher, fact.worker.dp_rank,
@@ -213,7 +228,7 @@ class ChangeBuilder:
                 if row is not None:
                     row[_CONFLICT] = stream_seq
                 else:
-                    changes.conflicts.append((stream_seq, key[0], key[1]))
+                    changes.conflicts.append((stream_seq, self.placement(record), key[0], key[1]))
             else:
                 assert kind is UncertaintyFact
                 period = (fact.worker.publisher, fact.worker.dp_rank, fact.provenance.value)

@@ -48,7 +48,7 @@ from store.gc_policy import young_collections_deferred
 from kvledger.runtime.system import install_stop_signals
 from store.cursor import SqlIdentity, StreamCursor, Verdict, ledger_high, msg_id_of
 from store.jetstream import ConsumerWatch, SkippedMessagesError, StreamRegressedError, bind_consumer, connect
-from store.recorder import SQL_CHECKPOINT, last_ingest_ts, load_fold, read_checkpoint
+from store.recorder import SQL_CHECKPOINT, PlacementIds, last_ingest_ts, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError, encode_changes
 from store.pruning import HistoryPruner
 from store.quality import QualityMetrics, QualityTracker
@@ -314,7 +314,7 @@ class EventsProjector:
         # Two-stage pipeline: while transaction n is written (by the writer process), batch n+1 is
         # fetched and folded. The fold then runs ahead of SQL, so any write failure throws
         # the fold away; it is rebuilt from SQL, which holds exactly what was committed.
-        fold, builder = self.fold, ChangeBuilder(self.index)
+        fold, builder = self.fold, ChangeBuilder(self.index, PlacementIds(self.engine))
         owns = None if self.shard.single else self.shard.owns
         quality = self.quality
         batch_size = self.settings.store.batch_size

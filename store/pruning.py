@@ -87,7 +87,8 @@ def prune_once(engine: sa.Engine, settings: StoreSettings, *, events_stream: str
     cutoff = now - settings.history_retention_s
     step = settings.prune_batch_seqs
     removed = {"event_log": 0, "block_residency": 0, "decisions": 0}
-    log_c, residency_c, decision_c = tables.event_log.c, tables.block_residency.c, tables.decisions.c
+    log_c, decision_c = tables.event_log.c, tables.decisions.c
+    stays_c, ends_c = tables.block_stays.c, tables.block_removals.c
     with engine.connect() as connection:
         horizon = _horizon(connection, log_c.ingest_ts, log_c.stream_seq, cutoff)
         decisions_horizon = _horizon(connection, decision_c.decided_ts, decision_c.stream_seq, cutoff)
@@ -97,10 +98,12 @@ def prune_once(engine: sa.Engine, settings: StoreSettings, *, events_stream: str
         with engine.begin() as connection:
             removed["event_log"] += connection.execute(tables.event_log.delete().where(
                 log_c.stream_seq > done, log_c.stream_seq <= upto)).rowcount
-            # Only closed stays, and only those closed at or before the horizon.
-            removed["block_residency"] += connection.execute(tables.block_residency.delete().where(
-                residency_c.removed_seq.is_not(None), residency_c.removed_seq > done,
-                residency_c.removed_seq <= upto)).rowcount
+            # Only closed stays, and only those closed at or before the horizon: the stays, then their ends.
+            ended = sa.select(ends_c.placement_id, ends_c.stored_seq, ends_c.slot).where(
+                ends_c.removed_seq > done, ends_c.removed_seq <= upto)
+            removed["block_residency"] += connection.execute(tables.block_stays.delete().where(
+                sa.tuple_(stays_c.placement_id, stays_c.stored_seq, stays_c.slot).in_(ended))).rowcount
+            connection.execute(tables.block_removals.delete().where(ends_c.removed_seq > done, ends_c.removed_seq <= upto))
             _save(connection, HISTORY_PRUNED, events_stream, upto, now)
         done = upto
     while decisions_done < decisions_horizon:

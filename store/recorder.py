@@ -1,7 +1,8 @@
 """Writing ChangeSets to SQL in one transaction each, and reading the fold back after a restart.
 
 One contract, two recorders: SQLite through `executemany` on the sqlite3 connection (WAL
-mode), PostgreSQL through psycopg 3 with COPY for the bulk rows. Both write the
+mode), PostgreSQL through psycopg 3 with COPY for the bulk rows. Both only insert stays and
+their ends; an UPDATE touches a stay only for its rare reference count or conflict. Both write the
 checkpoint in the same transaction as the rows, which is what makes projection
 exactly-once: a crash either keeps both or neither.
 """
@@ -21,7 +22,9 @@ from store import tables
 from store.changes import (
     DEAD_LETTER_COLUMNS,
     EVENT_LOG_COLUMNS,
-    RESIDENCY_COLUMNS,
+    PLACEMENT_COLUMNS,
+    REMOVAL_COLUMNS,
+    STAY_COLUMNS,
     UNCERTAIN_COLUMNS,
     WORKER_COLUMNS,
     ChangeSet,
@@ -47,19 +50,23 @@ CHECKPOINT_COLUMNS = ("name", "stream", "stream_seq", "updated_ts", "counters")
 SQL_CHECKPOINT = _upsert("checkpoints", CHECKPOINT_COLUMNS, ("name",))
 SQL_WORKER = _upsert("workers", WORKER_COLUMNS, ("publisher", "dp_rank"), keep=("first_stream_seq",))
 SQL_EVENT = _insert("event_log", EVENT_LOG_COLUMNS)
-SQL_RESIDENCY = _insert("block_residency", RESIDENCY_COLUMNS)
+SQL_STAY = _insert("block_stays", STAY_COLUMNS)
+SQL_REMOVAL = _insert("block_removals", REMOVAL_COLUMNS)
 SQL_UNCERTAIN = _insert("uncertain_periods", UNCERTAIN_COLUMNS)
 SQL_DEAD_LETTER = _insert("dead_letters", DEAD_LETTER_COLUMNS)
-SQL_REMOVE = "UPDATE block_residency SET removed_seq = ?, removed_ts = ?, removal_cause = ? WHERE stored_seq = ? AND slot = ?"
-# `tier IN (...)` lets the (publisher, dp_rank, tier, removed_seq) index serve the scan; a
-# clear of one tier names it four times, a clear of all names each.
+# Ends every open stay of a worker's provenance on the named tiers begun before this transaction
+# (`tier IN (...)`: a clear of one tier names it four times, a clear of all names each). Runs
+# after the transaction's own removals, so a stay removed earlier in it keeps its own cause.
 SQL_CLEAR = (
-    "UPDATE block_residency SET removed_seq = ?, removed_ts = ?, removal_cause = ? "
-    "WHERE publisher = ? AND dp_rank = ? AND provenance = ? AND tier IN (?, ?, ?, ?) "
-    "AND removed_seq IS NULL AND stored_seq < ?"
+    "INSERT INTO block_removals (placement_id, stored_seq, slot, removed_seq, removed_ts, removal_cause) "
+    "SELECT s.placement_id, s.stored_seq, s.slot, ?, ?, ? FROM block_stays s "
+    "JOIN placements p ON p.placement_id = s.placement_id "
+    "WHERE p.publisher = ? AND p.dp_rank = ? AND p.provenance = ? AND p.tier IN (?, ?, ?, ?) AND s.stored_seq < ? "
+    "AND NOT EXISTS (SELECT 1 FROM block_removals r "
+    "WHERE r.placement_id = s.placement_id AND r.stored_seq = s.stored_seq AND r.slot = s.slot)"
 )
-SQL_REFERENCES = "UPDATE block_residency SET refs = ? WHERE stored_seq = ? AND slot = ?"
-SQL_CONFLICT = "UPDATE block_residency SET conflict_since = ? WHERE stored_seq = ? AND slot = ?"
+SQL_REFERENCES = "UPDATE block_stays SET refs = ? WHERE placement_id = ? AND stored_seq = ? AND slot = ?"
+SQL_CONFLICT = "UPDATE block_stays SET conflict_since = ? WHERE placement_id = ? AND stored_seq = ? AND slot = ?"
 SQL_RESOLVE = (
     "UPDATE uncertain_periods SET until_seq = ?, until_ts = ?, resolved_by = ? "
     "WHERE publisher = ? AND dp_rank = ? AND provenance = ? AND until_seq IS NULL"
@@ -107,8 +114,8 @@ class Recorder(abc.ABC):
     def _write(self, changes: ChangeSet, checkpoint: tuple) -> None: ...
 
     def _updates(self, cursor, changes: ChangeSet, sql) -> None:
-        # Runs after the removals: a clear closes what is still open, and a block removed
-        # earlier in the transaction must keep its own cause.
+        # After the removals: a clear ends what is still open, and a stay ended earlier in the
+        # transaction keeps its own cause. References and conflicts name stays already written.
         for statement, rows in (
             (SQL_CONFLICT, changes.conflicts),
             (SQL_REFERENCES, changes.references),
@@ -132,12 +139,12 @@ class SqliteRecorder(Recorder):
         cursor = self.connection.cursor()
         cursor.execute("BEGIN IMMEDIATE")
         if changes.removals:
-            cursor.executemany(SQL_REMOVE, changes.removals)
+            cursor.executemany(SQL_REMOVAL, changes.removals)
         self._updates(cursor, changes, lambda statement: statement)
         if changes.event_rows:
             cursor.executemany(SQL_EVENT, changes.event_rows)
         if changes.new_residency:
-            cursor.executemany(SQL_RESIDENCY, changes.new_residency.values())
+            cursor.executemany(SQL_STAY, changes.new_residency.values())
         _write_common(cursor, changes, checkpoint, lambda statement: statement)
         cursor.execute("COMMIT")
 
@@ -157,17 +164,6 @@ def _pg(statement: str) -> str:
     return statement.replace("?", "%s")
 
 
-# One statement for all of a transaction's removals: the arrays travel as five parameters,
-# and unnest's row estimate (their length) lets the planner probe the primary key per row.
-SQL_REMOVE_ALL = (
-    "UPDATE block_residency AS r SET removed_seq = b.removed_seq, removed_ts = b.removed_ts, "
-    "removal_cause = b.removal_cause "
-    "FROM unnest(%b::bigint[], %b::double precision[], %b::varchar[], %b::bigint[], %b::integer[]) "
-    "AS b (removed_seq, removed_ts, removal_cause, stored_seq, slot) "
-    "WHERE r.stored_seq = b.stored_seq AND r.slot = b.slot"
-)
-
-
 class PostgresRecorder(Recorder):
     # COPY hands whole buffers to libpq and waits on the network without the GIL.
     overlaps_folding = True
@@ -176,18 +172,52 @@ class PostgresRecorder(Recorder):
         connection = self.connection
         with connection.cursor() as cursor:
             if changes.removals:
-                cursor.execute(SQL_REMOVE_ALL, [list(column) for column in zip(*changes.removals)])
+                _copy(cursor, "block_removals", REMOVAL_COLUMNS, changes.removals)
             self._updates(cursor, changes, _pg)
             if changes.event_rows:
-                with cursor.copy(f"COPY event_log ({', '.join(EVENT_LOG_COLUMNS)}) FROM STDIN") as copy:
-                    for row in changes.event_rows:
-                        copy.write_row(row)
+                _copy(cursor, "event_log", EVENT_LOG_COLUMNS, changes.event_rows)
             if changes.new_residency:
-                with cursor.copy(f"COPY block_residency ({', '.join(RESIDENCY_COLUMNS)}) FROM STDIN") as copy:
-                    for row in changes.new_residency.values():
-                        copy.write_row(row)
+                _copy(cursor, "block_stays", STAY_COLUMNS, changes.new_residency.values())
             _write_common(cursor, changes, checkpoint, _pg)
         connection.commit()
+
+
+def _copy(cursor, table: str, columns: tuple[str, ...], rows: Iterable) -> None:
+    with cursor.copy(f"COPY {table} ({', '.join(columns)}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row(row)
+
+
+class PlacementIds:
+    """A placement's id, from SQL: found, or added in a transaction of its own the first time it is met.
+
+    Called while folding, so once per placement and process (cached): a worker's tier, group and
+    ownership. Only this projector adds its publishers' placements (store shards own disjoint
+    publishers), so finding and adding need no lock; one added by a transaction that later fails
+    is merely unused.
+    """
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self._known: dict[tuple, int] = {}
+
+    def __call__(self, values: tuple) -> int:
+        found = self._known.get(values)
+        if found is None:
+            found = self._known[values] = self._find_or_add(values)
+        return found
+
+    def _find_or_add(self, values: tuple) -> int:
+        p = tables.placements.c
+        with self.engine.begin() as connection:
+            found = connection.execute(sa.select(p.placement_id).where(
+                *(p[name].is_not_distinct_from(value) for name, value in zip(PLACEMENT_COLUMNS, values))
+            ).order_by(p.placement_id).limit(1)).scalar_one_or_none()
+            if found is None:
+                found = connection.execute(
+                    tables.placements.insert().values(dict(zip(PLACEMENT_COLUMNS, values))).returning(p.placement_id)
+                ).scalar_one()
+        return found
 
 
 def open_recorder(engine: sa.Engine, stream: str, checkpoint_name: str = EVENTS_CHECKPOINT) -> Recorder:

@@ -77,19 +77,35 @@ event_log = sa.Table(
     sa.Index("ix_event_log_gaps", "publisher", "dp_rank", "stream_seq", sqlite_where=sa.text("kind = 'gap'"), postgresql_where=sa.text("kind = 'gap'")),
 )
 
-# One row per stay of a block on a worker's tier: current inventory is `removed_seq IS NULL`,
-# inventory as of seq S is `stored_seq <= S AND (removed_seq IS NULL OR removed_seq > S)`.
-# The key (stored_seq, slot) is the fact's position in the log, so every replay produces
-# the same rows.
-block_residency = sa.Table(
-    "block_residency",
+# Where a block stays: one worker's tier, provenance, KV-cache group and ownership, with the
+# kind and window the group's stores declared. Kept once here, not on every stay: a stay
+# names its placement by `placement_id`, a small integer SQL assigns (store/recorder.py
+# `PlacementIds`); a store shard adds only its own publishers' placements.
+placements = sa.Table(
+    "placements",
     metadata,
-    sa.Column("stored_seq", _SEQ, primary_key=True, autoincrement=False),
-    sa.Column("slot", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("placement_id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("publisher", _PUBLISHER, nullable=False),
     sa.Column("dp_rank", sa.Integer, nullable=False),
-    sa.Column("tier", _NAME, nullable=False),
     sa.Column("provenance", _NAME, nullable=False),
+    sa.Column("tier", _NAME, nullable=False),
+    sa.Column("group_idx", sa.Integer, nullable=False),
+    sa.Column("ownership", _OWNERSHIP),
+    sa.Column("kv_cache_spec_kind", _NAME),
+    sa.Column("sliding_window", sa.Integer),
+    sa.Index("ix_placements_worker", "publisher", "dp_rank", "tier"),
+)
+
+# One row per stay of a block in a placement, written once when the block is stored. The key
+# (stored_seq, slot) is the fact's position in the log, so every replay produces the same rows;
+# the placement leads the primary key so one worker's inventory is one range of it.
+# `refs` NULL means 1 and `unresolved` NULL means false: the common values take no bytes.
+block_stays = sa.Table(
+    "block_stays",
+    metadata,
+    sa.Column("placement_id", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("stored_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("slot", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("engine_hash", _HASH, nullable=False),
     sa.Column("sequence_hash", _HASH, nullable=False),
     sa.Column("parent_hash", _HASH),
@@ -97,24 +113,60 @@ block_residency = sa.Table(
     sa.Column("stored_ts", _TS, nullable=False),
     # stream seq from which a retained record disagreed with native topology (audit-only)
     sa.Column("conflict_since", _SEQ),
+    sa.Column("refs", sa.Integer),  # announcements not yet removed, when more than one
+    # a store without tokens whose block was unknown: hashes 0, kept for audit, never indexed
+    sa.Column("unresolved", sa.Boolean),
+    sa.Index("ix_stays_engine_hash", "engine_hash"),
+    sa.Index("ix_stays_sequence_hash", "sequence_hash"),  # the quality audit finds a decision's blocks
+    sqlite_with_rowid=False,
+)
+
+# One row per stay that ended, inserted (never an UPDATE of the stay: in PostgreSQL that
+# wrote a whole new row version into every index). removal_cause: removed | cleared |
+# restart | resolved (an unresolved stay replaced, at that seq, by its resolved copy).
+block_removals = sa.Table(
+    "block_removals",
+    metadata,
+    sa.Column("placement_id", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("stored_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("slot", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("removed_seq", _SEQ, nullable=False),
+    sa.Column("removed_ts", _TS, nullable=False),
+    sa.Column("removal_cause", _NAME, nullable=False),
+    sa.Index("ix_removals_removed_seq", "removed_seq"),  # history pruning walks closed stays by seq
+    sqlite_with_rowid=False,
+)
+
+# The view `block_residency` (migration 0008) joins the three: one row per stay of a block on
+# a worker's tier, as the audit reads it. Inventory as of seq S is
+# `stored_seq <= S AND (removed_seq IS NULL OR removed_seq > S)`. Described here, outside
+# `metadata`, so code can select from it; the migrations create it.
+views = sa.MetaData()
+block_residency = sa.Table(
+    "block_residency",
+    views,
+    sa.Column("stored_seq", _SEQ),
+    sa.Column("slot", sa.Integer),
+    sa.Column("publisher", _PUBLISHER),
+    sa.Column("dp_rank", sa.Integer),
+    sa.Column("tier", _NAME),
+    sa.Column("provenance", _NAME),
+    sa.Column("engine_hash", _HASH),
+    sa.Column("sequence_hash", _HASH),
+    sa.Column("parent_hash", _HASH),
+    sa.Column("local_hash", _HASH),
+    sa.Column("stored_ts", _TS),
+    sa.Column("conflict_since", _SEQ),
     sa.Column("removed_seq", _SEQ),
     sa.Column("removed_ts", _TS),
-    sa.Column("removal_cause", _NAME),  # NULL while stored; removed | cleared | restart | resolved
-    # A block's identity on a tier is (group_idx, ownership, engine_hash): one KV-cache group's
-    # or one offload tier's removal never closes another's row.
-    sa.Column("group_idx", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("removal_cause", _NAME),
+    sa.Column("group_idx", sa.Integer),
     sa.Column("ownership", _OWNERSHIP),
-    sa.Column("kv_cache_spec_kind", _NAME),  # the group's kind as its store declared it
+    sa.Column("kv_cache_spec_kind", _NAME),
     sa.Column("sliding_window", sa.Integer),
-    sa.Column("refs", sa.Integer, nullable=False, server_default="1"),  # announcements not yet removed
-    # a store without tokens whose block was unknown: hashes 0, kept for audit, never indexed
-    sa.Column("unresolved", sa.Boolean, nullable=False, server_default=sa.false()),
-    sa.Index("ix_residency_worker_removed", "publisher", "dp_rank", "tier", "removed_seq"),
-    sa.Index("ix_residency_engine_hash", "engine_hash"),
-    sa.Index("ix_residency_removed_seq", "removed_seq"),  # history pruning walks closed stays by seq
-    sa.Index("ix_residency_sequence_hash", "sequence_hash"),  # the quality audit finds a decision's blocks
-    # Clustered on (stored_seq, slot) in SQLite: one B-tree fewer to insert into per block.
-    sqlite_with_rowid=False,
+    sa.Column("refs", sa.Integer),
+    sa.Column("unresolved", sa.Boolean),
+    sa.Column("placement_id", sa.Integer),
 )
 
 # One row per worker: where each of its two announcement streams stands.

@@ -280,13 +280,15 @@ def sql_inventory_at(connection: sa.Connection, workers: list[WorkerId], seq: in
 
 def content_digest(url: str) -> tuple[dict[str, int], str]:
     """Row counts and a digest of every table's deterministic content."""
-    skip = {"dead_letters": {"recorded_ts"}, "checkpoints": {"updated_ts"}}
+    # block_residency is a view (no primary key to order by); its placement id is a number SQL assigns
+    skip = {"dead_letters": {"recorded_ts"}, "checkpoints": {"updated_ts"}, "block_residency": {"placement_id"}}
+    view_keys = {"block_residency": ("stored_seq", "slot")}
     counts, digest = {}, hashlib.sha256()
     with database.opened(url) as engine, engine.connect() as connection:
         for table in ("event_log", "block_residency", "workers", "uncertain_periods", "dead_letters", "checkpoints"):
             meta = sa.Table(table, sa.MetaData(), autoload_with=connection)
             columns = [c for c in meta.columns if c.name not in skip.get(table, set())]
-            keys = [c for c in meta.primary_key.columns]
+            keys = [c for c in meta.primary_key.columns] or [meta.c[name] for name in view_keys[table]]
             rows = connection.execute(sa.select(*columns).order_by(*keys)).all()
             counts[table] = len(rows)
             for row in rows:

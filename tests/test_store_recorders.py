@@ -17,7 +17,7 @@ from kvledger.events import EventBatch, RecordError, decode_batch, encode_batch
 from kvledger.fold import InventoryFold
 from store import database
 from store.changes import ChangeBuilder
-from store.recorder import load_fold, open_recorder, read_checkpoint
+from store.recorder import PlacementIds, load_fold, open_recorder, read_checkpoint
 from store_harness import content_digest, fold_rows, fold_state, recorded_stream, reference_folds, sql_inventory_at
 
 pytestmark = pytest.mark.service
@@ -30,7 +30,7 @@ def record_without_nats(url: str, stream: list[EventBatch | bytes], per_transact
     """Fold `stream` (stream seqs from 1) and write it through the recorder, `per_transaction` messages at a time."""
     with database.opened(url) as engine:
         fold, index = load_fold(engine)
-        builder = ChangeBuilder(index)
+        builder = ChangeBuilder(index, PlacementIds(engine))
         with open_recorder(engine, "KV_EVENTS") as recorder:
             for start in range(0, len(stream), per_transaction):
                 changes = builder.begin(start + 1)

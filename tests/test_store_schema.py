@@ -30,40 +30,64 @@ def empty_db(request: pytest.FixtureRequest) -> str:
 
 def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, capsys) -> None:
     assert main(["db", "upgrade", "--db", empty_db]) == 0
-    assert "empty -> 0007" in capsys.readouterr().out
+    assert "empty -> 0008" in capsys.readouterr().out
     with database.opened(empty_db) as engine:
-        assert database.current_revision(engine) == database.head_revision() == "0007"
+        assert database.current_revision(engine) == database.head_revision() == "0008"
         with engine.connect() as connection:
             # The migrations build exactly the tables the code writes to.
             assert compare_metadata(MigrationContext.configure(connection), metadata) == []
             views = set(sa.inspect(connection).get_view_names())
-            assert {"current_inventory", "block_history"} <= views
+            assert {"block_residency", "current_inventory", "block_history", "decision_block_stays"} <= views
             # A hash above 2**63 reads back unsigned through the views.
-            connection.execute(sa.text(
-                "INSERT INTO block_residency (stored_seq, slot, publisher, dp_rank, tier, provenance, engine_hash, "
-                "sequence_hash, parent_hash, local_hash, stored_ts) VALUES (1, 0, 'p', 0, 'device', 'native', -2, 5, NULL, 7, 1.0)"
-            ))  # fmt: skip
-            shown = connection.execute(sa.text("SELECT engine_hash, parent_hash, removal_cause FROM current_inventory")).one()
-            assert (int(shown[0]), shown[1], shown[2]) == ((1 << 64) - 2, None, "stored")
-            connection.rollback()
+            _insert_stays(connection)
+            shown = connection.execute(sa.text(
+                "SELECT engine_hash, parent_hash, removal_cause, refs FROM current_inventory")).one()
+            assert (int(shown[0]), shown[1], shown[2], shown[3]) == ((1 << 64) - 2, None, "stored", 1)
+            connection.commit()
     assert main(["db", "downgrade", "--db", empty_db]) == 0
     with database.opened(empty_db) as engine:
-        assert database.current_revision(engine) == "0006"
-        with engine.connect() as connection:
-            # 0006's schema again, without what 0007 added for shadow decisions and replay
-            inspector = sa.inspect(connection)
-            assert "decision_requests" not in inspector.get_table_names()
-            assert "shadow_source" not in {column["name"] for column in inspector.get_columns("decisions")}
-            assert "decision_block_stays" in inspector.get_view_names()
-            assert "stream_generations" in inspector.get_table_names()
-        database.upgrade(engine)
         assert database.current_revision(engine) == "0007"
+        with engine.connect() as connection:
+            # 0007's schema again: block_residency a table, the stays moved back into it
+            inspector = sa.inspect(connection)
+            assert "block_residency" in inspector.get_table_names()
+            assert not {"placements", "block_stays", "block_removals"} & set(inspector.get_table_names())
+            assert "decision_block_stays" in inspector.get_view_names()
+            assert _residency(connection) == EXPECTED_STAYS
+        database.upgrade(engine)
+        assert database.current_revision(engine) == "0008"
+        with engine.connect() as connection:
+            assert _residency(connection) == EXPECTED_STAYS  # and forward again
+
+
+EXPECTED_STAYS = [
+    (1, 0, "p", 0, "device", "native", -2, None, None, None, 1),
+    (2, 0, "p", 0, "device", "native", 9, 2, 1.5, "removed", 3),
+]
+
+
+def _insert_stays(connection: sa.Connection) -> None:
+    place = connection.execute(sa.text(
+        "INSERT INTO placements (publisher, dp_rank, provenance, tier, group_idx) "
+        "VALUES ('p', 0, 'native', 'device', 0) RETURNING placement_id")).scalar_one()
+    connection.execute(sa.text(
+        "INSERT INTO block_stays (placement_id, stored_seq, slot, engine_hash, sequence_hash, parent_hash, local_hash, "
+        "stored_ts, refs) VALUES (:p, 1, 0, -2, 5, NULL, 7, 1.0, NULL), (:p, 2, 0, 9, 6, -2, 8, 1.25, 3)"), {"p": place})
+    connection.execute(sa.text(
+        "INSERT INTO block_removals (placement_id, stored_seq, slot, removed_seq, removed_ts, removal_cause) "
+        "VALUES (:p, 2, 0, 2, 1.5, 'removed')"), {"p": place})
+
+
+def _residency(connection: sa.Connection) -> list[tuple]:
+    return [tuple(row) for row in connection.execute(sa.text(
+        "SELECT stored_seq, slot, publisher, dp_rank, tier, provenance, engine_hash, removed_seq, removed_ts, "
+        "removal_cause, refs FROM block_residency ORDER BY stored_seq, slot"))]
 
 
 async def test_the_store_refuses_an_older_schema_and_says_which_command_to_run(nats_server, empty_db) -> None:
     with database.opened(empty_db) as engine:
         database.upgrade(engine, "0001")
-    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0007; run `kvledger db upgrade --db "):
+    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0008; run `kvledger db upgrade --db "):
         await StoreService(store_settings(nats_server.url, empty_db)).run(asyncio.Event())
 
 

@@ -73,8 +73,11 @@ def ledger_digest(url: str) -> tuple[dict[str, int], str]:
     with database.opened(url) as engine, engine.connect() as connection:
         for table in LEDGER_TABLES:
             meta = sa.Table(table, sa.MetaData(), autoload_with=connection)
-            columns = [c for c in meta.columns if c.name != "recorded_ts"]
-            rows = connection.execute(sa.select(*columns).order_by(*meta.primary_key.columns)).all()
+            # block_residency is a view: no key to order by, and its placement ids are numbered in the order
+            # each projector met them
+            columns = [c for c in meta.columns if c.name not in ("recorded_ts", "placement_id")]
+            keys = list(meta.primary_key.columns) or [meta.c.stored_seq, meta.c.slot]
+            rows = connection.execute(sa.select(*columns).order_by(*keys)).all()
             counts[table] = len(rows)
             for row in rows:
                 digest.update(repr(tuple(bytes(v) if isinstance(v, memoryview) else v for v in row)).encode())
