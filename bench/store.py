@@ -9,10 +9,20 @@ process) projects the stream and the clock runs until its SQL checkpoint reaches
 `--db postgres` starts a throwaway PostgreSQL cluster (tests/services.py); `--db URL`
 uses a database you give (it must be empty).
 
+Yardstick: the rows store wrote, read back from every table after the projection, are
+loaded into an empty database of the same schema (same tables, same indexes) by the
+database's fastest bulk path: PostgreSQL `COPY … FROM STDIN (FORMAT binary)` of each
+table's own `COPY … TO STDOUT` bytes, SQLite one prepared `executemany` per table in a
+single transaction. Store's rate is printed as a ratio to that load's.
+
 Size: the database's bytes after the projection, per million block events; then history
 retention keeps the newer half of the stream (by ingest time) and the bytes the data
 still takes are measured (SQLite: pages in use; PostgreSQL: after VACUUM FULL), which is
 the size a store settles at under a window holding that much history.
+
+Before and after, in turns: `--compare REV` checks REV out in a temporary git worktree
+and runs its bench/store.py and this one alternately (`--turns` each), every run with its
+own nats-server, database and pre-filled stream, then prints the runs side by side.
 """
 
 from __future__ import annotations
@@ -21,8 +31,10 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +43,7 @@ from collections import deque
 from pathlib import Path
 
 import nats
+import sqlalchemy as sa
 
 ROOT = Path(__file__).resolve().parent.parent
 # This file is named like the `store` package; keep its folder off the path so the
@@ -193,6 +206,85 @@ def size_under_window(db_url: str, blocks: int) -> dict[str, float]:
             "bytes_after_keeping_half": kept, "pruned_rows": sum(result.rows.values()), "prune_s": prune_s}
 
 
+def yardstick(db_url: str, blocks: int, cluster=None, sqlite_path: Path | None = None) -> float:
+    """Seconds the database takes to bulk-load the rows store wrote into an empty copy of the schema."""
+    with database.opened(db_url) as engine, engine.connect() as connection:
+        inspector = sa.inspect(connection)
+        names = [name for name in inspector.get_table_names() if name != "alembic_version"]
+        if engine.dialect.name == "postgresql":
+            raw = connection.connection.driver_connection
+            data = {}
+            for name in names:
+                with raw.cursor().copy(f"COPY {name} TO STDOUT (FORMAT binary)") as copy:
+                    data[name] = b"".join(bytes(chunk) for chunk in copy)
+        else:
+            data = {name: connection.exec_driver_sql(f"SELECT * FROM {name}").all() for name in names}
+    if cluster is not None:
+        target = cluster.create_database(f"kvledger_yardstick_{uuid.uuid4().hex[:8]}")
+    else:
+        sqlite_path.unlink(missing_ok=True)
+        target = f"sqlite:///{sqlite_path}"
+    with database.opened(target) as engine:
+        database.upgrade(engine)
+        proxy = engine.raw_connection()
+        try:
+            raw = proxy.driver_connection
+            if engine.dialect.name == "postgresql":
+                started = time.perf_counter()
+                with raw.cursor() as cursor:
+                    for name, payload in data.items():
+                        if payload:
+                            with cursor.copy(f"COPY {name} FROM STDIN (FORMAT binary)") as copy:
+                                copy.write(payload)
+                raw.commit()
+            else:
+                raw.isolation_level = None
+                started = time.perf_counter()
+                cursor = raw.cursor()
+                cursor.execute("BEGIN IMMEDIATE")
+                for name, rows in data.items():
+                    if rows:
+                        cursor.executemany(f"INSERT INTO {name} VALUES ({', '.join('?' * len(rows[0]))})", rows)
+                cursor.execute("COMMIT")
+            return time.perf_counter() - started
+        finally:
+            proxy.close()
+
+
+def compare(args: argparse.Namespace) -> int:
+    """Run REV's bench/store.py and this one in turns, each in its own process; print the runs side by side."""
+    work = Path(tempfile.mkdtemp(prefix="kvledger-bench-compare-"))
+    tree = work / "tree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.compare], check=True,
+                   capture_output=True)
+    patterns = {
+        "blocks/s": re.compile(r"^(\w+): \d+ block events .*= ([\d,]+) blocks/s", re.M),
+        "yardstick ratio": re.compile(r"^(\w+):   store_to_yardstick = ([\d.]+)", re.M),
+        "bytes / M block events": re.compile(r"^(\w+):   bytes_per_million_block_events = ([\d,]+)", re.M),
+        "inventory_at_seq p50 ms": re.compile(r"^(\w+):   inventory_at_seq_p50_ms = ([\d.]+)", re.M),
+        "inventory_summary p50 ms": re.compile(r"^(\w+):   inventory_summary_at_seq_p50_ms = ([\d.]+)", re.M),
+    }
+    common = ["--blocks", str(args.blocks), "--workers", str(args.workers), "--capacity", str(args.capacity),
+              "--batch-size", str(args.batch_size)] + [f"--db={db}" for db in args.db or ["sqlite", "postgres"]]
+    runs: list[tuple[str, dict]] = []
+    try:
+        for turn in range(args.turns):
+            for label, folder in ((args.compare, tree), ("this tree", ROOT)):
+                done = subprocess.run([sys.executable, str(folder / "bench" / "store.py"), *common], cwd=folder,
+                                      capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(folder)})
+                if done.returncode:
+                    print(done.stdout, done.stderr, file=sys.stderr)
+                    raise RuntimeError(f"{label}'s bench failed")
+                found = {name: dict(pattern.findall(done.stdout)) for name, pattern in patterns.items()}
+                runs.append((label, found))
+                print(f"turn {turn + 1}, {label}: " + "; ".join(
+                    f"{db} {name} {value}" for name, per_db in found.items() for db, value in per_db.items()), flush=True)
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=1_000_000, help="block events (stores + removals) to pre-fill")
@@ -200,7 +292,11 @@ def main() -> int:
     parser.add_argument("--capacity", type=int, default=20_000, help="blocks each simulated engine holds")
     parser.add_argument("--batch-size", type=int, default=512, help="store.batch_size")
     parser.add_argument("--db", action="append", default=[], help="sqlite | postgres | a database URL (repeatable)")
+    parser.add_argument("--compare", metavar="REV", help="run REV's bench/store.py and this one in turns")
+    parser.add_argument("--turns", type=int, default=2, help="with --compare: runs of each")
     args = parser.parse_args()
+    if args.compare:
+        return compare(args)
     targets = args.db or ["sqlite", "postgres"]
 
     work = Path(tempfile.mkdtemp(prefix="kvledger-bench-"))
@@ -224,6 +320,13 @@ def main() -> int:
                 name = "sqlite" if url.startswith("sqlite") else "postgres"
                 print(f"{name}: {blocks} block events from {last} messages in {elapsed:.2f}s "
                       f"= {blocks / elapsed:,.0f} blocks/s ({last / elapsed:,.0f} messages/s)")
+                if name == "postgres" and cluster is None:
+                    load_s = None  # a database you gave: no second one to load into
+                else:
+                    load_s = yardstick(url, blocks, cluster, work / "yardstick.db")
+                if load_s is not None:
+                    print(f"{name}:   yardstick (same rows, bulk-loaded) = {blocks / load_s:,.0f} blocks/s in {load_s:.2f}s")
+                    print(f"{name}:   store_to_yardstick = {load_s / elapsed:.3f}")
                 for key, value in query_latency(url, last, args.workers).items():
                     print(f"{name}:   {key} = {value:.2f}")
                 for key, value in size_under_window(url, blocks).items():
