@@ -5,8 +5,8 @@ per-service users of docker/nats-server.conf, decide behind its bearer token), o
 every host port chosen by Docker (tests/stacks.py). A simulated vLLM engine on the host
 publishes over ZMQ; ingest in its container bridges it into JetStream, store projects it
 into the PostgreSQL container, and the SQL inventory must equal what the engine holds.
-decide must answer with its token and refuse without, and NATS must refuse a client
-without a user.
+decide must answer with its token and refuse without, NATS must refuse a client without
+a user, and JetStream must run with nats-server.conf's sync interval.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ PUBLISHER = "vllm-0"
 PORTS_CHOSEN_BY_DOCKER = """
 services:
   nats:
-    ports: !override ["127.0.0.1::4222"]
+    ports: !override ["127.0.0.1::4222", "127.0.0.1::8222"]
   postgres:
     ports: ["127.0.0.1::5432"]
   ingest:
@@ -128,3 +128,9 @@ async def test_compose_nats_refuses_a_client_without_a_user(stack: ComposeStack)
     router = await nats.connect(url, user="router", password=stack.environment["KVLEDGER_NATS_ROUTER_PASSWORD"],
                                 allow_reconnect=False, connect_timeout=5)
     await router.close()
+
+
+def test_compose_jetstream_syncs_every_second(stack: ComposeStack) -> None:
+    status, body = http(f"http://127.0.0.1:{stack.port('nats', 8222)}/varz")
+    assert status == 200
+    assert json.loads(body)["jetstream"]["config"]["sync_interval"] == 1_000_000_000  # nanoseconds
