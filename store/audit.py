@@ -443,15 +443,16 @@ def run(connection: sa.Connection, query: Query, **params: object) -> list[dict]
     missing = set(query.params) - set(params)
     if missing:
         raise TypeError(f"{query.name} needs {sorted(missing)}")
-    rows = connection.execute(sa.text(query.sql.rstrip(";")), params).mappings().all()
-    result = []
-    for row in rows:
-        out = dict(row)
-        for column in query.hash_columns:
-            if out.get(column) is not None:
-                out[column] = to_unsigned(out[column])
-        result.append(out)
-    return result
+    result = connection.execute(sa.text(query.sql.rstrip(";")), params)
+    keys = tuple(result.keys())
+    rows = [dict(zip(keys, row)) for row in result.tuples()]
+    for column in query.hash_columns:
+        if column in keys:
+            for out in rows:
+                value = out[column]
+                if value is not None and value < 0:
+                    out[column] = to_unsigned(value)
+    return rows
 
 
 class Audit:
