@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parity-sample", type=int, default=100, help="answers checked against the reference")
     parser.add_argument("--gpu-profile", action="store_true", help="print where one cuda pass spends its host time")
     parser.add_argument("--only", help="comma-separated paths to time (single, batched, untargeted, values, ranking, "
-                        "reuse_off, shadow); default all")
+                        "reuse_off, recorded, recorded_python, shadow); default all")
     parser.add_argument("--dirty-chunk", type=int, default=16, help="event batches applied between device updates")
     args = parser.parse_args(argv)
 
@@ -517,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
           f"mean {candidates:.1f} candidates and {overlapping:.1f} workers in overlaps per answer")
 
     from decide.cpu import rank_batch
+    from decide.recorder import request_texts
     from decide.shadow import ShadowDecisions
     from kvledger.decision_codec import request_header
     from kvledger.settings import enabled_reuse
@@ -525,11 +526,17 @@ def main(argv: list[str] | None = None) -> int:
     reuse_off = ReuseSettings()
     shadow = ShadowDecisions(enabled_reuse(reuse_off))
 
-    def recorded(batch: list[ReuseRequest], shadows: ShadowDecisions | None) -> list[bytes]:
+    def recorded(batch: list[ReuseRequest], shadows: ShadowDecisions | None, requests: str | None) -> list[bytes]:
+        """What the service computes per batch with reuse off: the answers and relied-on prefixes, each
+        record's request header (`requests`: "batch" as the service writes them, "python" one at a time as
+        `request_header` does; None: not at all) and, with `shadows`, each record's shadow header."""
         texts = cpu.answer_texts(batch, reuse_off)
-        headers = [request_header(q) for q in batch]
+        if requests == "batch":
+            request_texts(batch, texts.arrays)
+        elif requests == "python":
+            [request_header(q) for q in batch]
         if shadows is not None:
-            headers += shadows.answer(cpu, batch)[0]
+            shadows.answer(cpu, batch)
         return texts.answers
 
     paths = {
@@ -548,14 +555,22 @@ def main(argv: list[str] | None = None) -> int:
         "ranking": (f"cpu, batches of {args.batch}, ranking only (arrays, no Python answers), {args.workers} workers",
                     lambda: time_batches(lambda qs: rank_batch(index, qs, reuse).reason, queries, args.batch,
                                          args.rounds)),
-        # What the service computes per batch with reuse off (the default), with and without
-        # shadow decisions (decide.shadow: the batch ranked again with both enable flags on).
-        "reuse_off": (f"cpu, batches of {args.batch}, reuse off: JSON answers, relied-on prefixes and each record's "
-                      f"request header, {args.workers} workers",
-                      lambda: time_batches(lambda qs: recorded(qs, None), queries, args.batch, args.rounds)),
-        "shadow": (f"cpu, batches of {args.batch}, reuse off with decide.shadow: the same, plus each record's shadow "
-                   f"header (the batch ranked again with reuse on), {args.workers} workers",
-                   lambda: time_batches(lambda qs: recorded(qs, shadow), queries, args.batch, args.rounds)),
+        # What the service computes per batch with reuse off (the default): without each record's
+        # request header, with it (as the service writes it, and as request_header writes one), and with
+        # shadow decisions too (decide.shadow: the batch ranked again with both enable flags on).
+        "reuse_off": (f"cpu, batches of {args.batch}, reuse off: JSON answers and relied-on prefixes, "
+                      f"{args.workers} workers",
+                      lambda: time_batches(lambda qs: recorded(qs, None, None), queries, args.batch, args.rounds)),
+        "recorded": (f"cpu, batches of {args.batch}, reuse off: the same, plus each record's request header "
+                     f"(decide.recorder.request_texts, one compiled call a batch), {args.workers} workers",
+                     lambda: time_batches(lambda qs: recorded(qs, None, "batch"), queries, args.batch, args.rounds)),
+        "recorded_python": (f"cpu, batches of {args.batch}, reuse off: the same, the request headers written one "
+                            f"at a time (decision_codec.request_header), {args.workers} workers",
+                            lambda: time_batches(lambda qs: recorded(qs, None, "python"), queries, args.batch,
+                                                 args.rounds)),
+        "shadow": (f"cpu, batches of {args.batch}, reuse off with decide.shadow: request headers, plus each record's "
+                   f"shadow header (the batch ranked again with reuse on), {args.workers} workers",
+                   lambda: time_batches(lambda qs: recorded(qs, shadow, "batch"), queries, args.batch, args.rounds)),
     }
     if with_dynamo:
         dynamo_path = (f"Dynamo RadixTree.find_matches, single, in its own process (one core), {args.workers} "
@@ -602,10 +617,18 @@ def main(argv: list[str] | None = None) -> int:
                 gpu_lines += lines
                 mismatches += differing
     print()
-    if "reuse_off" in runs and "shadow" in runs:
-        off, on = median_run(runs["reuse_off"]), median_run(runs["shadow"])
-        print(f"decide.shadow costs the batched rate {1 - on['per_s'] / off['per_s']:.0%} with reuse off "
-              f"({off['per_s']:,.0f}/s -> {on['per_s']:,.0f}/s)")
+    def cost_line(what: str, without: str, with_: str) -> None:
+        if without in runs and with_ in runs:
+            # Runs taken in turns are paired (each `with_` run beside the `without` run of its round).
+            paired = sorted(1 - on["per_s"] / off["per_s"] for off, on in zip(runs[without], runs[with_]))
+            off, on = median_run(runs[without]), median_run(runs[with_])
+            print(f"{what} costs the batched rate {paired[(len(paired) - 1) // 2]:.1%} with reuse off, the median of "
+                  f"{len(paired)} rounds' costs ({paired[0]:.1%} – {paired[-1]:.1%}; medians {off['per_s']:,.0f}/s "
+                  f"-> {on['per_s']:,.0f}/s)")
+
+    cost_line("each record's request header (one compiled call a batch)", "reuse_off", "recorded")
+    cost_line("each record's request header written one at a time (request_header)", "reuse_off", "recorded_python")
+    cost_line("decide.shadow (with the request headers)", "recorded", "shadow")
     if "batched" not in runs or "single" not in runs:
         return 0 if not mismatches else 1
     batched = median_run(runs["batched"])

@@ -80,7 +80,7 @@ class CpuBackend:
         )
         return AnswerTexts(
             *split_text_pairs(answers, answer_bounds, relied, relied_bounds, count),
-            {REASONS[code]: number for code, number in enumerate(reason_counts.tolist()) if number},
+            {REASONS[code]: number for code, number in enumerate(reason_counts.tolist()) if number}, batch,
         )
 
     def _answer_text(self, request: ReuseRequest, settings: ReuseSettings, clock: Clock, started: float) -> AnswerTexts:

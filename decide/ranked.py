@@ -419,6 +419,9 @@ class AnswerTexts:
     answers: list[bytes]
     relied_prefixes: list[bytes]
     reason_counts: dict[str, int]
+    # The batch's requests as the kernels read them, when the backend made them: each record's
+    # request header is written from them (`decide.recorder.request_texts`) without converting again.
+    arrays: RequestArrays | None = attrs.field(default=None, eq=False)
 
     @classmethod
     def of(cls, batch: AnswerBatch) -> AnswerTexts:

@@ -30,8 +30,8 @@ from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from kvledger.decision_codec import (
-    RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, REQUEST_HEADER, SHADOW_HEADER, RequestError, error_reply,
-    record_ack_subject, request_header,
+    RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, SHADOW_HEADER, RequestError, error_reply,
+    record_ack_subject,
 )
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
 from kvledger.runtime.http import HttpFront, HttpLimits, Request, Response, Route, health_routes
@@ -70,7 +70,7 @@ from decide.media import (
 )
 from decide.metrics import DecideMetrics
 from decide.ranked import AnswerTexts
-from decide.recorder import DecisionRecorder, Record
+from decide.recorder import DecisionRecorder, Record, request_texts
 from decide.shadow import ShadowDecisions, shadow_reuse
 from decide.startup import StartupError, seconds_since_process_start, settle_subscriptions
 from decide.stream_loss import (
@@ -446,17 +446,19 @@ class DecideService(AsyncLifetime):
             answers = self.decide_many(requests)
             shadows, shadow_relied = (self.shadow.answer(self.backend, requests, clock=self._clock)
                                       if self.shadow is not None else ((), ()))
+            # Each record carries its request, for a what-if replay (one compiled call for the batch).
+            asked = request_texts(requests, answers.arrays)
             for number, ((position, request), payload, relied) in enumerate(
                 zip(valid, answers.answers, answers.relied_prefixes)
             ):
                 parts[position] = payload
-                headers = {REQUEST_HEADER: request_header(request)}
+                headers = None
                 if shadows:
-                    headers[SHADOW_HEADER] = shadows[number]
+                    headers = {SHADOW_HEADER: shadows[number]}
                     # Both are prefixes of the request's sequence hashes: the longer holds the other.
                     relied = max(relied, shadow_relied[number], key=len)
                 records.append(Record(request.request_id, payload, relied, ack_to[position] if ack_to else None,
-                                      headers))
+                                      headers, asked[number]))
         await self._record(records)
         return EncodedAnswers(tuple(parts), frozenset(refused))
 
