@@ -62,6 +62,9 @@ class ComposeStack:
     def container(self, service: str) -> str:
         return self.compose("ps", "--quiet", service).strip()
 
+    def service_log(self, service: str) -> str:
+        return self.compose("logs", "--no-color", service)
+
     def logs(self) -> str:
         try:
             return self.compose("logs", "--no-color", "--tail", "30")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Iterator
 
 import nats
@@ -31,6 +32,7 @@ from stacks import COMPOSE_FILE, ComposeStack, compose_stack, http, require_comp
 pytestmark = [pytest.mark.container, pytest.mark.service]
 
 PUBLISHER = "vllm-0"
+READY_WITHIN_S = 15.0
 
 # Host ports left to Docker (and PostgreSQL published, for the test's SQL): `!override`
 # replaces the shipped lists rather than adding to them.
@@ -91,6 +93,12 @@ async def test_compose_carries_engine_batches_into_sql_and_decide_answers_only_w
     async with SimulatedEngine(f"tcp://0.0.0.0:{publish}", f"tcp://0.0.0.0:{replay}") as engine:
         for service, port in (("decide", 9103), ("store", 9102), ("ingest", 9101)):
             stack.await_ready(service, port)
+        # Kernels compiled into the image: a new decide container is ready within seconds,
+        # as decide itself reports it.
+        reported = re.search(r"ready at inventory_seq \d+, ([\d.]+) s after the process started",
+                             stack.service_log("decide"))
+        assert reported, stack.service_log("decide")
+        assert float(reported.group(1)) < READY_WITHIN_S, reported.group(0)
         worker = SimulatedWorker(WorkerId(PUBLISHER), engine, EngineCache(48, 96))
         for request in itertools.islice(synthetic_requests(10_000, seed=3), 300):
             await worker.serve(request)
