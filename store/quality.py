@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -63,6 +63,27 @@ class QualityMetrics:
             "kvledger_store_decision_quality_unjudged", "Decisions the quality metrics could not judge, by why", ["reason"])
         self.watched = metrics.counter(
             "kvledger_store_decision_quality_watched", "Decisions taken in to wait for their horizon")
+
+
+NativeHolds = Callable[[WorkerId, Tier, int], bool]  # (worker, tier, sequence hash) held natively at the horizon
+
+
+def judge(
+    holds: NativeHolds, source: WorkerId | None, source_tier: Tier | None, source_hashes: Sequence[int],
+    target: WorkerId | None, target_hashes: Sequence[int],
+) -> tuple[bool | None, bool | None]:
+    """The quality rule at a decision's horizon (docs/audit.md, "Decision quality"), given what was natively held
+    there: (stale, lost). The hint is stale when the source no longer held every transferred block on its tier;
+    the credit is lost when the target no longer held every credited block on some local tier. None: nothing to
+    judge (no chosen source, or nothing credited). The live metrics ask the fold; a what-if replay
+    (store/replay.py) asks the recorded timeline at the audit's horizon seq."""
+    stale = None
+    if source is not None and source_hashes:
+        stale = not all(holds(source, source_tier, h) for h in source_hashes)
+    lost = None
+    if target is not None and target_hashes:
+        lost = not all(any(holds(target, tier, h) for tier in LOCAL_TIERS) for h in target_hashes)
+    return stale, lost
 
 
 @attrs.define(eq=False)
@@ -199,19 +220,21 @@ class QualityTracker:
 
     def _judge(self, pending: _Pending, fold: InventoryFold) -> None:
         metrics = self.metrics
-        if pending.source is not None:
+        stale, lost = judge(lambda worker, tier, h: fold.holds(worker, NATIVE, tier, h), pending.source,
+                            pending.source_tier, pending.source_hashes, pending.target, pending.target_hashes)
+        if stale is not None:
             worker, tier = pending.source.name, pending.source_tier.value
             metrics.hints.labels(worker, tier).inc()
-            if not all(fold.holds(pending.source, NATIVE, pending.source_tier, h) for h in pending.source_hashes):
+            if stale:
                 metrics.stale_hints.labels(worker, tier).inc()
             if pending.first_eviction_ts is not None:
                 metrics.first_eviction.labels(tier).observe(max(pending.first_eviction_ts - pending.decided_ts, 0.0))
+        if pending.source is not None:
             self._unwatch(pending)
-        if pending.target is not None:
+        if lost is not None:
             worker = pending.target.name
             metrics.credits.labels(worker, pending.reason).inc()
-            if not all(any(fold.holds(pending.target, NATIVE, tier, h) for tier in LOCAL_TIERS)
-                       for h in pending.target_hashes):
+            if lost:
                 metrics.lost_credits.labels(worker, pending.reason).inc()
 
     def _unwatch(self, pending: _Pending) -> None:

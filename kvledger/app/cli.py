@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 import kvledger
-from kvledger.app import trtllm_forward
+from kvledger.app import replay, trtllm_forward
 from kvledger.runtime.entry import REFUSED, configure_logging
 from kvledger.settings import (
     LoadedSettings,
@@ -580,6 +580,8 @@ COMMANDS: tuple[Command, ...] = (
             "exists only in SQL", _audit_stream_losses_arguments),
     Command(("audit", "quality"), _audit_quality, "whether decisions were still true at a horizon: stale hints, "
             "lost credit", _audit_quality_arguments),
+    Command(("replay",), replay.run, "answer recorded decision requests again under other reuse settings, judged at "
+            "a horizon", replay.arguments),
     Command(
         ("config", "show"),
         _config_show,

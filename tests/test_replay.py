@@ -1,0 +1,136 @@
+"""What-if replay (store/replay.py, `kvledger replay`) on a scripted workload whose truth is known.
+
+The workload of tests/test_decide_shadow.py, answered with reuse off: the source holds 8
+blocks, `target` 3 and `target2` 2; three requests (`hint` and `credit-only` to target,
+`hint2` to target2); 100 ms after the decisions the source evicts its last three blocks and
+target2 its second block. Replayed with reuse on, exactly `hint` and `hint2` flip to a
+transfer from the source (5 and 6 blocks); with minimum_transfer_prefix_blocks = 6, only
+`hint2`; with the live settings, nothing. Their would-be hints are stale at 500 ms and fresh
+at 50 ms, and the recorded decisions' own figures equal the quality audit's. The same report,
+to the last float, on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+
+import nats
+import pytest
+import sqlalchemy as sa
+
+from kvledger.app.cli import main as kvledger
+from kvledger.events import WorkerId
+from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
+from kvledger.settings import enabled_reuse, reuse_settings_from
+from builders import BLOCK_SIZE, Stream, removed, stored
+from engines import wait_until
+from store import database
+from store.audit import Audit
+from store.replay import replay
+from store_harness import RunningStore, checkpoint, store_settings
+from test_decision_quality import DEADLINE_S, HIGH, OTHER, SOURCE, TARGET, TARGET2, at, publish, request
+from test_decide_shadow import shadow_settings
+
+from decide.service import DecideService
+
+pytestmark = pytest.mark.service
+
+# What the whole report must be, on either database (1 ms a token, 40 µs a device block).
+SAVING = BLOCK_SIZE * 1.0 - 0.04
+
+
+async def _record_workload(nats_url: str, db_url: str) -> None:
+    settings = shadow_settings(nats_url)
+    stream = Stream()
+    early = [
+        at(stream.batch(SOURCE, stored(list(range(1, 9)), engine_offset=HIGH)), 1000.0),
+        at(stream.batch(TARGET, stored([1, 2, 3])), 1000.0),
+        at(stream.batch(TARGET2, stored([1, 2])), 1000.0),
+    ]
+    async with await nats.connect(nats_url) as nc:
+        js = nc.jetstream()
+        await ensure_stream(js, events_stream(settings.stream))
+        await publish(js, early)
+        async with RunningStore(store_settings(nats_url, db_url, quality_horizon_s=0.5)) as running, \
+                DecideService(settings) as decide:
+            await decide.wait_ready(DEADLINE_S)
+            await wait_until(lambda: decide.index.inventory_seq >= 3, DEADLINE_S, "decide at seq 3")
+            asked = [request("hint", TARGET, list(range(1, 13))), request("credit-only", TARGET, [1, 2, 3, 40, 41]),
+                     request("hint2", TARGET2, list(range(1, 13)))]
+            await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(asked).encode(), timeout=10)
+            await running.until(lambda: checkpoint(db_url, "decisions") >= 3, "the decisions in SQL")
+            with database.opened(db_url) as engine, engine.connect() as connection:
+                decided = max(connection.execute(sa.text("SELECT decided_ts FROM decisions")).scalars())
+            evicted = decided + 0.1
+            await publish(js, [
+                at(stream.batch(SOURCE, removed([6 + HIGH, 7 + HIGH, 8 + HIGH])), evicted),
+                at(stream.batch(TARGET2, removed([2])), evicted),
+                at(stream.batch(OTHER, stored([50])), decided + 0.7),
+            ])
+            await running.until(lambda: checkpoint(db_url) >= 6, "the evictions in SQL")
+
+
+def _sweep(tmp_path, live):
+    on = tmp_path / "on.toml"
+    on.write_text("[reuse]\nenable_decode_to_prefill_reuse = true\nenable_decode_to_prefill_gpu_reuse = true\n")
+    six = tmp_path / "six.toml"
+    six.write_text("[reuse]\nenable_decode_to_prefill_gpu_reuse = true\nminimum_transfer_prefix_blocks = 6\n")
+    same = tmp_path / "same.toml"
+    same.write_text("[reuse]\n")
+    return [(str(path), reuse_settings_from(path, live)) for path in (same, on, six)]
+
+
+async def test_a_setting_change_flips_exactly_the_known_decisions_judged_as_the_audit_judges(
+        nats_server, db_url, tmp_path) -> None:
+    await _record_workload(nats_server.url, db_url)
+    live = shadow_settings(nats_server.url).reuse
+    sweep = _sweep(tmp_path, live)
+    with database.opened(db_url) as engine, engine.connect() as connection:
+        late = replay(connection, sweep, horizon_s=0.5)
+        early = replay(connection, sweep, horizon_s=0.05)
+        audit = {row["key"]: row for row in Audit(connection).decision_quality_summary(0.5) if row["dimension"] == "tier"}
+        again = replay(connection, sweep, horizon_s=0.5)
+    assert again == late  # deterministic
+    assert (late.replayed, late.unreplayable, late.truncated, late.source) == (3, 0, 0, "sql")
+    same, on, six = late.settings
+    assert (same.changed, same.hints) == (0, 0)
+    assert {change["request_id"] for change in on.changes} == {"hint", "hint2"}
+    assert [change["request_id"] for change in six.changes] == ["hint2"]
+    assert on.changes[0]["replayed"] == "target target: source/1 device 8 blocks (chosen)"
+    # Transfers of 5 (hint: target holds 3) and 6 blocks (hint2: target2 holds 2), both stale at 500 ms.
+    assert (on.hints, on.blocks_moved, on.tokens_moved) == (2, 11, 11 * BLOCK_SIZE)
+    assert on.estimated_ttft_saved_ms == pytest.approx(11 * SAVING)
+    assert (on.judged_hints, on.stale_hints, on.fresh_ttft_saved_ms) == (2, 2, 0.0)
+    assert (six.hints, six.blocks_moved, six.stale_hints) == (1, 6, 1)
+    early_on = early.settings[1]
+    assert (early_on.judged_hints, early_on.stale_hints) == (2, 0)
+    assert early_on.fresh_ttft_saved_ms == pytest.approx(11 * SAVING)
+    # Credit: hint and credit-only rely on target's 3 blocks (kept), hint2 on target2's 2 (one evicted).
+    for tally in (late.recorded, *late.settings):
+        assert (tally.credited, tally.lost_credit, tally.pending) == (3, 1, 0)
+    # The recorded decisions' own figures are the quality audit's.
+    assert (late.recorded.credited, late.recorded.lost_credit) == (audit["none"]["credited"], audit["none"]["lost_credit"])
+    assert late.recorded.hints == 0 and "device" not in audit
+
+    # The command: same figures, as JSON; the changes listed.
+    settings_args = [arg for path, _ in sweep for arg in ("--settings", path)]
+    assert kvledger(["replay", "--db", db_url, *settings_args, "--decisions", "--json"]) == 0
+
+
+async def test_the_command_prints_the_report(nats_server, sqlite_url, tmp_path, capsys) -> None:
+    with database.opened(sqlite_url) as engine:
+        database.upgrade(engine)
+    await _record_workload(nats_server.url, sqlite_url)
+    sweep = _sweep(tmp_path, shadow_settings(nats_server.url).reuse)
+    # The command lays each file over the configured [reuse]: here the defaults, so the file says the cost model.
+    on = tmp_path / "on-1ms.toml"
+    on.write_text(sweep[1][0] and (tmp_path / "on.toml").read_text() + "transfer_source_prefill_token_us = 1000.0\n")
+    capsys.readouterr()
+    assert kvledger(["replay", "--db", sqlite_url, "--settings", str(on), "--decisions", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    [recorded, replayed] = printed["rows"]
+    assert (recorded["changed"], replayed["changed"], replayed["hints"], replayed["stale_hint_rate"]) == (0, 2, 2, 1.0)
+    assert sorted(change["request_id"] for change in printed["changes"][str(on)]) == ["hint", "hint2"]
+    assert kvledger(["replay", "--db", sqlite_url, "--settings", str(on), "--from", "2000-01-01", "--to", "2000-01-02"]) == 0
+    assert "replayed 0 recorded requests" in capsys.readouterr().out
+    assert kvledger(["replay", "--db", sqlite_url, "--settings", str(tmp_path / "missing.toml")]) == 2
