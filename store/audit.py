@@ -445,7 +445,7 @@ def run(connection: sa.Connection, query: Query, **params: object) -> list[dict]
         raise TypeError(f"{query.name} needs {sorted(missing)}")
     result = connection.execute(sa.text(query.sql.rstrip(";")), params)
     keys = tuple(result.keys())
-    rows = [dict(zip(keys, row)) for row in result.tuples()]
+    rows = [dict(zip(keys, row)) for row in result.all()]
     for column in query.hash_columns:
         if column in keys:
             for out in rows:

@@ -67,3 +67,11 @@ def test_the_client_and_the_simulator_import_no_stage_but_ingest_s_engine_format
         bad = {m for m in first_party(imported_modules(path))
                if (m.split(".")[0] in STAGES and m not in engine_formats) or m.startswith("kvledger.app")}
         assert bad == set(), f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_the_testing_module_imports_no_stage_no_app_and_no_simulator() -> None:
+    # kvledger.testing runs kvledger's image for users' own tests: it speaks to the services
+    # over NATS, HTTP and SQL, as a router would, and never through a stage's code.
+    for path in sources("kvledger/testing"):
+        bad = {m for m in first_party(imported_modules(path)) if m.split(".")[0] in STAGES or m.startswith(("kvledger.app", "kvledger.sim"))}
+        assert bad == set(), f"{path.relative_to(ROOT)} imports {sorted(bad)}"
