@@ -30,7 +30,7 @@ from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from kvledger.decision_codec import (
-    RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, SHADOW_HEADER, RequestError, error_reply,
+    REQUEST_FIELDS, RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, SHADOW_HEADER, RequestError, error_reply,
     record_ack_subject,
 )
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
@@ -262,6 +262,10 @@ class DecideService(AsyncLifetime):
         await asyncio.to_thread(compile_kernels, self.settings.reuse)
         self.backend, self.backend_line = choose_backend(self.settings.decide.backend, self.index)
         log.info("decide: %s", self.backend_line)
+        # Every answer's reason at 0 from the start, so a dashboard's rate() sees the first of each.
+        for reason in (value for name, value in vars(Reason).items() if not name.startswith("_")):
+            self.metrics.decisions.labels(self.backend.name, reason)
+        self.metrics.expect("field", REQUEST_FIELDS)
         self.backend.warm_up(self.settings.reuse)
         self.warm_up_seconds = time.perf_counter() - started
         self.metrics.warm_up.set(self.warm_up_seconds)

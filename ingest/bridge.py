@@ -289,6 +289,8 @@ class Bridge(AsyncLifetime):
             raise ValueError("ingest needs at least one endpoint (--endpoint tcp://HOST:PORT --publisher NAME)")
         self.settings = settings
         self.metrics = IngestMetrics()
+        self.metrics.expect("publisher", sorted({source.worker.publisher for source in sources}))
+        self.metrics.expect("reason", [reason.value for reason in GapReason])
         self._http_port = settings.ingest.http_port if http_port is None else http_port
         self._context = zmq.asyncio.Context()
         self.publisher = JetStreamPublisher(

@@ -121,6 +121,8 @@ _FIELD_RULES = {
     "request": "a JSON (or msgpack) object",
 }
 _OTHER_FIELDS = frozenset({"requests", "content-type"})
+# Every value RequestError.top_field can take: the refused-requests metric's labels.
+REQUEST_FIELDS = tuple(sorted({*_FIELD_RULES, *_OTHER_FIELDS, "unknown"}))
 
 
 def _top_level(path: str) -> str:

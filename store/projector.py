@@ -706,6 +706,9 @@ class StoreService:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = StoreMetrics()
+        self.metrics.expect("stream", [
+            settings.stream.events_stream, settings.stream.decisions_stream, dead_letters_stream(settings.stream).name,
+        ])
         self.engine = create_engine(settings.db.url)
         # The quality metrics need the whole inventory in one fold: one store, not shards.
         self.quality = QualityTracker(

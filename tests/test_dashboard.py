@@ -75,3 +75,21 @@ def test_prometheus_scrapes_every_stage_and_compose_provisions_grafana() -> None
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
     uids = {target["datasource"]["uid"] for panel in json.loads(DASHBOARD.read_text())["panels"] for target in panel.get("targets", [])}
     assert uids == {datasource["datasources"][0]["uid"]}
+
+
+def test_label_values_known_up_front_show_at_zero_before_their_first_event() -> None:
+    """rate() misses a series that appears with its first increment: the first dead letter, gap,
+    rewind or refused request must find its series already there, at 0."""
+    from kvledger.decision_codec import REQUEST_FIELDS
+    from kvledger.settings import Settings
+    from store.projector import StoreService
+
+    settings = Settings()
+    store = StoreService(settings).metrics.text().decode()
+    for stream in ("KV_EVENTS", "KV_DECISIONS", "KV_DEAD_LETTERS"):
+        for family in ("kvledger_store_dead_letters_total", "kvledger_store_consumer_rewinds_total",
+                       "kvledger_store_stream_losses_total"):
+            assert f'{family}{{stream="{stream}"}} 0.0' in store, (family, stream)
+    decide = DecideMetrics()
+    decide.expect("field", REQUEST_FIELDS)
+    assert 'kvledger_decide_malformed_requests_total{field="token_ids"} 0.0' in decide.text().decode()

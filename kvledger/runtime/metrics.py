@@ -197,6 +197,18 @@ class MetricSet:
                   buckets: Sequence[float] = DEFAULT_BUCKETS) -> Histogram:
         return self._declare(Histogram(name, help_text, label_names, buckets))
 
+    def expect(self, label_name: str, values: Sequence[object]) -> None:
+        """Make each family labelled by `label_name` alone show a child at 0 for each of `values` from now on.
+
+        A labelled counter exists only once first incremented, and `rate()` over a series
+        that appears with its first increment misses it (the first dead letter, gap or error
+        would never show on a dashboard); label values known up front are therefore shown at 0.
+        """
+        for family in self._families:
+            if family.label_names == (label_name,):
+                for value in values:
+                    family.labels(value)
+
     def _declare(self, family: F) -> F:
         if any(known.name == family.name for known in self._families):
             raise ValueError(f"metric {family.name} declared twice")
