@@ -134,3 +134,13 @@ async def test_the_command_prints_the_report(nats_server, sqlite_url, tmp_path, 
     assert kvledger(["replay", "--db", sqlite_url, "--settings", str(on), "--from", "2000-01-01", "--to", "2000-01-02"]) == 0
     assert "replayed 0 recorded requests" in capsys.readouterr().out
     assert kvledger(["replay", "--db", sqlite_url, "--settings", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_docs_audit_quotes_every_replay_query_verbatim() -> None:
+    from pathlib import Path
+
+    from store import replay as replay_queries
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "audit.md").read_text()
+    for query in replay_queries.QUERIES:
+        assert f"```sql\n{query.sql}\n```" in text, f"docs/audit.md lacks the current {query.name} query"
