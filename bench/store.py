@@ -15,6 +15,11 @@ database's fastest bulk path: PostgreSQL `COPY … FROM STDIN (FORMAT binary)` o
 table's own `COPY … TO STDOUT` bytes, SQLite one prepared `executemany` per table in a
 single transaction. Store's rate is printed as a ratio to that load's.
 
+As-of inventory: `inventory_at_seq` is the answer `kvledger audit inventory` gets (rows as
+dicts, hashes unsigned); `inventory_at_seq_sql` the documented statement alone, its rows
+fetched by the driver as tuples. `restart_s`: rebuilding the fold from SQL, as store does
+when it starts (store.recorder.load_fold).
+
 Size: the database's bytes after the projection, per million block events; then history
 retention keeps the newer half of the stream (by ingest time) and the bytes the data
 still takes are measured (SQLite: pages in use; PostgreSQL: after VACUUM FULL), which is
@@ -142,10 +147,15 @@ async def project(nats_url: str, db_url: str, last: int, batch_size: int) -> flo
 def query_latency(db_url: str, last: int, workers: int, samples: int = 50) -> dict[str, float]:
     rng = random.Random(2)
     timings: dict[str, list[float]] = {
-        "inventory_at_seq": [], "inventory_now": [], "inventory_summary_at_seq": [], "block_history": [],
+        "inventory_at_seq": [], "inventory_at_seq_sql": [], "inventory_now": [], "inventory_summary_at_seq": [],
+        "block_history": [],
     }  # fmt: skip
     with database.opened(db_url) as engine, engine.connect() as connection:
         inspector = audit.Audit(connection)
+        raw = connection.connection.driver_connection
+        statement = audit.INVENTORY_AT_SEQ.sql.rstrip(";")
+        if engine.dialect.name == "postgresql":
+            statement = re.sub(r":(\w+)", r"%(\1)s", statement)
         sizes = []
         for _ in range(samples):
             worker = WorkerId(f"engine-{rng.randrange(workers)}")
@@ -153,6 +163,15 @@ def query_latency(db_url: str, last: int, workers: int, samples: int = 50) -> di
             t = time.perf_counter()
             sizes.append(len(inspector.inventory(worker, [Tier.DEVICE], seq)))
             timings["inventory_at_seq"].append(time.perf_counter() - t)
+            # The documented statement alone, its rows fetched by the driver as tuples: the SQL's
+            # share of an as-of answer (the rest is making each row a dict with unsigned hashes).
+            params = {"publisher": worker.publisher, "dp_rank": worker.dp_rank, "tier": Tier.DEVICE.value, "seq": seq}
+            t = time.perf_counter()
+            cursor = raw.cursor()
+            cursor.execute(statement, params)
+            cursor.fetchall()
+            timings["inventory_at_seq_sql"].append(time.perf_counter() - t)
+            cursor.close()
             t = time.perf_counter()
             inspector.inventory(worker, [Tier.DEVICE], last)
             timings["inventory_now"].append(time.perf_counter() - t)
@@ -173,6 +192,16 @@ def query_latency(db_url: str, last: int, workers: int, samples: int = 50) -> di
         result[f"{name}_p50_ms"] = 1000 * values[len(values) // 2]
         result[f"{name}_p99_ms"] = 1000 * values[max(0, int(len(values) * 0.99) - 1)]
     return result
+
+
+def restart_s(db_url: str) -> float:
+    """Seconds store takes to rebuild its fold from SQL, as after a restart (store.recorder.load_fold)."""
+    from store.recorder import load_fold
+
+    with database.opened(db_url) as engine:
+        started = time.perf_counter()
+        load_fold(engine)
+        return time.perf_counter() - started
 
 
 def database_bytes(engine) -> int:
@@ -263,6 +292,8 @@ def compare(args: argparse.Namespace) -> int:
         "bytes / M block events": re.compile(r"^(\w+):   bytes_per_million_block_events = ([\d,]+)", re.M),
         "inventory_at_seq p50 ms": re.compile(r"^(\w+):   inventory_at_seq_p50_ms = ([\d.]+)", re.M),
         "inventory_summary p50 ms": re.compile(r"^(\w+):   inventory_summary_at_seq_p50_ms = ([\d.]+)", re.M),
+        "inventory_at_seq SQL p50 ms": re.compile(r"^(\w+):   inventory_at_seq_sql_p50_ms = ([\d.]+)", re.M),
+        "restart s": re.compile(r"^(\w+):   restart_s = ([\d.]+)", re.M),
     }
     common = ["--blocks", str(args.blocks), "--workers", str(args.workers), "--capacity", str(args.capacity),
               "--batch-size", str(args.batch_size)] + [f"--db={db}" for db in args.db or ["sqlite", "postgres"]]
@@ -329,6 +360,7 @@ def main() -> int:
                     print(f"{name}:   store_to_yardstick = {load_s / elapsed:.3f}")
                 for key, value in query_latency(url, last, args.workers).items():
                     print(f"{name}:   {key} = {value:.2f}")
+                print(f"{name}:   restart_s = {restart_s(url):.2f}")
                 for key, value in size_under_window(url, blocks).items():
                     print(f"{name}:   {key} = {value:,.0f}" if key != "prune_s" else f"{name}:   {key} = {value:.2f}")
             finally:
