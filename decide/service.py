@@ -451,7 +451,8 @@ class DecideService(AsyncLifetime):
             shadows, shadow_relied = (self.shadow.answer(self.backend, requests, clock=self._clock)
                                       if self.shadow is not None else ((), ()))
             # Each record carries its request, for a what-if replay (one compiled call for the batch).
-            asked = request_texts(requests, answers.arrays)
+            asked = (request_texts(requests, answers.arrays) if self.settings.decide.record_requests
+                     else [""] * len(requests))
             for number, ((position, request), payload, relied) in enumerate(
                 zip(valid, answers.answers, answers.relied_prefixes)
             ):

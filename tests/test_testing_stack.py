@@ -8,6 +8,7 @@ PostgreSQL and store up too and reads the published batch back from SQL.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 
@@ -53,7 +54,7 @@ def test_with_postgres_store_projects_what_was_published() -> None:
     stored = Stored(Tier.HOST, block_hashes=(21, 22), parent_hash=None, block_size=16, local_hashes=(5, 6))
     batch = EventBatch(WorkerId("sglang-b"), epoch=0, seq=0, engine_ts=time.time(), ingest_ts=time.time(),
                        provenance=Provenance.NATIVE, events=(stored,))
-    with KvledgerStack(postgres=True) as stack:
+    with KvledgerStack(postgres=True, environ=os.environ) as stack:
         assert stack.sql_url is not None
         asyncio.run(stack.publish_batches([batch]))
         engine = sa.create_engine(stack.sql_url)

@@ -10,12 +10,11 @@ PostgreSQL accepting a connection, `db upgrade` exiting 0, store's and decide's 
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from http.client import HTTPException
 from typing import Any, Self
 
@@ -33,9 +32,9 @@ POLL_INTERVAL_S = 0.2
 PROBE_BLOCK_SIZE = 16
 
 
-def default_image(service: str) -> str:
+def default_image(service: str, variables: Mapping[str, str]) -> str:
     variable, official = IMAGE_VARIABLES[service]
-    return os.environ.get(variable, "").strip() or official
+    return variables.get(variable, "").strip() or official
 
 
 class StackNotReady(RuntimeError):
@@ -52,13 +51,15 @@ class KvledgerStack:
 
     def __init__(
         self, image: str | None = None, *, postgres: bool = False, nats_image: str | None = None,
-        postgres_image: str | None = None, ready_timeout_s: float = 120.0,
+        postgres_image: str | None = None, ready_timeout_s: float = 120.0, environ: Mapping[str, str] = {},
     ) -> None:
-        """Images not given come from KVLEDGER_IMAGE, KVLEDGER_NATS_IMAGE and KVLEDGER_POSTGRES_IMAGE,
-        else kvledger:latest (build it from docker/Dockerfile), nats:2.15 and postgres:15."""
-        self.image = image or default_image("kvledger")
-        self.nats_image = nats_image or default_image("nats")
-        self.postgres_image = (postgres_image or default_image("postgres")) if postgres else None
+        """Images not given come from `environ`'s KVLEDGER_IMAGE, KVLEDGER_NATS_IMAGE and KVLEDGER_POSTGRES_IMAGE
+        (pass `os.environ` to let the environment choose), else kvledger:latest (build it from
+        docker/Dockerfile), nats:2.15 and postgres:15. Like every part of kvledger but its settings,
+        this module reads no environment of its own accord."""
+        self.image = image or default_image("kvledger", environ)
+        self.nats_image = nats_image or default_image("nats", environ)
+        self.postgres_image = (postgres_image or default_image("postgres", environ)) if postgres else None
         self.ready_timeout_s = ready_timeout_s
         self.decide_token = secrets.token_urlsafe(24)
         self.nats_url = ""
