@@ -35,16 +35,16 @@ _I64_LIMIT = 1 << 63
 
 # Positions in a stay row (the column order of store.tables.block_stays).
 STAY_COLUMNS = (
-    "placement_id", "stored_seq", "slot", "engine_hash", "sequence_hash", "parent_hash", "local_hash", "stored_ts",
-    "conflict_since", "refs", "unresolved",
+    "stored_seq", "engine_hash", "sequence_hash", "parent_hash", "local_hash", "stored_ts", "conflict_since", "slot",
+    "placement_id", "refs", "unresolved",
 )  # fmt: skip
-REMOVAL_COLUMNS = ("placement_id", "stored_seq", "slot", "removed_seq", "removed_ts", "removal_cause")
+REMOVAL_COLUMNS = ("stored_seq", "removed_seq", "removed_ts", "slot", "removal_cause")
 # What a placement is (store.tables.placements without its id), in this order.
 PLACEMENT_COLUMNS = (
     "publisher", "dp_rank", "provenance", "tier", "group_idx", "ownership", "kv_cache_spec_kind", "sliding_window",
 )  # fmt: skip
 PlacementIds = Callable[[tuple], int]  # a placement's values -> its id (store.recorder.PlacementIds)
-_CONFLICT, _REFS = 8, 9
+_CONFLICT, _REFS = 6, 9
 _ALL_TIERS = tuple(tier.value for tier in Tier)
 EVENT_LOG_COLUMNS = (
     "stream_seq", "event_idx", "publisher", "dp_rank", "epoch", "engine_seq", "provenance", "kind", "tier",
@@ -74,8 +74,8 @@ class ChangeSet:
     # (removed_seq, removed_ts, cause, publisher, dp_rank, provenance, *four tier names):
     # end every open stay of that worker on those tiers begun before this transaction
     clears: list[tuple] = attrs.field(factory=list)
-    references: list[tuple] = attrs.field(factory=list)  # (refs, placement_id, stored_seq, slot)
-    conflicts: list[tuple] = attrs.field(factory=list)  # (conflict_since, placement_id, stored_seq, slot)
+    references: list[tuple] = attrs.field(factory=list)  # (refs, stored_seq, slot)
+    conflicts: list[tuple] = attrs.field(factory=list)  # (conflict_since, stored_seq, slot)
     # (publisher, dp_rank, provenance) -> periods opened in this transaction, oldest first
     new_uncertain: dict[tuple, list[list]] = attrs.field(factory=dict)
     # (until_seq, until_ts, resolved_by, publisher, dp_rank, provenance)
@@ -147,7 +147,8 @@ class ChangeBuilder:
         self, changes: ChangeSet, facts: list[Fact], stream_seq: int, ts: float, worker: WorkerId, provenance: Provenance
     ) -> None:
         # The hot path: one batch's stores and removals all belong to its worker and provenance,
-        # so their index is looked up once, and a run of records in one placement reuses its id.
+        # so their index is looked up once, and a run of stores in one placement reuses its id;
+        # a removal names its stay by key alone.
         index, new_rows, removals = self.index, changes.new_residency, changes.removals
         owner = (worker, provenance)
         held = index.get(owner)
@@ -165,20 +166,20 @@ class ChangeBuilder:
                     tier_held = held.get(last_tier)
                     if tier_held is None:
                         tier_held = held[last_tier] = {}
-                where = (record.tier, record.group_idx, record.ownership, record.spec_kind, record.sliding_window)
-                if where != last_place:
-                    last_place, place = where, self.placement(record)
                 if kind is BlockStoredFact:
+                    where = (record.tier, record.group_idx, record.ownership, record.spec_kind, record.sliding_window)
+                    if where != last_place:
+                        last_place, place = where, self.placement(record)
                     key = (stream_seq, slot)
                     engine, sequence, parent, local = record.engine_hash, record.sequence_hash, record.parent_hash, record.local_hash
                     refs = record.refs
                     new_rows[key] = [
-                        place, stream_seq, slot,
+                        stream_seq,
                         engine - _U64 if engine >= _I64_LIMIT else engine,
                         sequence - _U64 if sequence >= _I64_LIMIT else sequence,
                         None if parent is None else (parent - _U64 if parent >= _I64_LIMIT else parent),
                         local - _U64 if local >= _I64_LIMIT else local,
-                        ts, stream_seq if record.conflict else None, None if refs == 1 else refs,
+                        ts, stream_seq if record.conflict else None, slot, place, None if refs == 1 else refs,
                         True if record.unresolved else None,
                     ]  # fmt: skip
                     slot += 1
@@ -186,7 +187,7 @@ class ChangeBuilder:
                 else:
                     key = tier_held.pop(record.key)
                     removed += 1
-                    removals.append((place, key[0], key[1], stream_seq, ts, fact.cause.value))
+                    removals.append((key[0], stream_seq, ts, key[1], fact.cause.value))
             elif kind is BlockReferencedFact:
                 record = fact.record
                 key = index[(record.worker, record.provenance)][record.tier][record.key]
@@ -194,7 +195,7 @@ class ChangeBuilder:
                 if row is not None:
                     row[_REFS] = None if record.refs == 1 else record.refs
                 else:
-                    changes.references.append((record.refs, self.placement(record), key[0], key[1]))
+                    changes.references.append((record.refs, key[0], key[1]))
             elif kind is InventoryClearedFact:
                 if fact.tier is None:
                     cleared = index.pop((fact.worker, fact.provenance), None) or {}
@@ -210,11 +211,10 @@ class ChangeBuilder:
                 blocks = 0
                 for key in (key for tier_held in cleared.values() for key in tier_held.values()):
                     blocks += 1
-                    row = new_rows.get(key)
-                    if row is None:
-                        older = True
+                    if key in new_rows:
+                        removals.append((key[0], stream_seq, ts, key[1], fact.cause.value))
                     else:
-                        removals.append((row[0], key[0], key[1], stream_seq, ts, fact.cause.value))
+                        older = True
                 if older:
                     changes.clears.append((
                         stream_seq, ts, fact.cause.value, fact.worker.publisher, fact.worker.dp_rank,
@@ -228,7 +228,7 @@ class ChangeBuilder:
                 if row is not None:
                     row[_CONFLICT] = stream_seq
                 else:
-                    changes.conflicts.append((stream_seq, self.placement(record), key[0], key[1]))
+                    changes.conflicts.append((stream_seq, key[0], key[1]))
             else:
                 assert kind is UncertaintyFact
                 period = (fact.worker.publisher, fact.worker.dp_rank, fact.provenance.value)

@@ -58,15 +58,14 @@ SQL_DEAD_LETTER = _insert("dead_letters", DEAD_LETTER_COLUMNS)
 # (`tier IN (...)`: a clear of one tier names it four times, a clear of all names each). Runs
 # after the transaction's own removals, so a stay removed earlier in it keeps its own cause.
 SQL_CLEAR = (
-    "INSERT INTO block_removals (placement_id, stored_seq, slot, removed_seq, removed_ts, removal_cause) "
-    "SELECT s.placement_id, s.stored_seq, s.slot, ?, ?, ? FROM block_stays s "
+    "INSERT INTO block_removals (stored_seq, removed_seq, removed_ts, slot, removal_cause) "
+    "SELECT s.stored_seq, ?, ?, s.slot, ? FROM block_stays s "
     "JOIN placements p ON p.placement_id = s.placement_id "
     "WHERE p.publisher = ? AND p.dp_rank = ? AND p.provenance = ? AND p.tier IN (?, ?, ?, ?) AND s.stored_seq < ? "
-    "AND NOT EXISTS (SELECT 1 FROM block_removals r "
-    "WHERE r.placement_id = s.placement_id AND r.stored_seq = s.stored_seq AND r.slot = s.slot)"
+    "AND NOT EXISTS (SELECT 1 FROM block_removals r WHERE r.stored_seq = s.stored_seq AND r.slot = s.slot)"
 )
-SQL_REFERENCES = "UPDATE block_stays SET refs = ? WHERE placement_id = ? AND stored_seq = ? AND slot = ?"
-SQL_CONFLICT = "UPDATE block_stays SET conflict_since = ? WHERE placement_id = ? AND stored_seq = ? AND slot = ?"
+SQL_REFERENCES = "UPDATE block_stays SET refs = ? WHERE stored_seq = ? AND slot = ?"
+SQL_CONFLICT = "UPDATE block_stays SET conflict_since = ? WHERE stored_seq = ? AND slot = ?"
 SQL_RESOLVE = (
     "UPDATE uncertain_periods SET until_seq = ?, until_ts = ?, resolved_by = ? "
     "WHERE publisher = ? AND dp_rank = ? AND provenance = ? AND until_seq IS NULL"
