@@ -274,13 +274,18 @@ def load_fold(engine: sa.Engine, shard: Shard = SINGLE) -> tuple[InventoryFold, 
                 ),
             }
             kept[WorkerId(w.publisher, w.dp_rank)] = (positions, [], json.loads(w.counters))
-        r = t.block_residency.c
+        s, p, ends = t.block_stays.c, t.placements.c, t.block_removals.c
+        # The open stays, from the tables rather than the view: NOT EXISTS in both keys' order lets
+        # PostgreSQL merge the two primary keys and SQLite probe one per stay, neither sorting.
         rows = connection.execution_options(yield_per=50_000).execute(
             sa.select(
-                r.stored_seq, r.slot, r.publisher, r.dp_rank, r.tier, r.provenance, r.engine_hash,
-                r.sequence_hash, r.parent_hash, r.local_hash, r.conflict_since, r.group_idx, r.ownership,
-                r.kv_cache_spec_kind, r.sliding_window, r.refs, r.unresolved,
-            ).where(r.removed_seq.is_(None)).order_by(r.stored_seq, r.slot)
+                s.stored_seq, s.slot, p.publisher, p.dp_rank, p.tier, p.provenance, s.engine_hash,
+                s.sequence_hash, s.parent_hash, s.local_hash, s.conflict_since, p.group_idx, p.ownership,
+                p.kv_cache_spec_kind, p.sliding_window, sa.func.coalesce(s.refs, 1), s.unresolved,
+            )
+            .join_from(t.block_stays, t.placements, p.placement_id == s.placement_id)
+            .where(~sa.exists().where(ends.stored_seq == s.stored_seq, ends.slot == s.slot))
+            .order_by(s.stored_seq, s.slot)
         )
         tiers = {tier.value: tier for tier in Tier}
         provenances = {provenance.value: provenance for provenance in Provenance}
