@@ -2,26 +2,29 @@
 over the recorded event timeline (docs/audit.md, "What-if replay").
 
 Each decision in KV_DECISIONS carries the request it answered (`decision_requests`, from the
-record's `Kvledger-Request` header) and the inventory seq it was answered at. From SQL, the
-replay reads those requests and every native or retained stay on a local tier that overlaps
-the window (`block_residency`), then answers each request with the reference model
+record's `Kvledger-Request` header) and the inventory seq it was answered at. From SQL
+(`replay`), the replay reads those requests and every native or retained stay on a local tier
+that overlaps the window (`block_residency`); from the streams (`replay_stream`, for a window
+whose SQL history was pruned), it reads the records of KV_DECISIONS and folds KV_EVENTS from
+its first seq. Either way it answers each request with the reference model
 (`kvledger/reuse.py`) against the inventory as of its own inventory seq, once per settings
 file, and judges every answer at its horizon with the quality rule (`store.quality.judge`),
 against what was held at the audit's horizon seq: the replayed decisions get the stale-hint
 and lost-credit rates they would have had, judged as `decision_quality` judges the recorded
-ones.
+ones. Both sources tally in one place (`_report`), so they give the same report.
 
 Deterministic: the lookup budget never runs out (the replay's clock stands still), decisions
 are taken in KV_DECISIONS order, and nothing depends on the database beyond the rows read.
 What is not replayed: in-flight credit (a decision whose target in-flight credit chose is
 answered again by native credit); a request longer than 16 384 blocks is answered on its
-recorded first blocks. A decision's inventory seq is a KV_EVENTS seq and the stays' seqs are
-ledger seqs: they are mapped through `stream_generations` as known when the decision was
-made (equal until the stream first loses messages).
+recorded first blocks. From SQL, a decision's inventory seq is a KV_EVENTS seq and the stays'
+seqs are ledger seqs: they are mapped through `stream_generations` as known when the decision
+was made (equal until the stream first loses messages); the stream's fold needs no mapping.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import collections
 import math
@@ -29,15 +32,23 @@ import struct
 from collections.abc import Iterable, Sequence
 
 import attrs
+import msgspec
 import sqlalchemy as sa
+from nats.js import JetStreamContext
 
 from kvledger import reuse
-from kvledger.decision_codec import MAX_RELIED_BLOCKS
-from kvledger.events import Provenance, Tier, WorkerId
+from kvledger.decision_codec import (
+    ANSWER_DECODER, MAX_RELIED_BLOCKS, RELIED_PREFIX_HEADER, REQUEST_HEADER, relied_prefix_from_header,
+    request_from_header,
+)
+from kvledger.events import EVENTS_SUBJECT_PREFIX, EventBatch, Provenance, RecordError, Tier, WorkerId, decode_batch
+from kvledger.fold import InventoryFold
 from kvledger.reuse import Decision, ReuseRequest
-from kvledger.settings import ReuseSettings, settings_digest
+from kvledger.runtime.streams import DECISIONS_SUBJECT
+from kvledger.settings import ReuseSettings, StreamSettings, settings_digest
 from store.audit import Query, run
-from store.pruning import pruned_through
+from store import tables
+from store.pruning import DECISIONS_PRUNED, pruned_through
 from store.quality import judge
 from store.tables import to_signed
 
@@ -108,7 +119,8 @@ _FOREVER = math.inf
 
 
 class ReplayRefused(RuntimeError):
-    """The window cannot be replayed from SQL (its history was pruned); the message says why."""
+    """The window cannot be replayed from this source (SQL pruned it, or a stream's retention dropped it): the
+    message says why."""
 
 
 class Timeline:
@@ -292,50 +304,274 @@ class _Generations:
         return inventory_seq + offset
 
 
+@attrs.frozen
+class Recorded:
+    """One recorded decision with the request it answered, as SQL's rows or its KV_DECISIONS record give it."""
+
+    request_id: str
+    decided_ts: float
+    inventory_seq: int  # the seq its inventory is read at (a ledger seq from SQL, a KV_EVENTS seq from the stream)
+    horizon_seq: int | None  # None: no event yet at the horizon
+    request: ReuseRequest
+    blocks: int  # the request's length; more than len(request.local_hashes) when it was recorded truncated
+    target: str | None
+    reason: str
+    baseline_blocks: int
+    source: WorkerId | None
+    tier: Tier | None
+    prefix_blocks: int | None
+    transfer_blocks: int | None
+    saving_ms: float | None
+    target_prefix_blocks: int | None
+
+
+def _answers(view: reuse.InventoryView, recorded: Recorded, settings: Sequence[tuple[str, ReuseSettings]],
+             placed: bool) -> list[Decision]:
+    """The decision's request answered again under each settings, at the view's seq."""
+    request = recorded.request
+    if placed and request.target is None and request.fallback is not None:
+        request = attrs.evolve(request, target=request.fallback)
+    return [answer_again(view, request, value) for _, value in settings]
+
+
+def _judged(recorded: Recorded, answers: Sequence[Decision], holds) -> tuple[Outcome, list[Outcome]]:
+    """The recorded answer's outcome and the replayed ones', judged with `holds` (what was natively held at the
+    horizon seq; None when the horizon is not reached)."""
+    sequence = recorded.request.sequence_hashes
+    return _recorded_outcome(recorded, sequence, holds), [_outcome(decision, sequence, holds) for decision in answers]
+
+
+def _report(window: tuple[float, float], horizon_s: float, source: str, decisions: Sequence[Recorded],
+            judged: Sequence[tuple[Outcome, list[Outcome]]], unreplayable: int,
+            settings: Sequence[tuple[str, ReuseSettings]]) -> Report:
+    """The tallies, added in KV_DECISIONS order whichever source answered: the same report to the last float."""
+    recorded = Tally("recorded", "")
+    tallies = [Tally(name, settings_digest(value)) for name, value in settings]
+    for decision, (mine, outcomes) in zip(decisions, judged):
+        pending = decision.horizon_seq is None
+        recorded.add(mine, decision.request.block_size, None, decision.request_id, pending)
+        for outcome, tally in zip(outcomes, tallies):
+            tally.add(outcome, decision.request.block_size, mine, decision.request_id, pending)
+    truncated = sum(decision.blocks > len(decision.request.local_hashes) for decision in decisions)
+    return Report(window, horizon_s, source, len(decisions), unreplayable, truncated, recorded, tuple(tallies))
+
+
+def _native_at(view: reuse.InventoryView):
+    def native(worker: WorkerId, tier: Tier, sequence_hash: int) -> bool:
+        return view.holds(worker, _NATIVE, tier, sequence_hash)
+    return native
+
+
+def sql_refusal(connection: sa.Connection, first_seq: int | None, from_ts: float) -> str | None:
+    """Why SQL no longer holds a window (None: it does): its history before `first_seq` (the window's first
+    inventory seq) was pruned, or decisions of the window were (`store.history_retention_s`)."""
+    pruned = pruned_through(connection)
+    if first_seq is not None and pruned and pruned >= first_seq:
+        return (f"history at or before KV_EVENTS seq {pruned} was pruned (store.history_retention_s); "
+                f"the window's first decision was answered at seq {first_seq}: replay a later window")
+    decisions_pruned = pruned_through(connection, DECISIONS_PRUNED)
+    if decisions_pruned:
+        kept = connection.execute(sa.select(sa.func.min(tables.decisions.c.decided_ts))).scalar()
+        if kept is None or from_ts < kept:
+            return (f"decisions at or before KV_DECISIONS seq {decisions_pruned} were pruned "
+                    f"(store.history_retention_s)" + (f": replay from {kept!r} on" if kept is not None else ""))
+    return None
+
+
 def replay(
     connection: sa.Connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
     from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
 ) -> Report:
-    """Answer every recorded request decided in [from_ts, to_ts) again under each of `settings` (name, value).
+    """Answer every recorded request decided in [from_ts, to_ts) again under each of `settings` (name, value),
+    from SQL; raises ReplayRefused when SQL no longer holds the window (`replay_stream` reads the streams).
 
     `placed`: a request naming no target is answered for its fallback, where its load balancer placed it, as
     shadow decisions rank it (decide/shadow.py): what reuse would transfer there. Otherwise as it was asked."""
     window = {"from_ts": max(from_ts, -1e18), "to_ts": min(to_ts, 1e18)}
-    decisions = run(connection, REPLAY_REQUESTS, horizon_s=horizon_s, **window)
+    rows = run(connection, REPLAY_REQUESTS, horizon_s=horizon_s, **window)
     unreplayable = run(connection, UNREPLAYABLE, **window)[0]["decisions"]
     generations = _Generations(run(connection, KV_EVENTS_GENERATIONS))
-    seqs = [generations.ledger_seq(row["inventory_seq"], row["decided_ts"]) for row in decisions]
+    decisions = [_recorded_of(row, generations.ledger_seq(row["inventory_seq"], row["decided_ts"])) for row in rows]
+    seqs = [decision.inventory_seq for decision in decisions]
     first = min(seqs, default=0)
-    last = max([*seqs, *(row["horizon_seq"] for row in decisions if row["horizon_seq"] is not None)], default=0)
-    pruned = pruned_through(connection)
-    if decisions and pruned and pruned >= first:
-        raise ReplayRefused(f"history at or before KV_EVENTS seq {pruned} was pruned (store.history_retention_s); "
-                            f"the window's first decision was answered at seq {first}: replay a later window")
+    last = max([*seqs, *(d.horizon_seq for d in decisions if d.horizon_seq is not None)], default=0)
+    refusal = sql_refusal(connection, first if decisions else None, from_ts)
+    if refusal is not None:
+        raise ReplayRefused(refusal)
     timeline = Timeline(run(connection, REPLAY_STAYS, first_seq=first, last_seq=last), run(connection, REPLAY_WORKERS))
-    recorded = Tally("recorded", "")
-    tallies = [Tally(name, settings_digest(value)) for name, value in settings]
-    truncated = 0
-    for row, seq in zip(decisions, seqs):
-        request = _request_of(row)
-        if placed and request.target is None and request.fallback is not None:
-            request = attrs.evolve(request, target=request.fallback)
-        truncated += row["blocks"] > len(request.local_hashes)
-        sequence = request.sequence_hashes
-        horizon = row["horizon_seq"]
+    judged = []
+    for decision in decisions:
+        horizon = decision.horizon_seq
+        answers = _answers(timeline.at(decision.inventory_seq), decision, settings, placed)
+        judged.append(_judged(decision, answers, None if horizon is None else _native_at(timeline.at(horizon))))
+    return _report((from_ts, to_ts), horizon_s, "sql", decisions, judged, unreplayable, settings)
 
-        at_horizon = timeline.at(horizon if horizon is not None else 0)
 
-        def native_at_horizon(worker: WorkerId, tier: Tier, sequence_hash: int) -> bool:
-            return at_horizon.holds(worker, _NATIVE, tier, sequence_hash)
+# --- from the streams ----------------------------------------------------------------------
 
-        mine = _recorded_outcome(row, sequence, native_at_horizon)
-        recorded.add(mine, request.block_size, None, row["request_id"], horizon is None)
-        view = timeline.at(seq)
-        for (_, value), tally in zip(settings, tallies):
-            decision = answer_again(view, request, value)
-            tally.add(_outcome(decision, sequence, native_at_horizon if horizon is not None else None),
-                      request.block_size, mine, row["request_id"], horizon is None)
-    return Report((from_ts, to_ts), horizon_s, "sql", len(decisions), unreplayable, truncated, recorded, tuple(tallies))
+
+@attrs.frozen
+class _Message:
+    seq: int
+    data: bytes
+    headers: dict[str, str]
+    timestamp: float | None  # JetStream's, as store's decisions projector reads it (decided_ts)
+
+
+async def _messages(js: JetStreamContext, stream: str, subject: str, timeout_s: float) -> tuple[int, list[_Message]]:
+    """Every message of `stream` up to its last seq now, in stream order (one ordered pass), and its first seq."""
+    state = (await js.stream_info(stream)).state
+    found: list[_Message] = []
+    if not state.last_seq or not state.messages:
+        return state.first_seq or 0, found
+    read_all = asyncio.Event()
+
+    async def collect(message) -> None:
+        seq = message.metadata.sequence.stream
+        if seq <= state.last_seq:
+            stamp = message.metadata.timestamp
+            found.append(_Message(seq, message.data, dict(message.headers or {}),
+                                  stamp.timestamp() if stamp else None))
+        if seq >= state.last_seq:
+            read_all.set()
+
+    subscription = await js.subscribe(subject, stream=stream, cb=collect, ordered_consumer=True)
+    try:
+        await asyncio.wait_for(read_all.wait(), timeout_s)
+    finally:
+        await subscription.unsubscribe()
+    return state.first_seq, found
+
+
+def _recorded_from_record(message: _Message) -> Recorded | None:
+    """A KV_DECISIONS record as store's decisions projector reads it (store/projector.py); None without its request."""
+    answer = ANSWER_DECODER.decode(message.data)
+    request = request_from_header(message.headers.get(REQUEST_HEADER))
+    if request is None:
+        return None
+    relied = relied_prefix_from_header(message.headers.get(RELIED_PREFIX_HEADER))
+    chosen = answer.chosen
+    target_prefix = answer.overlaps[answer.target].any if answer.target in answer.overlaps else 0
+    source = WorkerId(chosen.source, chosen.dp_rank) if chosen else None
+    return Recorded(
+        answer.request_id, message.timestamp, answer.inventory_seq, None, request.reuse_request(answer.request_id),
+        request.blocks, answer.target, answer.reason, answer.baseline_blocks, source,
+        Tier(chosen.tier) if chosen else None, chosen.prefix_blocks if chosen else None,
+        chosen.transfer_blocks if chosen else None, chosen.saving_ms if chosen else None,
+        min(target_prefix, len(relied)))
+
+
+class _FoldView:
+    """The fold as it stands, as `kvledger.reuse.decide` reads an inventory at one seq (as `_InventoryAt`)."""
+
+    def __init__(self, fold: InventoryFold, seq: int) -> None:
+        self.fold, self.inventory_seq = fold, seq
+
+    def workers(self) -> list[WorkerId]:
+        return self.fold.workers()
+
+    def uncertain_workers(self) -> list[WorkerId]:
+        return []  # reported by answers, never weighed by the model
+
+    def holds(self, worker: WorkerId, provenance: Provenance, tier: Tier, sequence_hash: int) -> bool:
+        return self.fold.holds(worker, provenance, tier, sequence_hash)
+
+
+def _horizon_seqs(batches: Sequence[tuple[int, EventBatch]], thresholds: Sequence[float]) -> list[int | None]:
+    """`replay_requests`' horizon seq on the stream: the seq before the first event ingested at or after each
+    threshold (decided_ts + horizon), None while none has come that late."""
+    seqs, latest, running = [], [], -math.inf
+    for seq, batch in batches:  # ingest times need not rise with the seq: the first at or after a time is found
+        running = max(running, batch.ingest_ts)  # on their running maximum, which does
+        seqs.append(seq)
+        latest.append(running)
+    found = []
+    for threshold in thresholds:
+        position = bisect.bisect_left(latest, threshold)
+        found.append(seqs[position] - 1 if position < len(seqs) else None)
+    return found
+
+
+async def replay_stream(
+    js: JetStreamContext, streams: StreamSettings, settings: Sequence[tuple[str, ReuseSettings]], *,
+    horizon_s: float, from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
+    timeout_s: float = 300.0,
+) -> Report:
+    """`replay` from the streams instead of SQL: the window's records from KV_DECISIONS, and KV_EVENTS folded from
+    its first seq (`kvledger.fold.InventoryFold`), each request answered by the fold as it stood right after its
+    inventory seq and judged by the fold as it stood at its horizon seq. Raises ReplayRefused when the streams no
+    longer hold the window (their retention dropped messages it needs)."""
+    first_record, records = await _messages(js, streams.decisions_stream, DECISIONS_SUBJECT, timeout_s)
+    if first_record > 1:
+        known = min((m.timestamp for m in records if m.timestamp is not None), default=None)
+        if known is None or from_ts < known:
+            raise ReplayRefused(
+                f"{streams.decisions_stream} holds records from seq {first_record} on (its retention dropped older "
+                "ones)" + (f": replay from {known!r} on" if known is not None else ""))
+    decisions, unreplayable = [], 0
+    for message in records:
+        if message.timestamp is None or not from_ts <= message.timestamp < to_ts:
+            continue
+        try:
+            recorded = _recorded_from_record(message)
+        except (msgspec.DecodeError, ValueError):
+            continue  # store dead-letters it: no decision in SQL either
+        if recorded is None:
+            unreplayable += 1
+        else:
+            decisions.append(recorded)
+    first_event, messages = await _messages(js, streams.events_stream, f"{EVENTS_SUBJECT_PREFIX}.>", timeout_s)
+    if decisions and first_event > 1:
+        raise ReplayRefused(f"{streams.events_stream} holds seqs from {first_event} on (its retention dropped older "
+                            "ones): the fold needs every seq from 1")
+    batches = []
+    for message in messages:
+        try:
+            batches.append((message.seq, decode_batch(message.data)))
+        except RecordError:
+            continue  # store dead-letters it: no event in SQL either
+    horizons = _horizon_seqs(batches, [decision.decided_ts + horizon_s for decision in decisions])
+    decisions = [attrs.evolve(decision, horizon_seq=horizon) for decision, horizon in zip(decisions, horizons)]
+    judged = _judged_on_the_fold(batches, decisions, settings, placed)
+    return _report((from_ts, to_ts), horizon_s, "stream", decisions, judged, unreplayable, settings)
+
+
+def _judged_on_the_fold(batches: Sequence[tuple[int, EventBatch]], decisions: Sequence[Recorded],
+                        settings: Sequence[tuple[str, ReuseSettings]], placed: bool) -> list:
+    """One pass of the fold over the batches: each decision answered at its inventory seq, judged at its horizon
+    seq (at its inventory seq when the horizon comes before it: a later fold cannot go back)."""
+    # Points in seq order; at one seq, answers before judgements (a decision may be judged at its own seq).
+    points = []
+    for position, decision in enumerate(decisions):
+        points.append((decision.inventory_seq, 0, position))
+        if decision.horizon_seq is not None:
+            points.append((max(decision.horizon_seq, decision.inventory_seq), 1, position))
+    points.sort()
+    fold = InventoryFold()
+    answers: dict[int, list[Decision]] = {}
+    judged: list = [None] * len(decisions)
+    applied = 0
+    for seq, kind, position in points:
+        while applied < len(batches) and batches[applied][0] <= seq:
+            fold.apply(batches[applied][1], batches[applied][0])
+            applied += 1
+        decision = decisions[position]
+        if kind == 0:
+            answers[position] = _answers(_FoldView(fold, seq), decision, settings, placed)
+            if decision.horizon_seq is None:
+                judged[position] = _judged(decision, answers.pop(position), None)
+        else:
+            judged[position] = _judged(decision, answers.pop(position), _native_at(_FoldView(fold, seq)))
+    return judged
+
+
+def _recorded_of(row: dict, inventory_seq: int) -> Recorded:
+    source = WorkerId(row["chosen_source"], row["chosen_dp_rank"]) if row["chosen_source"] is not None else None
+    return Recorded(
+        row["request_id"], row["decided_ts"], inventory_seq, row["horizon_seq"], _request_of(row), row["blocks"],
+        row["target"], row["reason"], row["baseline_blocks"], source,
+        Tier(row["chosen_tier"]) if source is not None else None, row["chosen_prefix_blocks"],
+        row["chosen_transfer_blocks"], row["chosen_saving_ms"], row["target_prefix_blocks"])
 
 
 def _request_of(row: dict) -> ReuseRequest:
@@ -365,13 +601,12 @@ def _outcome(decision: Decision, sequence: Sequence[int], holds) -> Outcome:
                    chosen.saving_ms if chosen else 0.0, stale, lost)
 
 
-def _recorded_outcome(row: dict, sequence: Sequence[int], holds) -> Outcome:
+def _recorded_outcome(recorded: Recorded, sequence: Sequence[int], holds) -> Outcome:
     """The recorded decision's outcome, its relied-on blocks as `decision_blocks` holds them."""
-    source = WorkerId(row["chosen_source"], row["chosen_dp_rank"]) if row["chosen_source"] is not None else None
-    tier = Tier(row["chosen_tier"]) if source is not None else None
-    target = WorkerId.parse(row["target"]) if row["target"] else None
-    source_hashes = _relied(sequence, row["baseline_blocks"], row["chosen_prefix_blocks"]) if source else ()
-    stale, lost = (None, None) if row["horizon_seq"] is None else judge(
-        holds, source, tier, source_hashes, target, _relied(sequence, 0, row["target_prefix_blocks"] or 0))
-    return Outcome(row["target"], row["reason"], source, tier, row["chosen_prefix_blocks"] or 0,
-                   row["chosen_transfer_blocks"] or 0, row["chosen_saving_ms"] or 0.0, stale, lost)
+    source, tier = recorded.source, recorded.tier
+    target = WorkerId.parse(recorded.target) if recorded.target else None
+    source_hashes = _relied(sequence, recorded.baseline_blocks, recorded.prefix_blocks) if source else ()
+    stale, lost = (None, None) if holds is None else judge(
+        holds, source, tier, source_hashes, target, _relied(sequence, 0, recorded.target_prefix_blocks or 0))
+    return Outcome(recorded.target, recorded.reason, source, tier, recorded.prefix_blocks or 0,
+                   recorded.transfer_blocks or 0, recorded.saving_ms or 0.0, stale, lost)

@@ -7,13 +7,18 @@ target2 its second block. Replayed with reuse on, exactly `hint` and `hint2` fli
 transfer from the source (5 and 6 blocks); with minimum_transfer_prefix_blocks = 6, only
 `hint2`; with the live settings, nothing. Their would-be hints are stale at 500 ms and fresh
 at 50 ms, and the recorded decisions' own figures equal the quality audit's. The same report,
-to the last float, on SQLite and PostgreSQL.
+to the last float, on SQLite and PostgreSQL, and from the streams (KV_DECISIONS, KV_EVENTS
+folded) as from SQL; once store has pruned the window's history, `--source auto` reads the
+streams.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
+import attrs
 import nats
 import pytest
 import sqlalchemy as sa
@@ -21,12 +26,13 @@ import sqlalchemy as sa
 from kvledger.app.cli import main as kvledger
 from kvledger.events import WorkerId
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
-from kvledger.settings import enabled_reuse, reuse_settings_from
+from kvledger.settings import ReuseSettings, enabled_reuse, reuse_settings_from
 from builders import BLOCK_SIZE, Stream, removed, stored
 from engines import wait_until
 from store import database
 from store.audit import Audit
-from store.replay import replay
+from store.pruning import prune_once
+from store.replay import ReplayRefused, replay, replay_stream
 from store_harness import RunningStore, checkpoint, store_settings
 from test_decision_quality import DEADLINE_S, HIGH, OTHER, SOURCE, TARGET, TARGET2, at, publish, request
 from test_decide_shadow import shadow_settings
@@ -144,3 +150,76 @@ def test_docs_audit_quotes_every_replay_query_verbatim() -> None:
     text = (Path(__file__).resolve().parent.parent / "docs" / "audit.md").read_text()
     for query in replay_queries.QUERIES:
         assert f"```sql\n{query.sql}\n```" in text, f"docs/audit.md lacks the current {query.name} query"
+
+
+async def _from_streams(nats_url: str, sweep, **options):
+    async with await nats.connect(nats_url) as nc:
+        return await replay_stream(nc.jetstream(), shadow_settings(nats_url).stream, sweep, **options)
+
+
+async def test_the_streams_give_the_report_sql_gives(nats_server, db_url, tmp_path) -> None:
+    await _record_workload(nats_server.url, db_url)
+    sweep = _sweep(tmp_path, shadow_settings(nats_server.url).reuse)
+    for placed in (False, True):
+        for horizon_s in (0.5, 0.05, 60.0):  # judged stale, fresh, and pending (no event that late)
+            with database.opened(db_url) as engine, engine.connect() as connection:
+                from_sql = replay(connection, sweep, horizon_s=horizon_s, placed=placed)
+            from_streams = await _from_streams(nats_server.url, sweep, horizon_s=horizon_s, placed=placed)
+            assert from_streams.source == "stream"
+            assert attrs.evolve(from_streams, source="sql") == from_sql, (placed, horizon_s)
+    assert [change["request_id"] for change in from_streams.settings[2].changes] == ["hint2"]
+    assert from_streams.recorded.pending == 3 and from_streams.settings[1].changed == 2
+    # A window: the decisions' own times, as SQL keeps them.
+    with database.opened(db_url) as engine, engine.connect() as connection:
+        decided = min(connection.execute(sa.text("SELECT decided_ts FROM decisions")).scalars())
+        later = replay(connection, sweep, horizon_s=0.5, from_ts=decided + 1e-3)
+    assert (await _from_streams(nats_server.url, sweep, horizon_s=0.5, from_ts=decided + 1e-3)).replayed \
+        == later.replayed
+
+
+async def test_auto_reads_the_streams_once_sql_history_is_pruned(nats_server, sqlite_url, tmp_path, capsys) -> None:
+    with database.opened(sqlite_url) as engine:
+        database.upgrade(engine)
+    await _record_workload(nats_server.url, sqlite_url)
+    # The command lays each file over the configured [reuse] (the defaults): the files say the cost model.
+    paths = [path for path, _ in _sweep(tmp_path, ReuseSettings())]
+    for path in paths:
+        with open(path, "a") as file:
+            file.write("transfer_source_prefill_token_us = 1000.0\n")
+    sweep = [(path, reuse_settings_from(path, ReuseSettings())) for path in paths]
+    with database.opened(sqlite_url) as engine:
+        with engine.connect() as connection:
+            before = replay(connection, sweep, horizon_s=0.5)
+        assert [tally.changed for tally in before.settings] == [0, 2, 1]
+        settings = store_settings(nats_server.url, sqlite_url, history_retention_s=1.0).store
+        pruned = prune_once(engine, settings, events_stream="KV_EVENTS", decisions_stream="KV_DECISIONS",
+                            now=time.time() + 3600)
+        assert pruned.horizon >= 6 and pruned.rows["decisions"] == 3
+        with engine.connect() as connection, pytest.raises(ReplayRefused, match="were pruned"):
+            replay(connection, sweep, horizon_s=0.5)
+    settings_args = [arg for path, _ in sweep for arg in ("--settings", path)]
+    common = ["replay", "--db", sqlite_url, "--nats", nats_server.url, *settings_args, "--decisions"]
+    capsys.readouterr()
+    assert kvledger([*common, "--source", "sql"]) == 2
+    assert "pruned (store.history_retention_s)" in capsys.readouterr().err
+    # The command runs its own event loop: off this test's.
+    assert await asyncio.to_thread(kvledger, [*common, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["source"] == "stream" and "were pruned" in printed["sql_refused"]
+    assert printed["rows"] == [before.recorded.row(), *(tally.row() for tally in before.settings)]
+    assert printed["changes"] == {tally.name: tally.changes for tally in before.settings}
+    assert await asyncio.to_thread(kvledger, common) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("replayed 3 recorded requests from KV_DECISIONS over KV_EVENTS folded (SQL no longer")
+
+
+def test_the_horizon_on_the_stream_is_the_seq_before_the_first_event_that_late() -> None:
+    from kvledger.events import EventBatch, Provenance
+    from store.replay import _horizon_seqs
+
+    def batch(ingest_ts: float) -> EventBatch:
+        return EventBatch(WorkerId("w", 0), 1, 0, 0.0, ingest_ts, Provenance.NATIVE, ())
+
+    # Ingest times need not rise with the seq (seq 4 was ingested before seq 3): as SQL's MIN(stream_seq) finds it.
+    batches = [(1, batch(1.0)), (2, batch(2.0)), (3, batch(5.0)), (4, batch(4.0)), (6, batch(7.0))]
+    assert _horizon_seqs(batches, [0.5, 2.0, 3.0, 4.5, 6.0, 8.0]) == [0, 1, 2, 2, 5, None]
