@@ -212,6 +212,18 @@ async def test_auto_reads_the_streams_once_sql_history_is_pruned(nats_server, sq
     header = capsys.readouterr().out.splitlines()[0]
     assert header.startswith("replayed 3 recorded requests from KV_DECISIONS over KV_EVENTS folded (SQL no longer")
 
+    # Once a stream's own retention drops what the window needs, neither source holds it: refused, both say why.
+    async with await nats.connect(nats_server.url) as nc:
+        await nc.jetstream().delete_msg("KV_EVENTS", 1)
+    with pytest.raises(ReplayRefused, match="KV_EVENTS holds seqs from 2 on"):
+        await _from_streams(nats_server.url, sweep, horizon_s=0.5)
+    assert await asyncio.to_thread(kvledger, common) == 2
+    assert "SQL: decisions at or before" in capsys.readouterr().err
+    async with await nats.connect(nats_server.url) as nc:
+        await nc.jetstream().delete_msg("KV_DECISIONS", 1)
+    with pytest.raises(ReplayRefused, match="KV_DECISIONS holds records from seq 2 on"):
+        await _from_streams(nats_server.url, sweep, horizon_s=0.5)
+
 
 def test_the_horizon_on_the_stream_is_the_seq_before_the_first_event_that_late() -> None:
     from kvledger.events import EventBatch, Provenance
