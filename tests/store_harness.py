@@ -359,6 +359,18 @@ def run_in_shell(db_url: str, query: audit.Query, values: Mapping[str, object]) 
     return [line for line in done.stdout.splitlines() if line]
 
 
+def assert_shell_agrees(db_url: str, query: audit.Query, values: Mapping[str, object], rows: list,
+                       columns: tuple[str, ...]) -> None:
+    """The shell's output for `query` is `rows`, line for line, in each of `columns` a row has."""
+    lines = run_in_shell(db_url, query, values)
+    assert len(lines) == len(rows), query.name
+    for line, row in zip(lines, rows):
+        cells = dict(zip(row, line.split("|")))
+        for column in columns:
+            if column in row:
+                assert cells[column] == ("" if row[column] is None else str(row[column])), (query.name, column)
+
+
 def _sqlite_literal(value: object) -> str:
     return f"\"'{value}'\"" if isinstance(value, str) else str(value)
 

@@ -28,7 +28,7 @@ from engines import wait_until
 from store import database
 from store.audit import Audit
 from store_harness import RunningStore, checkpoint, store_settings
-from test_decision_quality import DEADLINE_S, at, publish
+from quality_workload import DEADLINE_S, at, publish
 
 from decide.service import DecideService
 

@@ -1,6 +1,6 @@
 """Shadow decisions: with reuse off, decide records what reuse would have chosen, and the audit judges it.
 
-The scripted workload of tests/test_decision_quality.py, whose truth is known (the source
+The scripted workload of tests/quality_workload.py, whose truth is known (the source
 holds 8 blocks, `target` 3 and `target2` 2; 100 ms after the decisions the source evicts
 its last three blocks), answered with reuse off and `decide.shadow` on: the replies choose
 nothing (reason `disabled`), while the records carry the would-be hints (the source for
@@ -18,16 +18,15 @@ import pytest
 import sqlalchemy as sa
 
 from kvledger.decision_codec import SHADOW_HEADER, request_from_header, REQUEST_HEADER
-from kvledger.events import WorkerId
-from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
+from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT
 from kvledger.settings import ReuseSettings, enabled_reuse, load_settings, reuse_settings_from, settings_digest
-from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
+from builders import BLOCK_SIZE, Stream, local_hashes
 from engines import wait_until
 from store import audit as audit_queries
 from store import database
 from store.audit import Audit
-from store_harness import RunningStore, checkpoint, run_in_shell, store_settings
-from test_decision_quality import DEADLINE_S, HIGH, OTHER, SOURCE, TARGET, TARGET2, at, publish, request
+from store_harness import RunningStore, assert_shell_agrees, checkpoint, store_settings
+from quality_workload import DEADLINE_S, asked, evict_after_decisions, publish_holdings
 
 from decide.service import DecideService
 
@@ -57,22 +56,14 @@ def test_shadow_settings_come_from_a_file_laid_over_the_live_ones(tmp_path) -> N
 async def test_with_reuse_off_the_shadow_hints_are_recorded_and_judged_as_real_ones(nats_server, db_url) -> None:
     settings = shadow_settings(nats_server.url)
     stream = Stream()
-    early = [
-        at(stream.batch(SOURCE, stored(list(range(1, 9)), engine_offset=HIGH)), 1000.0),
-        at(stream.batch(TARGET, stored([1, 2, 3])), 1000.0),
-        at(stream.batch(TARGET2, stored([1, 2])), 1000.0),
-    ]
     async with await nats.connect(nats_server.url) as nc:
         js = nc.jetstream()
-        await ensure_stream(js, events_stream(settings.stream))
-        await publish(js, early)
+        await publish_holdings(js, settings.stream, stream)
         async with RunningStore(store_settings(nats_server.url, db_url, quality_horizon_s=0.5)) as running, \
                 DecideService(settings) as decide:
             await decide.wait_ready(DEADLINE_S)
             await wait_until(lambda: decide.index.inventory_seq >= 3, DEADLINE_S, "decide at seq 3")
-            asked = [request("hint", TARGET, list(range(1, 13))), request("credit-only", TARGET, [1, 2, 3, 40, 41]),
-                     request("hint2", TARGET2, list(range(1, 13)))]
-            reply = await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(asked).encode(), timeout=10)
+            reply = await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(asked()).encode(), timeout=10)
             answers = json.loads(reply.data)
             # The replies are the live answers: reuse is off, nothing is chosen, no shadow in sight.
             assert [(answer["reason"], answer["chosen"]) for answer in answers] == [("disabled", None)] * 3
@@ -87,15 +78,7 @@ async def test_with_reuse_off_the_shadow_hints_are_recorded_and_judged_as_real_o
             assert (recorded.target, recorded.blocks, recorded.complete) == ("target", 12, True)
 
             await running.until(lambda: checkpoint(db_url, "decisions") >= 3, "the decisions in SQL")
-            with database.opened(db_url) as engine, engine.connect() as connection:
-                decided = max(connection.execute(sa.text("SELECT decided_ts FROM decisions")).scalars())
-            evicted = decided + 0.1
-            await publish(js, [
-                at(stream.batch(SOURCE, removed([6 + HIGH, 7 + HIGH, 8 + HIGH])), evicted),
-                at(stream.batch(TARGET2, removed([2])), evicted),
-                at(stream.batch(OTHER, stored([50])), decided + 0.7),
-            ])
-            await running.until(lambda: checkpoint(db_url) >= 6, "the evictions in SQL")
+            decided, evicted = await evict_after_decisions(js, stream, running, db_url)
 
     with database.opened(db_url) as engine, engine.connect() as connection:
         rows = {row.request_id: row for row in connection.execute(sa.text(
@@ -129,11 +112,5 @@ async def test_with_reuse_off_the_shadow_hints_are_recorded_and_judged_as_real_o
         assert fresh_summary["worker", "source/1"]["fresh_ttft_saved_ms"] == pytest.approx(source["estimated_ttft_saved_ms"])
         for query, rows in ((audit_queries.SHADOW_QUALITY, audit.shadow_quality(0.5)),
                             (audit_queries.SHADOW_QUALITY_SUMMARY, audit.shadow_quality_summary(0.5))):
-            lines = run_in_shell(db_url, query, {"horizon_s": 0.5})
-            assert len(lines) == len(rows), query.name
-            for line, row in zip(lines, rows):
-                cells = dict(zip(row, line.split("|")))
-                for column in ("request_id", "stale", "source_gone", "dimension", "key", "hints", "stale_hints",
-                               "blocks_moved"):
-                    if column in row:
-                        assert cells[column] == ("" if row[column] is None else str(row[column])), (query.name, column)
+            assert_shell_agrees(db_url, query, {"horizon_s": 0.5}, rows, (
+                "request_id", "stale", "source_gone", "dimension", "key", "hints", "stale_hints", "blocks_moved"))

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import json
 
-import attrs
 import nats
 import pytest
 import sqlalchemy as sa
 
 from kvledger.app.cli import main
-from kvledger.events import WorkerId, encode_batch
-from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
+from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT
 from kvledger.runtime.metrics import MetricSet
-from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
+from builders import Stream
 from engines import wait_until
 from store import database
 
@@ -33,37 +31,18 @@ from store.audit import Audit
 from store.quality import QualityMetrics, QualityTracker
 from kvledger.settings import load_settings
 from store import audit as audit_queries
-from store_harness import RunningStore, checkpoint, run_in_shell, store_settings
+from store_harness import RunningStore, assert_shell_agrees, checkpoint, store_settings
+from quality_workload import DEADLINE_S, asked, evict_after_decisions, publish_holdings
 
 from decide.service import DecideService
 
 pytestmark = pytest.mark.service
-
-SOURCE, TARGET, TARGET2, OTHER = WorkerId("source", 1), WorkerId("target"), WorkerId("target2"), WorkerId("other")
-HIGH = 1 << 63  # the source's engine hashes are >= 2^63
-DEADLINE_S = 20.0
-
 
 def decide_settings(url: str):
     return load_settings(environ={}, overrides={
         "nats.url": url, "decide.http_port": 0, "decide.backend": "cpu",
         "reuse.enable_decode_to_prefill_gpu_reuse": True, "reuse.transfer_source_prefill_token_us": 1000.0,
     }).settings
-
-
-def request(request_id: str, target: WorkerId, blocks: list[int]) -> dict:
-    return {"request_id": request_id, "target": target.name, "block_size": BLOCK_SIZE,
-            "local_hashes": [str(h) for h in local_hashes(blocks)]}
-
-
-async def publish(js, batches) -> None:
-    for batch, _ in batches:
-        await js.publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id})
-
-
-def at(batch_and_seq, ingest_ts: float):
-    batch, seq = batch_and_seq
-    return attrs.evolve(batch, ingest_ts=ingest_ts, engine_ts=ingest_ts), seq
 
 
 def sample(service, name: str, **labels: str) -> float:
@@ -74,39 +53,21 @@ def sample(service, name: str, **labels: str) -> float:
 async def test_a_source_evicting_100_ms_after_the_decision_is_stale_at_500_ms_and_fresh_at_50_ms(nats_server, db_url) -> None:
     settings = decide_settings(nats_server.url)
     stream = Stream()
-    early = [
-        at(stream.batch(SOURCE, stored(list(range(1, 9)), engine_offset=HIGH)), 1000.0),
-        at(stream.batch(TARGET, stored([1, 2, 3])), 1000.0),
-        at(stream.batch(TARGET2, stored([1, 2])), 1000.0),
-    ]
     async with await nats.connect(nats_server.url) as nc:
         js = nc.jetstream()
-        await ensure_stream(js, events_stream(settings.stream))
-        await publish(js, early)
+        await publish_holdings(js, settings.stream, stream)
         async with RunningStore(store_settings(nats_server.url, db_url, quality_horizon_s=0.5)) as running, \
                 DecideService(settings) as decide:
             await decide.wait_ready(DEADLINE_S)
             await wait_until(lambda: decide.index.inventory_seq >= 3, DEADLINE_S, "decide at seq 3")
-            asked = [request("hint", TARGET, list(range(1, 13))), request("credit-only", TARGET, [1, 2, 3, 40, 41]),
-                     request("hint2", TARGET2, list(range(1, 13)))]
-            reply = await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(asked).encode(), timeout=10)
+            reply = await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(asked()).encode(), timeout=10)
             answers = json.loads(reply.data)
             assert [answer["reason"] for answer in answers] == ["chosen", "no_candidates", "chosen"]
             assert answers[0]["chosen"]["prefix_blocks"] == 8 and answers[0]["baseline_blocks"] == 3
             quality = running.service.quality
             await running.until(lambda: checkpoint(db_url, "decisions") >= 3, "the decisions in SQL")
             await wait_until(lambda: quality.waiting == 3, DEADLINE_S, "the three decisions waiting for their horizon")
-            with database.opened(db_url) as engine, engine.connect() as connection:
-                decided = max(connection.execute(sa.text("SELECT decided_ts FROM decisions")).scalars())
-
-            evicted = decided + 0.1
-            late = [
-                at(stream.batch(SOURCE, removed([6 + HIGH, 7 + HIGH, 8 + HIGH])), evicted),
-                at(stream.batch(TARGET2, removed([2])), evicted),
-                at(stream.batch(OTHER, stored([50])), decided + 0.7),
-            ]
-            await publish(js, late)
-            await running.until(lambda: checkpoint(db_url) >= 6, "the evictions in SQL")
+            decided, evicted = await evict_after_decisions(js, stream, running, db_url)
             await wait_until(lambda: quality.waiting == 0, DEADLINE_S, "the decisions judged")
 
             service = running.service
@@ -154,14 +115,9 @@ async def test_a_source_evicting_100_ms_after_the_decision_is_stale_at_500_ms_an
         # The same answers as an auditor gets pasting the documented statements into sqlite3 or psql.
         for query, rows in ((audit_queries.DECISION_QUALITY, audit.decision_quality(0.5)),
                             (audit_queries.DECISION_QUALITY_SUMMARY, audit.decision_quality_summary(0.5))):
-            lines = run_in_shell(db_url, query, {"horizon_s": 0.5})
-            assert len(lines) == len(rows), query.name
-            for line, row in zip(lines, rows):
-                cells = dict(zip(row, line.split("|")))
-                for column in ("request_id", "stale", "source_gone", "lost_credit", "target_gone", "dimension", "key",
-                               "hints", "stale_hints", "credited"):
-                    if column in row:
-                        assert cells[column] == ("" if row[column] is None else str(row[column])), (query.name, column)
+            assert_shell_agrees(db_url, query, {"horizon_s": 0.5}, rows, (
+                "request_id", "stale", "source_gone", "lost_credit", "target_gone", "dimension", "key", "hints",
+                "stale_hints", "credited"))
         fresh_summary = {(row["dimension"], row["key"]): row for row in audit.decision_quality_summary(0.05)}
         assert fresh_summary["worker", "source/1"]["stale_hint_rate"] == 0.0
         assert fresh_summary["worker", "source/1"]["median_first_eviction_ms"] is None

@@ -25,16 +25,16 @@ import sqlalchemy as sa
 
 from kvledger.app.cli import main as kvledger
 from kvledger.events import WorkerId
-from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
+from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT
 from kvledger.settings import ReuseSettings, enabled_reuse, reuse_settings_from
-from builders import BLOCK_SIZE, Stream, removed, stored
+from builders import BLOCK_SIZE, Stream
 from engines import wait_until
 from store import database
 from store.audit import Audit
 from store.pruning import prune_once
 from store.replay import ReplayRefused, replay, replay_stream
 from store_harness import RunningStore, checkpoint, store_settings
-from test_decision_quality import DEADLINE_S, HIGH, OTHER, SOURCE, TARGET, TARGET2, at, publish, request
+from quality_workload import DEADLINE_S, asked, evict_after_decisions, publish_holdings
 from test_decide_shadow import shadow_settings
 
 from decide.service import DecideService
@@ -48,32 +48,16 @@ SAVING = BLOCK_SIZE * 1.0 - 0.04
 async def _record_workload(nats_url: str, db_url: str) -> None:
     settings = shadow_settings(nats_url)
     stream = Stream()
-    early = [
-        at(stream.batch(SOURCE, stored(list(range(1, 9)), engine_offset=HIGH)), 1000.0),
-        at(stream.batch(TARGET, stored([1, 2, 3])), 1000.0),
-        at(stream.batch(TARGET2, stored([1, 2])), 1000.0),
-    ]
     async with await nats.connect(nats_url) as nc:
         js = nc.jetstream()
-        await ensure_stream(js, events_stream(settings.stream))
-        await publish(js, early)
+        await publish_holdings(js, settings.stream, stream)
         async with RunningStore(store_settings(nats_url, db_url, quality_horizon_s=0.5)) as running, \
                 DecideService(settings) as decide:
             await decide.wait_ready(DEADLINE_S)
             await wait_until(lambda: decide.index.inventory_seq >= 3, DEADLINE_S, "decide at seq 3")
-            asked = [request("hint", TARGET, list(range(1, 13))), request("credit-only", TARGET, [1, 2, 3, 40, 41]),
-                     request("hint2", TARGET2, list(range(1, 13)))]
-            await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(asked).encode(), timeout=10)
+            await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(asked()).encode(), timeout=10)
             await running.until(lambda: checkpoint(db_url, "decisions") >= 3, "the decisions in SQL")
-            with database.opened(db_url) as engine, engine.connect() as connection:
-                decided = max(connection.execute(sa.text("SELECT decided_ts FROM decisions")).scalars())
-            evicted = decided + 0.1
-            await publish(js, [
-                at(stream.batch(SOURCE, removed([6 + HIGH, 7 + HIGH, 8 + HIGH])), evicted),
-                at(stream.batch(TARGET2, removed([2])), evicted),
-                at(stream.batch(OTHER, stored([50])), decided + 0.7),
-            ])
-            await running.until(lambda: checkpoint(db_url) >= 6, "the evictions in SQL")
+            await evict_after_decisions(js, stream, running, db_url)
 
 
 def _sweep(tmp_path, live):

@@ -1,0 +1,69 @@
+"""The scripted decision-quality workload whose truth is known, shared by the quality, shadow and replay tests.
+
+The source holds 8 blocks (its engine hashes >= 2^63), `target` 3 and `target2` 2; three
+requests ask (`hint` and `credit-only` to target, `hint2` to target2); 100 ms after the last
+decision the source evicts its last three blocks and target2 its second, and 700 ms after it
+another worker stores a block. Ingest times are written into the batches, so horizons fall
+exactly where the script puts them.
+"""
+
+from __future__ import annotations
+
+import attrs
+import sqlalchemy as sa
+
+from kvledger.events import WorkerId, encode_batch
+from kvledger.runtime.streams import ensure_stream, events_stream
+from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
+from store import database
+from store_harness import checkpoint
+
+SOURCE, TARGET, TARGET2, OTHER = WorkerId("source", 1), WorkerId("target"), WorkerId("target2"), WorkerId("other")
+HIGH = 1 << 63  # the source's engine hashes are >= 2^63
+DEADLINE_S = 20.0
+
+
+def request(request_id: str, target: WorkerId, blocks: list[int]) -> dict:
+    return {"request_id": request_id, "target": target.name, "block_size": BLOCK_SIZE,
+            "local_hashes": [str(h) for h in local_hashes(blocks)]}
+
+
+async def publish(js, batches) -> None:
+    for batch, _ in batches:
+        await js.publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id})
+
+
+def at(batch_and_seq, ingest_ts: float):
+    batch, seq = batch_and_seq
+    return attrs.evolve(batch, ingest_ts=ingest_ts, engine_ts=ingest_ts), seq
+
+
+def asked() -> list[dict]:
+    """The three requests of one batch: two hints and one that finds nothing to transfer."""
+    return [request("hint", TARGET, list(range(1, 13))), request("credit-only", TARGET, [1, 2, 3, 40, 41]),
+            request("hint2", TARGET2, list(range(1, 13)))]
+
+
+async def publish_holdings(js, stream_settings, stream: Stream) -> None:
+    """KV_EVENTS made and the three workers' holdings published (seqs 1-3)."""
+    await ensure_stream(js, events_stream(stream_settings))
+    await publish(js, [
+        at(stream.batch(SOURCE, stored(list(range(1, 9)), engine_offset=HIGH)), 1000.0),
+        at(stream.batch(TARGET, stored([1, 2, 3])), 1000.0),
+        at(stream.batch(TARGET2, stored([1, 2])), 1000.0),
+    ])
+
+
+async def evict_after_decisions(js, stream: Stream, running, db_url: str) -> tuple[float, float]:
+    """The evictions 100 ms after the last decision in SQL, and the other worker's store 700 ms after
+    it, published and projected (seqs 4-6). Returns (decided, evicted) ingest times."""
+    with database.opened(db_url) as engine, engine.connect() as connection:
+        decided = max(connection.execute(sa.text("SELECT decided_ts FROM decisions")).scalars())
+    evicted = decided + 0.1
+    await publish(js, [
+        at(stream.batch(SOURCE, removed([6 + HIGH, 7 + HIGH, 8 + HIGH])), evicted),
+        at(stream.batch(TARGET2, removed([2])), evicted),
+        at(stream.batch(OTHER, stored([50])), decided + 0.7),
+    ])
+    await running.until(lambda: checkpoint(db_url) >= 6, "the evictions in SQL")
+    return decided, evicted
