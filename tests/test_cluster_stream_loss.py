@@ -256,6 +256,16 @@ def _kept(before: dict[int, bytes], after: dict[int, bytes]) -> bool:
     return all(after.get(seq) == data for seq, data in before.items())
 
 
+async def _acknowledged_after_the_copy(fault: Fault, pipeline: Pipeline, fleet: SimulatedFleet, requests: list) -> None:
+    """The first part served and projected, the copy `on_disk` taken, the second part served and in SQL."""
+    await serve_round_robin(fleet, requests[:PART])
+    await pipeline.settled(batches_sent(fleet))
+    await fault.on_disk()
+    await serve_round_robin(fleet, requests[PART : 2 * PART], start=PART)
+    await wait_until(lambda: sum(_sql_identities(pipeline).values()) == batches_sent(fleet), HEAL_S,
+                     "the acknowledged part in SQL")
+
+
 async def lose_and_heal(fault: Fault, db_url: str, seed: int) -> tuple[Healing, bool]:
     """Traffic, `on_disk`, traffic (acknowledged and projected), `strike`, traffic; then assert that it
     healed: each buffered batch once in KV_EVENTS and SQL, SQL equals the engines, no worker uncertain,
@@ -266,12 +276,7 @@ async def lose_and_heal(fault: Fault, db_url: str, seed: int) -> tuple[Healing, 
     async with SimulatedFleet(WORKERS, gpu_blocks=48, cpu_blocks=96) as fleet:
         settings = pipeline_settings(cluster.urls, db_url, **R3_REUSE_ON)
         async with Pipeline(settings, fleet) as pipeline:
-            await serve_round_robin(fleet, requests[:PART])
-            await pipeline.settled(batches_sent(fleet))
-            await fault.on_disk()
-            await serve_round_robin(fleet, requests[PART : 2 * PART], start=PART)
-            await wait_until(lambda: sum(_sql_identities(pipeline).values()) == batches_sent(fleet), HEAL_S,
-                             "the acknowledged part in SQL")
+            await _acknowledged_after_the_copy(fault, pipeline, fleet, requests)
             acknowledged = await wait_until(lambda: _messages(cluster), HEAL_S, "KV_EVENTS read")
             assert len(acknowledged) == batches_sent(fleet)
             await fault.strike()
@@ -345,12 +350,7 @@ async def test_a_coordinated_power_loss_beyond_the_engines_buffers_is_an_explici
     async with SimulatedFleet(WORKERS, gpu_blocks=48, cpu_blocks=96) as fleet:
         settings = pipeline_settings(cluster.urls, db_url, **R3_REUSE_ON)
         async with Pipeline(settings, fleet) as pipeline:
-            await serve_round_robin(fleet, requests[:PART])
-            await pipeline.settled(batches_sent(fleet))
-            await fault.on_disk()
-            await serve_round_robin(fleet, requests[PART : 2 * PART], start=PART)
-            await wait_until(lambda: sum(_sql_identities(pipeline).values()) == batches_sent(fleet), HEAL_S,
-                             "the acknowledged part in SQL")
+            await _acknowledged_after_the_copy(fault, pipeline, fleet, requests)
             acknowledged = batches_sent(fleet)
             for worker in fleet.workers:
                 # The engines move on: each keeps only its last batch, and the next one it sends evicts that too.
