@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvledger.events import Cleared, EventBatch, Gap, GapReason, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.events import (
+    Cleared, EventBatch, Gap, GapReason, Provenance, Removed, Stored, Tier, WorkerId, encode_batch,
+)
 from kvledger.hashing import local_block_hashes
 
 BLOCK_SIZE = 4
@@ -51,3 +53,9 @@ class Stream:
 
 
 __all__ = ["BLOCK_SIZE", "Cleared", "Stream", "gap", "local_hashes", "removed", "stored", "tokens_for"]
+
+
+async def publish(js, batches) -> None:
+    """(batch, seq) pairs published to JetStream as ingest would: each under its Msg-Id, so a repeat is dropped."""
+    for batch, _ in batches:
+        await js.publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id})

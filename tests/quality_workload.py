@@ -12,9 +12,9 @@ from __future__ import annotations
 import attrs
 import sqlalchemy as sa
 
-from kvledger.events import WorkerId, encode_batch
+from kvledger.events import WorkerId
 from kvledger.runtime.streams import ensure_stream, events_stream
-from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
+from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
 from store import database
 from store_harness import checkpoint
 
@@ -26,11 +26,6 @@ DEADLINE_S = 20.0
 def request(request_id: str, target: WorkerId, blocks: list[int]) -> dict:
     return {"request_id": request_id, "target": target.name, "block_size": BLOCK_SIZE,
             "local_hashes": [str(h) for h in local_hashes(blocks)]}
-
-
-async def publish(js, batches) -> None:
-    for batch, _ in batches:
-        await js.publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id})
 
 
 def at(batch_and_seq, ingest_ts: float):

@@ -23,12 +23,12 @@ from kvledger.decision_codec import ANSWER_DECODER
 from kvledger.events import WorkerId
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, ensure_stream, events_stream
 from kvledger.settings import load_settings
-from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
+from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
 from engines import wait_until
 from store import database
 from store.audit import Audit
 from store_harness import RunningStore, checkpoint, store_settings
-from quality_workload import DEADLINE_S, at, publish
+from quality_workload import DEADLINE_S, at
 
 from decide.service import DecideService
 

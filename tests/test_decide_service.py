@@ -19,13 +19,13 @@ from kvledger.decision_codec import (
     request_from_json,
 )
 from kvledger.runtime.jetstream_ack import read_ack
-from kvledger.events import WorkerId, encode_batch
+from kvledger.events import WorkerId
 from kvledger.fold import InventoryFold
 from kvledger.reuse import ReuseRequest, decide
 from kvledger.settings import DecideSettings, load_settings
 from kvledger.snapshot import encode_snapshot
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, SNAPSHOTS_BUCKET, snapshot_object_name
-from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
+from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
 
 from decide.index import InventoryIndex
 from decide.backend import RankingBackend, choose_backend
@@ -67,11 +67,6 @@ def scenario() -> tuple[list, list]:
 def request_body(request_id: str, target: str | None = "target", blocks: int = 12) -> dict:
     return {"request_id": request_id, "target": target, "local_hashes": [str(h) for h in local_hashes(list(range(1, blocks + 1)))],
             "block_size": BLOCK_SIZE}
-
-
-async def publish(js, batches) -> None:
-    for batch, _ in batches:
-        await js.publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id})
 
 
 async def ask(nc, subject: str, body: object) -> object:

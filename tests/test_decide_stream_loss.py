@@ -15,10 +15,10 @@ import nats
 import pytest
 
 import services
-from builders import BLOCK_SIZE, Stream, local_hashes, removed, stored
+from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
 from engines import wait_until
 from kvledger.decision_codec import decision_to_json
-from kvledger.events import WorkerId, decode_batch, encode_batch
+from kvledger.events import WorkerId, decode_batch
 from kvledger.fold import InventoryFold
 from kvledger.reuse import ReuseRequest, decide
 from kvledger.runtime.streams import (
@@ -77,9 +77,11 @@ def scenario() -> tuple[list, list, list]:
     return kept, lost, after
 
 
-async def publish(js, batches) -> None:
-    for batch, _ in batches:
-        await js.publish(batch.subject, encode_batch(batch), headers={"Nats-Msg-Id": batch.msg_id})
+async def streams_holding(js, settings, batches) -> None:
+    """KV_EVENTS holding `batches`, and KV_DECISIONS made for decide to record its answers in."""
+    await ensure_stream(js, events_stream(settings.stream))
+    await ensure_stream(js, decisions_stream(settings.stream))
+    await publish(js, batches)
 
 
 async def fold_of_the_stream(js, stream: str) -> InventoryFold:
@@ -144,9 +146,7 @@ async def test_decide_notices_the_stream_losing_its_tail_and_answers_as_the_stre
         after = []
     async with await nats.connect(nats_server.url) as nc:
         js = nc.jetstream()
-        await ensure_stream(js, events_stream(settings.stream))
-        await ensure_stream(js, decisions_stream(settings.stream))  # in the copy too: decide records answers there
-        await publish(js, kept)
+        await streams_holding(js, settings, kept)  # the decisions stream in the copy too: decide records answers there
         # A snapshot the crash keeps (valid after it), and one standing at the last lost message.
         await put_snapshot(js, len(kept), kept, StreamPosition(len(kept), kept[-1][0].msg_id))
         await put_snapshot(js, len(kept) + len(lost), kept + lost,
@@ -213,9 +213,7 @@ async def test_a_consumer_resuming_on_reused_seqs_is_caught_by_the_position_befo
     kept, lost, after = scenario()
     async with await nats.connect(nats_server.url) as nc:
         js = nc.jetstream()
-        await ensure_stream(js, events_stream(settings.stream))
-        await ensure_stream(js, decisions_stream(settings.stream))
-        await publish(js, kept)
+        await streams_holding(js, settings, kept)
         on_disk = services.copy_nats_store(nats_server, tmp_path / "on-disk")
     async with DecideService(settings) as service:
         async with await nats.connect(nats_server.url) as nc:
@@ -242,8 +240,7 @@ async def test_the_periodic_check_notices_a_stream_gone_backwards_without_a_reco
     kept, lost, after = scenario()
     async with await nats.connect(nats_server.url) as nc:
         js = nc.jetstream()
-        await ensure_stream(js, events_stream(settings.stream))
-        await publish(js, kept + lost)
+        await streams_holding(js, settings, kept + lost)
         async with DecideService(settings) as service:
             await answers_of(nc, service, len(kept) + len(lost))
             await js.delete_stream(stream_name)
@@ -264,8 +261,7 @@ async def test_a_snapshot_whose_position_the_stream_no_longer_holds_is_refused(n
     kept, lost, _ = scenario()
     async with await nats.connect(nats_server.url) as nc:
         js = nc.jetstream()
-        await ensure_stream(js, events_stream(settings.stream))
-        await publish(js, kept)
+        await streams_holding(js, settings, kept)
         ghost = [(lost[3][0], len(kept))]
         # Named by ledger seqs, which run ahead of stream seqs once store has seen a loss.
         bucket = await put_snapshot(js, 1002, kept[:2], StreamPosition(2, kept[1][0].msg_id), inventory_seq=1002)
@@ -291,8 +287,7 @@ async def test_the_position_check_names_what_the_stream_lost(nats_server) -> Non
     kept, _, _ = scenario()
     async with await nats.connect(nats_server.url) as nc:
         js = nc.jetstream()
-        await ensure_stream(js, events_stream(settings.stream))
-        await publish(js, kept)
+        await streams_holding(js, settings, kept)
         held = kept[2][0].msg_id
         assert await stream_regression(js, stream, StreamPosition(3, held)) is None
         assert await stream_regression(js, stream, StreamPosition(3, "")) is None  # an old snapshot's: the seq alone
