@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -207,29 +208,38 @@ async def _decide_equals_reference(service: DecideService, settings, fixtures: l
         fold, _ = folded(fixture)
         for worker in fold.workers():
             reference.adopt_worker(fold.worker_state(worker))
+
+    def bodies() -> Iterator[dict]:
+        for fixture in fixtures:
+            for number, request in enumerate(fixture["truth"]["requests"]):
+                for target in (None, fixture_worker(fixture).name):
+                    body = request_body(fixture, request, f"{fixture['feature']}-{number}-{target}")
+                    body["target"] = target
+                    yield body
+
+    await decide_equals_reference(settings, reference, bodies(), total)
+
+
+async def decide_equals_reference(settings, reference: InventoryFold, bodies: Iterable[dict], total: int) -> None:
+    """Once decide stands at inventory_seq `total`, its answer to each request body is the reference fold's,
+    the reference at the inventory_seq decide answered at."""
     nc = await nats.connect(settings.nats.url)
     try:
         async def ask(body: dict) -> dict:
             reply = await nc.request(DECIDE_SUBJECT, json.dumps(body).encode(), timeout=10)
             return json.loads(reply.data)
 
-        probe = {"request_id": "probe", "local_hashes": [], "block_size": 16}
-        await wait_until(lambda: _caught_up_by(ask, probe, total), 30, f"decide at inventory_seq {total}")
-        for fixture in fixtures:
-            for number, request in enumerate(fixture["truth"]["requests"]):
-                for target in (None, fixture_worker(fixture).name):
-                    body = request_body(fixture, request, f"{fixture['feature']}-{number}-{target}")
-                    body["target"] = target
-                    answer = await ask(body)
-                    reference.inventory_seq = answer["inventory_seq"]
-                    expected = decision_to_json(decide(reference, request_from_json(body), settings.reuse, backend=answer["backend"]))
-                    assert answer == expected, body["request_id"]
+        async def caught_up() -> bool:
+            return (await ask({"request_id": "probe", "local_hashes": [], "block_size": 16}))["inventory_seq"] >= total
+
+        await wait_until(caught_up, 30, f"decide at inventory_seq {total}")
+        for body in bodies:
+            answer = await ask(body)
+            reference.inventory_seq = answer["inventory_seq"]
+            expected = decision_to_json(decide(reference, request_from_json(body), settings.reuse, backend=answer["backend"]))
+            assert answer == expected, body["request_id"]
     finally:
         await nc.close()
-
-
-async def _caught_up_by(ask, probe: dict, last_seq: int) -> bool:
-    return (await ask(probe))["inventory_seq"] >= last_seq
 
 
 def _stream_seq_of(fold: InventoryFold, record) -> int:

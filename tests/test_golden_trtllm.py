@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
-import nats
 import pytest
 
 from decide.service import DecideService
@@ -22,17 +21,15 @@ from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
 from ingest.trtllm_forwarder import LEVEL_MEDIUM, TrtllmEventMapper, TrtllmForwarder, encode_batch, forward_kv_events
 from ingest.wire import Engine, decode_payload
-from kvledger.decision_codec import decision_to_json, request_from_json
+from kvledger.decision_codec import request_from_json
 from kvledger.events import EventBatch, Gap, GapReason, Provenance, Tier, WorkerId
 from kvledger.fold import InventoryFold
-from kvledger.reuse import decide
-from kvledger.runtime.streams import DECIDE_SUBJECT
 from kvledger.sim.engine import SimulatedEngine
 from pipeline import pipeline_settings
 from store import database
 from store.projector import StoreService
 from test_e2e import REUSE_ON
-from test_golden_engines import _checkpoint, _sql_inventory, _sql_scalar, request_body
+from test_golden_engines import _checkpoint, _sql_inventory, _sql_scalar, decide_equals_reference, request_body
 
 GOLDEN = Path(__file__).parent / "golden" / "trtllm"
 PULL = sorted(GOLDEN.glob("pull_*.json"))
@@ -232,28 +229,15 @@ async def _decide_equals_reference(settings, total: int) -> None:
         fold, _ = folded(path)
         for worker in fold.workers():
             reference.adopt_worker(fold.worker_state(worker))
-    nc = await nats.connect(settings.nats.url)
-    try:
-        async def ask(body: dict) -> dict:
-            reply = await nc.request(DECIDE_SUBJECT, json.dumps(body).encode(), timeout=10)
-            return json.loads(reply.data)
 
-        probe = {"request_id": "probe", "local_hashes": [], "block_size": 16}
-        await wait_until(lambda: _caught_up(ask, probe, total), 30, f"decide at inventory_seq {total}")
+    def bodies() -> Iterator[dict]:
         for path in PULL + ZMQ:
             for number, request in enumerate(load(path)["truth"]["requests"]):
                 name = WorkerId(publisher_of(path), request.get("attention_dp_rank", 0)).name
                 for target in (None, name):
                     body = request_body({"feature": ""}, request, f"{path.stem}-{number}-{target}")
                     body["target"] = target
-                    answer = await ask(body)
-                    reference.inventory_seq = answer["inventory_seq"]
-                    # The reference fold's uncertainty comes from the hole, as ingest's Gap makes it.
-                    expected = decision_to_json(decide(reference, request_from_json(body), settings.reuse, backend=answer["backend"]))
-                    assert msgspec.json.decode(msgspec.json.encode(answer)) == expected, body["request_id"]
-    finally:
-        await nc.close()
+                    yield body
 
-
-async def _caught_up(ask, probe: dict, last_seq: int) -> bool:
-    return (await ask(probe))["inventory_seq"] >= last_seq
+    # The reference fold's uncertainty comes from the hole, as ingest's Gap makes it.
+    await decide_equals_reference(settings, reference, bodies(), total)
