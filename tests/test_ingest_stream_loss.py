@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import nats
 import nats.js.errors
@@ -62,6 +63,17 @@ def gaps_of(batches) -> list[Gap]:
     return [event for batch in batches for event in batch.events if isinstance(event, Gap)]
 
 
+async def acked_around_a_copy(bridge: Bridge, engines, nats_server, on_disk: Path, kept: int, lost: int) -> None:
+    """`kept` rounds acknowledged, the server's store copied to `on_disk`, then `lost` more rounds acknowledged."""
+    await bridge.wait_ready(timeout=10)
+    await publish_rounds(engines, range(kept))
+    await wait_until(lambda: bridge.publisher.counters.published >= 2 * kept, 10, "the first batches acked")
+    copy_nats_store(nats_server, on_disk)
+    await publish_rounds(engines, range(kept, kept + lost))
+    await wait_until(lambda: bridge.publisher.counters.published >= 2 * (kept + lost), 10, "the rest acked")
+    await bridge.publisher.flush(10)
+
+
 async def test_batches_the_stream_lost_are_fetched_again_and_republished_in_order(nats_server, tmp_path) -> None:
     """Traffic goes on through the crash: what ingest buffered meanwhile goes out after the repair."""
     kept, lost, after = 200, 300, 1000
@@ -69,13 +81,7 @@ async def test_batches_the_stream_lost_are_fetched_again_and_republished_in_orde
     names = ["vllm-a", "vllm-b"]
     try:
         async with Bridge(settings_for(nats_server.url), [source(n, e) for n, e in zip(names, engines)]) as bridge:
-            await bridge.wait_ready(timeout=10)
-            await publish_rounds(engines, range(kept))
-            await wait_until(lambda: bridge.publisher.counters.published >= 2 * kept, 10, "the first batches acked")
-            copy_nats_store(nats_server, tmp_path / "on-disk")
-            await publish_rounds(engines, range(kept, kept + lost))
-            await wait_until(lambda: bridge.publisher.counters.published >= 2 * (kept + lost), 10, "the rest acked")
-            await bridge.publisher.flush(10)
+            await acked_around_a_copy(bridge, engines, nats_server, tmp_path / "on-disk", kept, lost)
             traffic = asyncio.create_task(publish_rounds(engines, range(kept + lost, kept + lost + after), 0.05))
             await asyncio.to_thread(restore_nats_store, nats_server, tmp_path / "on-disk")
             restored = time.monotonic()
@@ -113,13 +119,7 @@ async def test_what_no_engine_buffers_any_more_is_an_explicit_stream_lost_gap(na
     try:
         sources = [source("short", short_memory), source("forgetful", forgetful)]
         async with Bridge(settings_for(nats_server.url), sources) as bridge:
-            await bridge.wait_ready(timeout=10)
-            await publish_rounds(engines, range(kept))
-            await wait_until(lambda: bridge.publisher.counters.published >= 2 * kept, 10, "the first batches acked")
-            copy_nats_store(nats_server, tmp_path / "on-disk")
-            await publish_rounds(engines, range(kept, kept + lost))
-            await wait_until(lambda: bridge.publisher.counters.published >= 2 * (kept + lost), 10, "the rest acked")
-            await bridge.publisher.flush(10)
+            await acked_around_a_copy(bridge, engines, nats_server, tmp_path / "on-disk", kept, lost)
             forgetful.shrink_replay_buffer(0)  # it buffers nothing any more
             restore_nats_store(nats_server, tmp_path / "on-disk")
             await wait_until(lambda: bridge.metrics.stream_lost.value > 0, 10, "the stream check")
