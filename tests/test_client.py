@@ -32,9 +32,9 @@ from kvledger.settings import Settings
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, decisions_stream, ensure_stream
 from kvledger.runtime.streams import events_stream, message_ids
 from kvledger.sim.workload import CacheChange, EngineCache, Request
-from builders import BLOCK_SIZE, local_hashes
+from builders import BLOCK_SIZE, local_hashes, publish
 from engines import wait_until
-from test_decide_service import DEADLINE_S, ask, decide_settings, http, publish, request_body, scenario
+from test_decide_service import DEADLINE_S, ask, decide_settings, http, request_body, scenario
 
 from decide.service import DecideService
 
