@@ -9,14 +9,22 @@ exactly where the script puts them.
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
 import attrs
+import nats
 import sqlalchemy as sa
 
 from kvledger.events import WorkerId
-from kvledger.runtime.streams import ensure_stream, events_stream
+from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
 from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
 from store import database
-from store_harness import checkpoint
+from engines import wait_until
+from store_harness import RunningStore, checkpoint, store_settings
+
+from decide.service import DecideService
 
 SOURCE, TARGET, TARGET2, OTHER = WorkerId("source", 1), WorkerId("target"), WorkerId("target2"), WorkerId("other")
 HIGH = 1 << 63  # the source's engine hashes are >= 2^63
@@ -62,3 +70,32 @@ async def evict_after_decisions(js, stream: Stream, running, db_url: str) -> tup
     ])
     await running.until(lambda: checkpoint(db_url) >= 6, "the evictions in SQL")
     return decided, evicted
+
+
+@attrs.frozen
+class Decided:
+    """The workload once decide has answered the three requests; store and decide still run."""
+
+    js: object
+    stream: Stream
+    running: RunningStore
+    db_url: str
+    answers: list[dict]
+
+    async def evict(self) -> tuple[float, float]:
+        return await evict_after_decisions(self.js, self.stream, self.running, self.db_url)
+
+
+@contextlib.asynccontextmanager
+async def decided_workload(nats_url: str, db_url: str, settings) -> AsyncIterator[Decided]:
+    """The holdings published, store (500 ms horizon) and decide running, and decide's answers to `asked()`."""
+    stream = Stream()
+    async with await nats.connect(nats_url) as nc:
+        js = nc.jetstream()
+        await publish_holdings(js, settings.stream, stream)
+        async with RunningStore(store_settings(nats_url, db_url, quality_horizon_s=0.5)) as running, \
+                DecideService(settings) as decide:
+            await decide.wait_ready(DEADLINE_S)
+            await wait_until(lambda: decide.index.inventory_seq >= 3, DEADLINE_S, "decide at seq 3")
+            reply = await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(asked()).encode(), timeout=10)
+            yield Decided(js, stream, running, db_url, json.loads(reply.data))

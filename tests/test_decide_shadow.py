@@ -13,22 +13,17 @@ from __future__ import annotations
 
 import json
 
-import nats
 import pytest
 import sqlalchemy as sa
 
 from kvledger.decision_codec import SHADOW_HEADER, request_from_header, REQUEST_HEADER
-from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT
 from kvledger.settings import ReuseSettings, enabled_reuse, load_settings, reuse_settings_from, settings_digest
-from builders import BLOCK_SIZE, Stream, local_hashes
-from engines import wait_until
+from builders import BLOCK_SIZE, local_hashes
 from store import audit as audit_queries
 from store import database
 from store.audit import Audit
-from store_harness import RunningStore, assert_shell_agrees, checkpoint, store_settings
-from quality_workload import DEADLINE_S, asked, evict_after_decisions, publish_holdings
-
-from decide.service import DecideService
+from store_harness import assert_shell_agrees, checkpoint
+from quality_workload import decided_workload
 
 pytestmark = pytest.mark.service
 
@@ -55,30 +50,22 @@ def test_shadow_settings_come_from_a_file_laid_over_the_live_ones(tmp_path) -> N
 
 async def test_with_reuse_off_the_shadow_hints_are_recorded_and_judged_as_real_ones(nats_server, db_url) -> None:
     settings = shadow_settings(nats_server.url)
-    stream = Stream()
-    async with await nats.connect(nats_server.url) as nc:
-        js = nc.jetstream()
-        await publish_holdings(js, settings.stream, stream)
-        async with RunningStore(store_settings(nats_server.url, db_url, quality_horizon_s=0.5)) as running, \
-                DecideService(settings) as decide:
-            await decide.wait_ready(DEADLINE_S)
-            await wait_until(lambda: decide.index.inventory_seq >= 3, DEADLINE_S, "decide at seq 3")
-            reply = await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(asked()).encode(), timeout=10)
-            answers = json.loads(reply.data)
-            # The replies are the live answers: reuse is off, nothing is chosen, no shadow in sight.
-            assert [(answer["reason"], answer["chosen"]) for answer in answers] == [("disabled", None)] * 3
-            assert all("shadow" not in answer for answer in answers)
-            record = await js.get_msg(settings.stream.decisions_stream, 1)
-            assert json.loads(record.data) == answers[0]
-            shadow = json.loads(record.headers[SHADOW_HEADER])
-            assert (shadow["reason"], shadow["chosen"]["source"], shadow["chosen"]["prefix_blocks"]) == ("chosen", "source", 8)
-            assert shadow["settings_digest"] == settings_digest(enabled_reuse(settings.reuse))
-            recorded = request_from_header(record.headers[REQUEST_HEADER])
-            assert recorded.reuse_request("hint").local_hashes == tuple(local_hashes(list(range(1, 13))))
-            assert (recorded.target, recorded.blocks, recorded.complete) == ("target", 12, True)
+    async with decided_workload(nats_server.url, db_url, settings) as workload:
+        answers = workload.answers
+        # The replies are the live answers: reuse is off, nothing is chosen, no shadow in sight.
+        assert [(answer["reason"], answer["chosen"]) for answer in answers] == [("disabled", None)] * 3
+        assert all("shadow" not in answer for answer in answers)
+        record = await workload.js.get_msg(settings.stream.decisions_stream, 1)
+        assert json.loads(record.data) == answers[0]
+        shadow = json.loads(record.headers[SHADOW_HEADER])
+        assert (shadow["reason"], shadow["chosen"]["source"], shadow["chosen"]["prefix_blocks"]) == ("chosen", "source", 8)
+        assert shadow["settings_digest"] == settings_digest(enabled_reuse(settings.reuse))
+        recorded = request_from_header(record.headers[REQUEST_HEADER])
+        assert recorded.reuse_request("hint").local_hashes == tuple(local_hashes(list(range(1, 13))))
+        assert (recorded.target, recorded.blocks, recorded.complete) == ("target", 12, True)
 
-            await running.until(lambda: checkpoint(db_url, "decisions") >= 3, "the decisions in SQL")
-            decided, evicted = await evict_after_decisions(js, stream, running, db_url)
+        await workload.running.until(lambda: checkpoint(db_url, "decisions") >= 3, "the decisions in SQL")
+        decided, evicted = await workload.evict()
 
     with database.opened(db_url) as engine, engine.connect() as connection:
         rows = {row.request_id: row for row in connection.execute(sa.text(

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import json
 
-import nats
 import pytest
 import sqlalchemy as sa
 
 from kvledger.app.cli import main
-from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT
 from kvledger.runtime.metrics import MetricSet
-from builders import Stream
 from engines import wait_until
 from store import database
 
@@ -31,10 +28,8 @@ from store.audit import Audit
 from store.quality import QualityMetrics, QualityTracker
 from kvledger.settings import load_settings
 from store import audit as audit_queries
-from store_harness import RunningStore, assert_shell_agrees, checkpoint, store_settings
-from quality_workload import DEADLINE_S, asked, evict_after_decisions, publish_holdings
-
-from decide.service import DecideService
+from store_harness import assert_shell_agrees, checkpoint
+from quality_workload import DEADLINE_S, decided_workload
 
 pytestmark = pytest.mark.service
 
@@ -52,34 +47,26 @@ def sample(service, name: str, **labels: str) -> float:
 
 async def test_a_source_evicting_100_ms_after_the_decision_is_stale_at_500_ms_and_fresh_at_50_ms(nats_server, db_url) -> None:
     settings = decide_settings(nats_server.url)
-    stream = Stream()
-    async with await nats.connect(nats_server.url) as nc:
-        js = nc.jetstream()
-        await publish_holdings(js, settings.stream, stream)
-        async with RunningStore(store_settings(nats_server.url, db_url, quality_horizon_s=0.5)) as running, \
-                DecideService(settings) as decide:
-            await decide.wait_ready(DEADLINE_S)
-            await wait_until(lambda: decide.index.inventory_seq >= 3, DEADLINE_S, "decide at seq 3")
-            reply = await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(asked()).encode(), timeout=10)
-            answers = json.loads(reply.data)
-            assert [answer["reason"] for answer in answers] == ["chosen", "no_candidates", "chosen"]
-            assert answers[0]["chosen"]["prefix_blocks"] == 8 and answers[0]["baseline_blocks"] == 3
-            quality = running.service.quality
-            await running.until(lambda: checkpoint(db_url, "decisions") >= 3, "the decisions in SQL")
-            await wait_until(lambda: quality.waiting == 3, DEADLINE_S, "the three decisions waiting for their horizon")
-            decided, evicted = await evict_after_decisions(js, stream, running, db_url)
-            await wait_until(lambda: quality.waiting == 0, DEADLINE_S, "the decisions judged")
+    async with decided_workload(nats_server.url, db_url, settings) as workload:
+        running, answers = workload.running, workload.answers
+        assert [answer["reason"] for answer in answers] == ["chosen", "no_candidates", "chosen"]
+        assert answers[0]["chosen"]["prefix_blocks"] == 8 and answers[0]["baseline_blocks"] == 3
+        quality = running.service.quality
+        await running.until(lambda: checkpoint(db_url, "decisions") >= 3, "the decisions in SQL")
+        await wait_until(lambda: quality.waiting == 3, DEADLINE_S, "the three decisions waiting for their horizon")
+        decided, evicted = await workload.evict()
+        await wait_until(lambda: quality.waiting == 0, DEADLINE_S, "the decisions judged")
 
-            service = running.service
-            assert sample(service, "kvledger_store_decision_hints_total", worker="source/1", tier="device") == 2
-            assert sample(service, "kvledger_store_decision_stale_hints_total", worker="source/1", tier="device") == 2
-            assert sample(service, "kvledger_store_decision_credits_total", worker="target", reason="chosen") == 1
-            assert sample(service, "kvledger_store_decision_credits_total", worker="target", reason="no_candidates") == 1
-            assert sample(service, "kvledger_store_decision_lost_credits_total", worker="target", reason="chosen") == 0
-            assert sample(service, "kvledger_store_decision_lost_credits_total", worker="target2", reason="chosen") == 1
-            assert sample(service, "kvledger_store_decision_first_eviction_seconds_count", tier="device") == 2
-            assert sample(service, "kvledger_store_decision_first_eviction_seconds_bucket", tier="device", le="0.25") == 2
-            assert sample(service, "kvledger_store_decision_first_eviction_seconds_bucket", tier="device", le="0.05") == 0
+        service = running.service
+        assert sample(service, "kvledger_store_decision_hints_total", worker="source/1", tier="device") == 2
+        assert sample(service, "kvledger_store_decision_stale_hints_total", worker="source/1", tier="device") == 2
+        assert sample(service, "kvledger_store_decision_credits_total", worker="target", reason="chosen") == 1
+        assert sample(service, "kvledger_store_decision_credits_total", worker="target", reason="no_candidates") == 1
+        assert sample(service, "kvledger_store_decision_lost_credits_total", worker="target", reason="chosen") == 0
+        assert sample(service, "kvledger_store_decision_lost_credits_total", worker="target2", reason="chosen") == 1
+        assert sample(service, "kvledger_store_decision_first_eviction_seconds_count", tier="device") == 2
+        assert sample(service, "kvledger_store_decision_first_eviction_seconds_bucket", tier="device", le="0.25") == 2
+        assert sample(service, "kvledger_store_decision_first_eviction_seconds_bucket", tier="device", le="0.05") == 0
 
     with database.opened(db_url) as engine, engine.connect() as connection:
         audit = Audit(connection)

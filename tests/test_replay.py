@@ -25,19 +25,15 @@ import sqlalchemy as sa
 
 from kvledger.app.cli import main as kvledger
 from kvledger.events import WorkerId
-from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT
 from kvledger.settings import ReuseSettings, enabled_reuse, reuse_settings_from
-from builders import BLOCK_SIZE, Stream
-from engines import wait_until
+from builders import BLOCK_SIZE
 from store import database
 from store.audit import Audit
 from store.pruning import prune_once
 from store.replay import ReplayRefused, replay, replay_stream
-from store_harness import RunningStore, checkpoint, store_settings
-from quality_workload import DEADLINE_S, asked, evict_after_decisions, publish_holdings
+from store_harness import checkpoint, store_settings
+from quality_workload import decided_workload
 from test_decide_shadow import shadow_settings
-
-from decide.service import DecideService
 
 pytestmark = pytest.mark.service
 
@@ -47,17 +43,9 @@ SAVING = BLOCK_SIZE * 1.0 - 0.04
 
 async def _record_workload(nats_url: str, db_url: str) -> None:
     settings = shadow_settings(nats_url)
-    stream = Stream()
-    async with await nats.connect(nats_url) as nc:
-        js = nc.jetstream()
-        await publish_holdings(js, settings.stream, stream)
-        async with RunningStore(store_settings(nats_url, db_url, quality_horizon_s=0.5)) as running, \
-                DecideService(settings) as decide:
-            await decide.wait_ready(DEADLINE_S)
-            await wait_until(lambda: decide.index.inventory_seq >= 3, DEADLINE_S, "decide at seq 3")
-            await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(asked()).encode(), timeout=10)
-            await running.until(lambda: checkpoint(db_url, "decisions") >= 3, "the decisions in SQL")
-            await evict_after_decisions(js, stream, running, db_url)
+    async with decided_workload(nats_url, db_url, settings) as workload:
+        await workload.running.until(lambda: checkpoint(db_url, "decisions") >= 3, "the decisions in SQL")
+        await workload.evict()
 
 
 def _sweep(tmp_path, live):
