@@ -46,8 +46,16 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KVLEDGER_"
-# These belong to the test harness (which reads them itself), not to the settings.
-_HARNESS_ENV_PREFIXES = ("KVLEDGER_TEST_", "KVLEDGER_REQUIRE_SERVICES")
+# These belong to other tools, which read them themselves, not to the settings: the test
+# harness, and the container files (docker/compose*.yml take images and nats-server's
+# per-service passwords from them). An operator who exported them to run compose must still
+# be able to run kvledger in that shell.
+_HARNESS_ENV_PREFIXES = (
+    "KVLEDGER_TEST_", "KVLEDGER_REQUIRE_SERVICES",
+    "KVLEDGER_IMAGE", "KVLEDGER_NATS_IMAGE", "KVLEDGER_POSTGRES_IMAGE", "KVLEDGER_PYTHON_IMAGE", "KVLEDGER_TAG",
+    "KVLEDGER_NATS_INGEST_PASSWORD", "KVLEDGER_NATS_STORE_PASSWORD", "KVLEDGER_NATS_DECIDE_PASSWORD",
+    "KVLEDGER_NATS_ROUTER_PASSWORD",
+)
 MASK = "***"
 UNSET = "(unset)"
 

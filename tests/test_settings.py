@@ -172,6 +172,18 @@ def test_unknown_environment_variables_fail_but_harness_ones_are_ignored() -> No
     assert load_settings(environ=harness_only).settings == Settings()
 
 
+def test_the_container_files_variables_are_not_taken_for_settings() -> None:
+    """An operator who exported compose's variables (images, nats-server's per-service passwords)
+    runs kvledger in the same shell; CI exports the stand-in images for the whole suite."""
+    compose = {
+        "KVLEDGER_IMAGE": "kvledger:test", "KVLEDGER_NATS_IMAGE": "kvledger-ci/nats:2.15",
+        "KVLEDGER_POSTGRES_IMAGE": "kvledger-ci/postgres:15", "KVLEDGER_PYTHON_IMAGE": "kvledger-ci/python:3.11-slim",
+        "KVLEDGER_TAG": "latest", "KVLEDGER_NATS_INGEST_PASSWORD": "a", "KVLEDGER_NATS_STORE_PASSWORD": "b",
+        "KVLEDGER_NATS_DECIDE_PASSWORD": "c", "KVLEDGER_NATS_ROUTER_PASSWORD": "d",
+    }
+    assert load_settings(environ=compose).settings == Settings()
+
+
 def test_unknown_override_key() -> None:
     with pytest.raises(SettingsError) as info:
         load_settings(environ={}, overrides={"nats.bogus": "x"})
