@@ -1,6 +1,6 @@
 """What-if replay (store/replay.py, `kvledger replay`) on a scripted workload whose truth is known.
 
-The workload of tests/test_decide_shadow.py, answered with reuse off: the source holds 8
+The scripted workload of tests/quality_workload.py, answered with reuse off: the source holds 8
 blocks, `target` 3 and `target2` 2; three requests (`hint` and `credit-only` to target,
 `hint2` to target2); 100 ms after the decisions the source evicts its last three blocks and
 target2 its second block. Replayed with reuse on, exactly `hint` and `hint2` flip to a
@@ -25,7 +25,7 @@ import sqlalchemy as sa
 
 from kvledger.app.cli import main as kvledger
 from kvledger.events import WorkerId
-from kvledger.settings import ReuseSettings, enabled_reuse, reuse_settings_from
+from kvledger.settings import ReuseSettings, reuse_settings_from
 from builders import BLOCK_SIZE
 from store import database
 from store.audit import Audit
