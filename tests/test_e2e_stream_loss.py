@@ -15,7 +15,6 @@ import itertools
 from collections import Counter
 
 import pytest
-import sqlalchemy as sa
 
 from engines import read_batches, wait_until
 from kvledger.events import GapReason

@@ -10,7 +10,6 @@ each worker's inventory as the batches fold in engine order, and say what the st
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import sqlite3
 from pathlib import Path
@@ -23,7 +22,7 @@ from kvledger.events import EventBatch
 from kvledger.fold import InventoryFold
 from services import LocalNatsServer, copy_nats_store, restore_nats_store
 from store import audit, database, tables
-from store_harness import RunningStore, checkpoint, poll, publish, recorded_stream, store_settings
+from store_harness import RunningStore, checkpoint, publish, recorded_stream, store_settings
 
 pytestmark = pytest.mark.service
 
