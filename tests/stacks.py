@@ -72,14 +72,22 @@ class ComposeStack:
             return str(failure)
 
     def await_ready(self, service: str, container_port: int) -> float:
-        """Seconds until the service's /readyz answers 200 (from now)."""
+        """Seconds until the service's /readyz answers 200 (from now).
+
+        A stage that started before NATS could answer exits and is restarted by compose; while
+        it restarts it has no published port (and may get another one), so the port is asked
+        again on every try.
+        """
         started = time.monotonic()
-        url = f"http://127.0.0.1:{self.port(service, container_port)}/readyz"
-        while http(url)[0] != 200:
+        while True:
+            try:
+                if http(f"http://127.0.0.1:{self.port(service, container_port)}/readyz")[0] == 200:
+                    return time.monotonic() - started
+            except RuntimeError:
+                pass  # restarting: no port published right now
             if time.monotonic() - started > READY_TIMEOUT_S:
                 raise AssertionError(f"{service} not ready after {READY_TIMEOUT_S:.0f} s:\n{self.logs()}")
             time.sleep(0.2)
-        return time.monotonic() - started
 
     def sql_engine(self) -> sa.Engine:
         """An SQLAlchemy engine on the stack's PostgreSQL (published by the override)."""
