@@ -262,7 +262,7 @@ class EventsProjector:
         self.ready = False
         self.snapshots: SnapshotWriter | None = None
         self.cursor = StreamCursor(engine, self.stream)
-        self.position: StreamPosition | None = None  # the last message folded, for snapshots
+        self.last_folded = None  # the last KV_EVENTS message folded: a snapshot's position, read when one is written
 
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
         backoff = Backoff()
@@ -352,7 +352,7 @@ class EventsProjector:
                     if seq <= fold.inventory_seq:
                         self.metrics.skipped.labels(self.stream).inc()
                         continue
-                    self.position = StreamPosition(stream_seq, msg_id_of(message) or "")
+                    self.last_folded = message
                     if owns is not None and not owns(message.subject):
                         # Another shard's: not decoded, but passed, so the checkpoint moves over it
                         # and a restart does not fetch it again.
@@ -463,7 +463,9 @@ class EventsProjector:
     async def _maybe_snapshot(self) -> None:
         if self.fold is not None and self.snapshots is not None and self.snapshots.due(self.fold.inventory_seq):
             try:
-                await self.snapshots.write(self.fold, self.position)
+                last = self.last_folded
+                position = None if last is None else StreamPosition(last.metadata.sequence.stream, msg_id_of(last) or "")
+                await self.snapshots.write(self.fold, position)
                 self.metrics.snapshots.inc()
             except DATABASE_ERRORS + NATS_ERRORS as error:  # a missed snapshot is retried later
                 log.warning("snapshot at seq %d failed: %s", self.fold.inventory_seq, error)
@@ -674,7 +676,9 @@ class RowProjector:
     def _write(self, rows: list[TableRow], checkpoint: int) -> list[TableRow]:
         """Write `rows` (less those SQL already holds) and the checkpoint in one transaction; return what was written."""
         with self.engine.begin() as connection:
-            if self.already_recorded is not None:
+            # Only a stream read again after a loss can bring a record SQL holds (within one
+            # generation a redelivery is below the checkpoint): asked only once there was one.
+            if self.already_recorded is not None and self.cursor.generations:
                 held = self.already_recorded(connection, rows)
                 if held:
                     self.metrics.duplicates.labels(self.stream).inc(len(held))
