@@ -17,7 +17,9 @@ single transaction. Store's rate is printed as a ratio to that load's.
 
 As-of inventory: `inventory_at_seq` is the answer `kvledger audit inventory` gets (rows as
 dicts, hashes unsigned); `inventory_at_seq_sql` the documented statement alone, its rows
-fetched by the driver as tuples. `restart_s`: rebuilding the fold from SQL, as store does
+fetched by the driver as tuples; `inventory_at_seq_in_db` the statement executed by the
+database to its last row without sending the rows (PostgreSQL: EXPLAIN ANALYZE's execution
+time; SQLite: the statement counted). `restart_s`: rebuilding the fold from SQL, as store does
 when it starts (store.recorder.load_fold).
 
 Size: the database's bytes after the projection, per million block events; then history
@@ -147,8 +149,8 @@ async def project(nats_url: str, db_url: str, last: int, batch_size: int) -> flo
 def query_latency(db_url: str, last: int, workers: int, samples: int = 50) -> dict[str, float]:
     rng = random.Random(2)
     timings: dict[str, list[float]] = {
-        "inventory_at_seq": [], "inventory_at_seq_sql": [], "inventory_now": [], "inventory_summary_at_seq": [],
-        "block_history": [],
+        "inventory_at_seq": [], "inventory_at_seq_sql": [], "inventory_at_seq_in_db": [], "inventory_now": [],
+        "inventory_summary_at_seq": [], "block_history": [],
     }  # fmt: skip
     with database.opened(db_url) as engine, engine.connect() as connection:
         inspector = audit.Audit(connection)
@@ -172,6 +174,8 @@ def query_latency(db_url: str, last: int, workers: int, samples: int = 50) -> di
             cursor.fetchall()
             timings["inventory_at_seq_sql"].append(time.perf_counter() - t)
             cursor.close()
+            # The statement executed in the database, its rows not shipped: the plan's share.
+            timings["inventory_at_seq_in_db"].append(in_database_s(raw, engine.dialect.name, statement, params))
             t = time.perf_counter()
             inspector.inventory(worker, [Tier.DEVICE], last)
             timings["inventory_now"].append(time.perf_counter() - t)
@@ -192,6 +196,40 @@ def query_latency(db_url: str, last: int, workers: int, samples: int = 50) -> di
         result[f"{name}_p50_ms"] = 1000 * values[len(values) // 2]
         result[f"{name}_p99_ms"] = 1000 * values[max(0, int(len(values) * 0.99) - 1)]
     return result
+
+
+def in_database_s(raw, dialect: str, statement: str, params: dict) -> float:
+    """Seconds the database takes to execute `statement` to its last row without sending the rows.
+
+    PostgreSQL: the execution time EXPLAIN ANALYZE reports (without per-node timing, which
+    would add to it). SQLite: the statement counted by the library, which steps through every
+    row in C (its plan has no sort to leave out).
+    """
+    if dialect == "postgresql":
+        cursor = raw.cursor()
+        cursor.execute("EXPLAIN (ANALYZE, TIMING OFF, SUMMARY ON, FORMAT JSON) " + statement, params)
+        plan = cursor.fetchone()[0]
+        cursor.close()
+        return plan[0]["Execution Time"] / 1000
+    cursor = raw.cursor()
+    started = time.perf_counter()
+    cursor.execute(f"SELECT COUNT(*) FROM ({statement})", params)
+    cursor.fetchall()
+    elapsed = time.perf_counter() - started
+    cursor.close()
+    return elapsed
+
+
+def bytes_by_table(db_url: str) -> dict[str, int]:
+    """Bytes of each table and index (SQLite: pages of each b-tree; PostgreSQL: each relation's size)."""
+    with database.opened(db_url) as engine, engine.connect() as connection:
+        if engine.dialect.name == "sqlite":
+            rows = connection.exec_driver_sql("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name").all()
+        else:
+            rows = connection.exec_driver_sql(
+                "SELECT relname, pg_relation_size(oid) FROM pg_class "
+                "WHERE relnamespace = 'public'::regnamespace AND relkind IN ('r', 'i')").all()
+    return {name: int(size) for name, size in rows if size}
 
 
 def restart_s(db_url: str) -> float:
@@ -293,6 +331,7 @@ def compare(args: argparse.Namespace) -> int:
         "inventory_at_seq p50 ms": re.compile(r"^(\w+):   inventory_at_seq_p50_ms = ([\d.]+)", re.M),
         "inventory_summary p50 ms": re.compile(r"^(\w+):   inventory_summary_at_seq_p50_ms = ([\d.]+)", re.M),
         "inventory_at_seq SQL p50 ms": re.compile(r"^(\w+):   inventory_at_seq_sql_p50_ms = ([\d.]+)", re.M),
+        "inventory_at_seq in DB p50 ms": re.compile(r"^(\w+):   inventory_at_seq_in_db_p50_ms = ([\d.]+)", re.M),
         "restart s": re.compile(r"^(\w+):   restart_s = ([\d.]+)", re.M),
     }
     common = ["--blocks", str(args.blocks), "--workers", str(args.workers), "--capacity", str(args.capacity),
@@ -361,6 +400,9 @@ def main() -> int:
                 for key, value in query_latency(url, last, args.workers).items():
                     print(f"{name}:   {key} = {value:.2f}")
                 print(f"{name}:   restart_s = {restart_s(url):.2f}")
+                largest = sorted(bytes_by_table(url).items(), key=lambda item: -item[1])[:10]
+                print(f"{name}:   bytes_by_table = " + ", ".join(f"{table} {size / blocks * 1e6 / 1e6:.1f}" for table, size in largest)
+                      + " (MB per M block events)")
                 for key, value in size_under_window(url, blocks).items():
                     print(f"{name}:   {key} = {value:,.0f}" if key != "prune_s" else f"{name}:   {key} = {value:.2f}")
             finally:

@@ -42,17 +42,26 @@ WHERE ingest_ts = (SELECT MAX(ingest_ts) FROM event_log WHERE ingest_ts <= :ts);
     ("ts",),
 )
 
+# The as-of statements read the tables rather than the view: one worker's placements in id
+# order (ix_placements_worker), each placement's stays as one range of the stays' key in log
+# order, and a stay left out when a run of ends covers it by :seq. Ordered by numbers only:
+# PostgreSQL compares text under the database's collation, which made sorting an answer of
+# 20 000 rows by provenance and ownership cost more than finding them. The worker and
+# tier are the parameters, so the rows do not repeat them (`Audit.inventory` adds them).
 INVENTORY_AT_SEQ = Query(
     "inventory_at_seq",
     "Inventory of one worker's tier as of a stream seq, per KV-cache group and ownership",
-    """SELECT publisher, dp_rank, tier, group_idx, kv_cache_spec_kind, ownership, provenance,
-       engine_hash, sequence_hash, parent_hash, stored_seq, stored_ts,
-       CASE WHEN conflict_since <= :seq THEN 1 ELSE 0 END AS conflict,
-       CASE WHEN unresolved THEN 1 ELSE 0 END AS unresolved
-FROM block_residency
-WHERE publisher = :publisher AND dp_rank = :dp_rank AND tier = :tier
-  AND stored_seq <= :seq AND (removed_seq IS NULL OR removed_seq > :seq)
-ORDER BY provenance, group_idx, ownership, stored_seq, slot;""",
+    """SELECT p.provenance, p.group_idx, p.kv_cache_spec_kind, p.ownership, s.engine_hash, s.sequence_hash,
+       s.parent_hash, s.stored_seq, s.stored_ts,
+       CASE WHEN s.conflict_since <= :seq THEN 1 ELSE 0 END AS conflict,
+       CASE WHEN s.unresolved THEN 1 ELSE 0 END AS unresolved
+FROM placements p
+JOIN block_stays s ON s.placement_id = p.placement_id AND s.stored_seq <= :seq
+WHERE p.publisher = :publisher AND p.dp_rank = :dp_rank AND p.tier = :tier
+  AND NOT EXISTS (SELECT 1 FROM block_removals r
+                  WHERE r.placement_id = s.placement_id AND r.stored_seq = s.stored_seq
+                    AND r.first_slot <= s.slot AND r.last_slot >= s.slot AND r.removed_seq <= :seq)
+ORDER BY p.placement_id, s.stored_seq, s.slot;""",
     ("publisher", "dp_rank", "tier", "seq"),
     _RESIDENCY_HASHES,
 )
@@ -60,15 +69,18 @@ ORDER BY provenance, group_idx, ownership, stored_seq, slot;""",
 INVENTORY_SUMMARY_AT_SEQ = Query(
     "inventory_summary_at_seq",
     "How many blocks one worker held per tier, group, ownership and provenance as of a stream seq",
-    """SELECT tier, group_idx, MAX(kv_cache_spec_kind) AS kv_cache_spec_kind, ownership, provenance,
+    """SELECT p.tier, p.group_idx, MAX(p.kv_cache_spec_kind) AS kv_cache_spec_kind, p.ownership, p.provenance,
        COUNT(*) AS blocks,
-       SUM(CASE WHEN conflict_since <= :seq THEN 1 ELSE 0 END) AS conflicting
-FROM block_residency
-WHERE publisher = :publisher AND dp_rank = :dp_rank
-  AND tier IN ('device', 'host', 'disk', 'external')
-  AND stored_seq <= :seq AND (removed_seq IS NULL OR removed_seq > :seq)
-GROUP BY tier, group_idx, ownership, provenance
-ORDER BY tier, group_idx, ownership, provenance;""",
+       SUM(CASE WHEN s.conflict_since <= :seq THEN 1 ELSE 0 END) AS conflicting
+FROM placements p
+JOIN block_stays s ON s.placement_id = p.placement_id AND s.stored_seq <= :seq
+WHERE p.publisher = :publisher AND p.dp_rank = :dp_rank
+  AND p.tier IN ('device', 'host', 'disk', 'external')
+  AND NOT EXISTS (SELECT 1 FROM block_removals r
+                  WHERE r.placement_id = s.placement_id AND r.stored_seq = s.stored_seq
+                    AND r.first_slot <= s.slot AND r.last_slot >= s.slot AND r.removed_seq <= :seq)
+GROUP BY p.tier, p.group_idx, p.ownership, p.provenance
+ORDER BY p.tier, p.group_idx, p.ownership, p.provenance;""",
     ("publisher", "dp_rank", "seq"),
 )
 
@@ -484,10 +496,10 @@ class Audit:
         refuse_pruned(self.connection, seq)
         rows = []
         for tier in tiers:
-            rows += run(
-                self.connection, INVENTORY_AT_SEQ, publisher=worker.publisher, dp_rank=worker.dp_rank,
-                tier=tier.value, seq=seq,
-            )  # fmt: skip
+            where = {"publisher": worker.publisher, "dp_rank": worker.dp_rank, "tier": tier.value}
+            rows += [
+                {**where, **row} for row in run(self.connection, INVENTORY_AT_SEQ, **where, seq=seq)
+            ]
         return rows
 
     def inventory_summary(self, worker: WorkerId, seq: int) -> list[dict]:

@@ -1,16 +1,20 @@
 """What one SQL transaction writes: fold facts turned into rows, with no SQL in sight.
 
 `ChangeBuilder` keeps, for every block the fold holds, the key of its open stay
-`(stored_seq, slot)`, so a removal becomes a `block_removals` row without a lookup in the
-database. A stay is written once; its end is a row of its own (store/tables.py).
+`(stored_seq, slot, placement_id)`, so a removal becomes part of a `block_removals` run
+without a lookup in the database. A stay is written once; its end is part of a run of its
+own (store/tables.py). New stays are kept column by column (`NewStays`): arrays travel to
+the writer as bytes, and PostgreSQL loads them as one binary COPY built without a Python
+object per value.
 """
 
 from __future__ import annotations
 
 import json
 import time
-
+from array import array
 from collections.abc import Callable
+from itertools import repeat
 
 import attrs
 
@@ -27,24 +31,21 @@ from kvledger.fold import (
     UncertaintyFact,
 )
 
-RowKey = tuple[int, int]  # (stored_seq, slot)
+RowKey = tuple[int, int, int]  # (stored_seq, slot, placement_id)
 # (worker, provenance) -> tier -> (group, ownership, engine hash) -> key of the open residency row
 ResidencyIndex = dict[tuple[WorkerId, Provenance], dict[Tier, dict[BlockKey, RowKey]]]
-_U64 = 1 << 64
-_I64_LIMIT = 1 << 63
 
 # Positions in a stay row (the column order of store.tables.block_stays).
 STAY_COLUMNS = (
     "stored_seq", "engine_hash", "sequence_hash", "parent_hash", "local_hash", "stored_ts", "conflict_since", "slot",
     "placement_id", "refs", "unresolved",
 )  # fmt: skip
-REMOVAL_COLUMNS = ("stored_seq", "removed_seq", "removed_ts", "slot", "removal_cause")
+REMOVAL_COLUMNS = ("stored_seq", "removed_seq", "removed_ts", "placement_id", "first_slot", "last_slot", "removal_cause")
 # What a placement is (store.tables.placements without its id), in this order.
 PLACEMENT_COLUMNS = (
     "publisher", "dp_rank", "provenance", "tier", "group_idx", "ownership", "kv_cache_spec_kind", "sliding_window",
 )  # fmt: skip
 PlacementIds = Callable[[tuple], int]  # a placement's values -> its id (store.recorder.PlacementIds)
-_CONFLICT, _REFS = 6, 9
 _ALL_TIERS = tuple(tier.value for tier in Tier)
 EVENT_LOG_COLUMNS = (
     "stream_seq", "event_idx", "publisher", "dp_rank", "epoch", "engine_seq", "provenance", "kind", "tier",
@@ -62,20 +63,63 @@ WORKER_COLUMNS = (
 
 
 @attrs.define
+class NewStays:
+    """Stays begun in one transaction, column by column, in the order they were stored.
+
+    Hashes are kept unsigned, as the core has them: SQL's signed value has the same bits, so
+    the writer reinterprets the arrays instead of converting each value. The rare values
+    live beside the columns, by row: a root block's missing parent, a conflict, more than one
+    reference, an unresolved store.
+    """
+
+    stored_seq: array = attrs.field(factory=lambda: array("q"))
+    slot: array = attrs.field(factory=lambda: array("i"))
+    placement_id: array = attrs.field(factory=lambda: array("i"))
+    engine_hash: array = attrs.field(factory=lambda: array("Q"))
+    sequence_hash: array = attrs.field(factory=lambda: array("Q"))
+    parent_hash: array = attrs.field(factory=lambda: array("Q"))  # 0 where the row is in `no_parent`
+    local_hash: array = attrs.field(factory=lambda: array("Q"))
+    stored_ts: array = attrs.field(factory=lambda: array("d"))
+    no_parent: set[int] = attrs.field(factory=set)
+    conflict_since: dict[int, int] = attrs.field(factory=dict)
+    refs: dict[int, int] = attrs.field(factory=dict)  # only where more than one
+    unresolved: set[int] = attrs.field(factory=set)
+
+    def __len__(self) -> int:
+        return len(self.stored_seq)
+
+    def rows(self) -> list[tuple]:
+        """The stays as rows of STAY_COLUMNS, hashes signed (for a driver that takes rows)."""
+        signed = [array("q", column.tobytes()) for column in (self.engine_hash, self.sequence_hash, self.parent_hash, self.local_hash)]
+        parent = signed[2]
+        if self.no_parent:
+            parent = parent.tolist()
+            for row in self.no_parent:
+                parent[row] = None
+        nothing = [None] * len(self)
+        rows = list(zip(self.stored_seq, signed[0], signed[1], parent, signed[3], self.stored_ts, nothing, self.slot,
+                        self.placement_id, nothing, nothing))  # fmt: skip
+        for column, values in ((6, self.conflict_since), (9, self.refs), (10, dict.fromkeys(self.unresolved, True))):
+            for row, value in values.items():
+                rows[row] = (*rows[row][:column], value, *rows[row][column + 1:])
+        return rows
+
+
+@attrs.define
 class ChangeSet:
     """Everything one transaction of the events projector writes, in the order it must be written."""
 
     first_seq: int
     last_seq: int = 0
     event_rows: list[tuple] = attrs.field(factory=list)
-    # (stored_seq, slot) -> stay row, for stays begun in this transaction
-    new_residency: dict[RowKey, list] = attrs.field(factory=dict)
-    removals: list[tuple] = attrs.field(factory=list)  # block_removals rows, any stay's
+    new_stays: NewStays = attrs.field(factory=NewStays)  # stays begun in this transaction
+    # block_removals runs, any stay's (ChangeBuilder.finish makes them from one row per stay)
+    removals: list[tuple] = attrs.field(factory=list)
     # (removed_seq, removed_ts, cause, publisher, dp_rank, provenance, *four tier names):
     # end every open stay of that worker on those tiers begun before this transaction
     clears: list[tuple] = attrs.field(factory=list)
-    references: list[tuple] = attrs.field(factory=list)  # (refs, stored_seq, slot)
-    conflicts: list[tuple] = attrs.field(factory=list)  # (conflict_since, stored_seq, slot)
+    references: list[tuple] = attrs.field(factory=list)  # (refs, placement_id, stored_seq, slot)
+    conflicts: list[tuple] = attrs.field(factory=list)  # (conflict_since, placement_id, stored_seq, slot)
     # (publisher, dp_rank, provenance) -> periods opened in this transaction, oldest first
     new_uncertain: dict[tuple, list[list]] = attrs.field(factory=dict)
     # (until_seq, until_ts, resolved_by, publisher, dp_rank, provenance)
@@ -99,9 +143,24 @@ class ChangeBuilder:
         self.index: ResidencyIndex = index if index is not None else {}
         self._placement_ids = placement_ids
         self._placements: dict[tuple, int] = {}  # (worker, provenance, tier, group, ownership, kind, window) -> id
+        # This transaction's stays, turned into NewStays' columns by `finish` (a column built
+        # from a list at once costs a fraction of appending each value as it comes).
+        self._stored: list = []  # fold records, in the order stored
+        self._stored_places: list[int] = []
+        self._stored_batches: list[tuple[int, float, int]] = []  # (stored_seq, ts, stays)
+        self._first_row: dict[int, int] = {}  # stored_seq -> row of its slot 0
+        self._refs: dict[int, int] = {}  # row -> references, changed after the store in this transaction
+        self._conflicts: dict[int, int] = {}  # row -> seq it began to conflict, likewise
 
     def begin(self, first_seq: int) -> ChangeSet:
+        self._stored, self._stored_places, self._stored_batches = [], [], []
+        self._first_row, self._refs, self._conflicts = {}, {}, {}
         return ChangeSet(first_seq)
+
+    def _row(self, key: RowKey) -> int | None:
+        """The row in this transaction's stays of the stay `key`; None for a stay stored before it."""
+        first = self._first_row.get(key[0])
+        return None if first is None else first + key[1]
 
     def placement(self, record) -> int:
         """The placement id of a fold record's worker, tier, provenance, group, ownership, kind and window."""
@@ -149,7 +208,9 @@ class ChangeBuilder:
         # The hot path: one batch's stores and removals all belong to its worker and provenance,
         # so their index is looked up once, and a run of stores in one placement reuses its id;
         # a removal names its stay by key alone.
-        index, new_rows, removals = self.index, changes.new_residency, changes.removals
+        index, removals = self.index, changes.removals
+        stored, places = self._stored, self._stored_places
+        self._first_row[stream_seq] = len(stored)  # before the facts: a later fact may name a stay of this batch
         owner = (worker, provenance)
         held = index.get(owner)
         if held is None:
@@ -170,32 +231,24 @@ class ChangeBuilder:
                     where = (record.tier, record.group_idx, record.ownership, record.spec_kind, record.sliding_window)
                     if where != last_place:
                         last_place, place = where, self.placement(record)
-                    key = (stream_seq, slot)
-                    engine, sequence, parent, local = record.engine_hash, record.sequence_hash, record.parent_hash, record.local_hash
-                    refs = record.refs
-                    new_rows[key] = [
-                        stream_seq,
-                        engine - _U64 if engine >= _I64_LIMIT else engine,
-                        sequence - _U64 if sequence >= _I64_LIMIT else sequence,
-                        None if parent is None else (parent - _U64 if parent >= _I64_LIMIT else parent),
-                        local - _U64 if local >= _I64_LIMIT else local,
-                        ts, stream_seq if record.conflict else None, slot, place, None if refs == 1 else refs,
-                        True if record.unresolved else None,
-                    ]  # fmt: skip
+                    stored.append(record)
+                    places.append(place)
+                    tier_held[record.engine_hash if record.group_idx == 0 and record.ownership is None else record.key] = (
+                        stream_seq, slot, place)
                     slot += 1
-                    tier_held[record.key] = key
                 else:
-                    key = tier_held.pop(record.key)
+                    key = tier_held.pop(
+                        record.engine_hash if record.group_idx == 0 and record.ownership is None else record.key)
                     removed += 1
-                    removals.append((key[0], stream_seq, ts, key[1], fact.cause.value))
+                    removals.append((key[2], key[0], key[1], stream_seq, ts, fact.cause.value))
             elif kind is BlockReferencedFact:
                 record = fact.record
                 key = index[(record.worker, record.provenance)][record.tier][record.key]
-                row = new_rows.get(key)
+                row = self._row(key)
                 if row is not None:
-                    row[_REFS] = None if record.refs == 1 else record.refs
+                    self._refs[row] = record.refs
                 else:
-                    changes.references.append((record.refs, key[0], key[1]))
+                    changes.references.append((record.refs, key[2], key[0], key[1]))
             elif kind is InventoryClearedFact:
                 if fact.tier is None:
                     cleared = index.pop((fact.worker, fact.provenance), None) or {}
@@ -211,8 +264,8 @@ class ChangeBuilder:
                 blocks = 0
                 for key in (key for tier_held in cleared.values() for key in tier_held.values()):
                     blocks += 1
-                    if key in new_rows:
-                        removals.append((key[0], stream_seq, ts, key[1], fact.cause.value))
+                    if self._row(key) is not None:
+                        removals.append((key[2], key[0], key[1], stream_seq, ts, fact.cause.value))
                     else:
                         older = True
                 if older:
@@ -224,11 +277,11 @@ class ChangeBuilder:
             elif kind is RetainedConflictFact:
                 record = fact.record
                 key = index[(record.worker, record.provenance)][record.tier][record.key]
-                row = new_rows.get(key)
+                row = self._row(key)
                 if row is not None:
-                    row[_CONFLICT] = stream_seq
+                    self._conflicts[row] = stream_seq
                 else:
-                    changes.conflicts.append((stream_seq, key[0], key[1]))
+                    changes.conflicts.append((stream_seq, key[2], key[0], key[1]))
             else:
                 assert kind is UncertaintyFact
                 period = (fact.worker.publisher, fact.worker.dp_rank, fact.provenance.value)
@@ -241,6 +294,8 @@ class ChangeBuilder:
                         row[6], row[7], row[8] = stream_seq, ts, fact.reason
                     else:
                         changes.resolved_uncertain.append((stream_seq, ts, fact.reason, *period))
+        if slot:
+            self._stored_batches.append((stream_seq, ts, slot))
         changes.blocks += slot + removed
 
     def add_dead_letter(self, changes: ChangeSet, stream_seq: int, subject: str, reason: str, raw: bytes) -> None:
@@ -259,4 +314,57 @@ class ChangeBuilder:
                 json.dumps({"native": native.groups, "retained": retained.groups}, sort_keys=True),
             ))  # fmt: skip
         changes.checkpoint_counters = json.dumps(dict(fold.counters), sort_keys=True)
+        changes.removals = removal_runs(changes.removals)
+        self._finish_stays(changes.new_stays)
         return changes
+
+    def _finish_stays(self, stays: NewStays) -> None:
+        records = self._stored
+        if not records:
+            return
+        for stored_seq, ts, count in self._stored_batches:
+            stays.stored_seq.extend(repeat(stored_seq, count))
+            stays.slot.extend(range(count))
+            stays.stored_ts.extend(repeat(ts, count))
+        stays.placement_id.extend(self._stored_places)
+        stays.engine_hash.extend([record.engine_hash for record in records])
+        stays.sequence_hash.extend([record.sequence_hash for record in records])
+        stays.local_hash.extend([record.local_hash for record in records])
+        parents = [record.parent_hash for record in records]
+        if None in parents:
+            stays.no_parent.update(row for row, parent in enumerate(parents) if parent is None)
+            parents = [0 if parent is None else parent for parent in parents]
+        stays.parent_hash.extend(parents)
+        for row in [row for row, record in enumerate(records) if record.conflict or record.unresolved or record.refs != 1]:
+            record = records[row]
+            if record.conflict:
+                stays.conflict_since[row] = stays.stored_seq[row]
+            if record.refs != 1:
+                stays.refs[row] = record.refs
+            if record.unresolved:
+                stays.unresolved.add(row)
+        stays.conflict_since.update(self._conflicts)
+        for row, refs in self._refs.items():
+            if refs == 1:
+                stays.refs.pop(row, None)
+            else:
+                stays.refs[row] = refs
+
+
+def removal_runs(ends: list[tuple]) -> list[tuple]:
+    """Stays' ends (placement_id, stored_seq, slot, removed_seq, removed_ts, cause) → block_removals runs.
+
+    Consecutive slots of one stored batch in one placement, ended at one seq for one cause,
+    become one row (REMOVAL_COLUMNS); the ends may come in any order.
+    """
+    runs: list[tuple] = []
+    last = None
+    for place, stored_seq, slot, removed_seq, removed_ts, cause in sorted(ends):
+        if (last is not None and last[0] == place and last[1] == stored_seq and last[2] == slot - 1
+                and last[3] == removed_seq and last[5] == cause):
+            last[2] = slot
+            runs[-1][5] = slot
+            continue
+        last = [place, stored_seq, slot, removed_seq, removed_ts, cause]
+        runs.append([stored_seq, removed_seq, removed_ts, place, slot, slot, cause])
+    return [tuple(run) for run in runs]

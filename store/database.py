@@ -5,14 +5,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 
 from kvledger.runtime.resources import data_dir
+
+# Alembic is imported where migrations are read or run, not here: store's writer process
+# opens a connection with this module and starts a tenth of a second sooner without it.
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 
 class SchemaError(RuntimeError):
@@ -57,6 +59,8 @@ def opened(url: str) -> Iterator[sa.Engine]:
 
 
 def _config(connection: sa.Connection) -> Config:
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(data_dir("migrations")))
     config.attributes["connection"] = connection
@@ -64,22 +68,31 @@ def _config(connection: sa.Connection) -> Config:
 
 
 def head_revision() -> str:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
     config = Config()
     config.set_main_option("script_location", str(data_dir("migrations")))
     return ScriptDirectory.from_config(config).get_current_head()
 
 
 def current_revision(engine: sa.Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
     with engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
 
 
 def upgrade(engine: sa.Engine, revision: str = "head") -> None:
+    from alembic import command
+
     with engine.begin() as connection:
         command.upgrade(_config(connection), revision)
 
 
 def downgrade(engine: sa.Engine, revision: str) -> None:
+    from alembic import command
+
     with engine.begin() as connection:
         command.downgrade(_config(connection), revision)
 
@@ -92,6 +105,8 @@ def require_current(engine: sa.Engine, url: str) -> None:
     shown = sa.make_url(url).render_as_string(hide_password=True)
     if current is None:
         raise SchemaError(f"database {shown} has no kvledger schema; run `kvledger db upgrade --db {shown}`")
+    from alembic.script import ScriptDirectory
+
     script = ScriptDirectory(str(data_dir("migrations")))
     known = {revision.revision for revision in script.walk_revisions()}
     if current not in known:

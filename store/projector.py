@@ -275,8 +275,9 @@ class EventsProjector:
             while not stop.is_set():
                 try:
                     if recorder is None:
+                        # Waited for below: its start (a process importing its modules and
+                        # connecting) overlaps the fold's rebuild and the consumer's binding.
                         recorder = RecorderProcess(self.settings.db.url, self.stream, self.shard.checkpoint_name)
-                        await asyncio.to_thread(recorder.wait_ready)
                     if self.fold is None:
                         self.fold, self.index = await asyncio.to_thread(load_fold, self.engine, self.shard)
                         log.info("fold rebuilt from SQL at stream seq %d", self.fold.inventory_seq)
@@ -289,6 +290,8 @@ class EventsProjector:
                     subscription = await bind_consumer(
                         js, self.stream, self.durable, verdict.start_stream_seq - 1, batch_size=self.settings.store.batch_size
                     )
+                    if not recorder.ready:
+                        await asyncio.to_thread(recorder.wait_ready)
                     self.ready = True
                     backoff.reset()
                     watch = ConsumerWatch(js, self.stream, self.durable)

@@ -1,8 +1,9 @@
 """Writing ChangeSets to SQL in one transaction each, and reading the fold back after a restart.
 
 One contract, two recorders: SQLite through `executemany` on the sqlite3 connection (WAL
-mode), PostgreSQL through psycopg 3 with COPY for the bulk rows. Both only insert stays and
-their ends; an UPDATE touches a stay only for its rare reference count or conflict. Both write the
+mode), PostgreSQL through psycopg 3 with COPY for the bulk rows (the stays as one binary
+COPY made from their columns by numpy). Both only insert stays and runs of their ends; an
+UPDATE touches a stay only for its rare reference count or conflict. Both write the
 checkpoint in the same transaction as the rows, which is what makes projection
 exactly-once: a crash either keeps both or neither.
 """
@@ -14,6 +15,7 @@ import json
 import time
 from collections.abc import Iterable
 
+import numpy as np
 import sqlalchemy as sa
 
 from kvledger.events import Provenance, Tier, WorkerId
@@ -28,6 +30,7 @@ from store.changes import (
     UNCERTAIN_COLUMNS,
     WORKER_COLUMNS,
     ChangeSet,
+    NewStays,
     ResidencyIndex,
 )
 from store.sharding import SINGLE, Shard
@@ -57,15 +60,17 @@ SQL_DEAD_LETTER = _insert("dead_letters", DEAD_LETTER_COLUMNS)
 # Ends every open stay of a worker's provenance on the named tiers begun before this transaction
 # (`tier IN (...)`: a clear of one tier names it four times, a clear of all names each). Runs
 # after the transaction's own removals, so a stay removed earlier in it keeps its own cause.
+# (A run of one slot per stay: clears are rare.)
 SQL_CLEAR = (
-    "INSERT INTO block_removals (stored_seq, removed_seq, removed_ts, slot, removal_cause) "
-    "SELECT s.stored_seq, ?, ?, s.slot, ? FROM block_stays s "
+    "INSERT INTO block_removals (stored_seq, removed_seq, removed_ts, placement_id, first_slot, last_slot, removal_cause) "
+    "SELECT s.stored_seq, ?, ?, s.placement_id, s.slot, s.slot, ? FROM block_stays s "
     "JOIN placements p ON p.placement_id = s.placement_id "
     "WHERE p.publisher = ? AND p.dp_rank = ? AND p.provenance = ? AND p.tier IN (?, ?, ?, ?) AND s.stored_seq < ? "
-    "AND NOT EXISTS (SELECT 1 FROM block_removals r WHERE r.stored_seq = s.stored_seq AND r.slot = s.slot)"
+    "AND NOT EXISTS (SELECT 1 FROM block_removals r WHERE r.placement_id = s.placement_id "
+    "AND r.stored_seq = s.stored_seq AND r.first_slot <= s.slot AND r.last_slot >= s.slot)"
 )
-SQL_REFERENCES = "UPDATE block_stays SET refs = ? WHERE stored_seq = ? AND slot = ?"
-SQL_CONFLICT = "UPDATE block_stays SET conflict_since = ? WHERE stored_seq = ? AND slot = ?"
+SQL_REFERENCES = "UPDATE block_stays SET refs = ? WHERE placement_id = ? AND stored_seq = ? AND slot = ?"
+SQL_CONFLICT = "UPDATE block_stays SET conflict_since = ? WHERE placement_id = ? AND stored_seq = ? AND slot = ?"
 SQL_RESOLVE = (
     "UPDATE uncertain_periods SET until_seq = ?, until_ts = ?, resolved_by = ? "
     "WHERE publisher = ? AND dp_rank = ? AND provenance = ? AND until_seq IS NULL"
@@ -142,8 +147,8 @@ class SqliteRecorder(Recorder):
         self._updates(cursor, changes, lambda statement: statement)
         if changes.event_rows:
             cursor.executemany(SQL_EVENT, changes.event_rows)
-        if changes.new_residency:
-            cursor.executemany(SQL_STAY, changes.new_residency.values())
+        if changes.new_stays:
+            cursor.executemany(SQL_STAY, changes.new_stays.rows())
         _write_common(cursor, changes, checkpoint, lambda statement: statement)
         cursor.execute("COMMIT")
 
@@ -175,8 +180,9 @@ class PostgresRecorder(Recorder):
             self._updates(cursor, changes, _pg)
             if changes.event_rows:
                 _copy(cursor, "event_log", EVENT_LOG_COLUMNS, changes.event_rows)
-            if changes.new_residency:
-                _copy(cursor, "block_stays", STAY_COLUMNS, changes.new_residency.values())
+            if changes.new_stays:
+                with cursor.copy(f"COPY block_stays ({', '.join(STAY_COLUMNS)}) FROM STDIN (FORMAT binary)") as copy:
+                    copy.write(stays_copy_binary(changes.new_stays))
             _write_common(cursor, changes, checkpoint, _pg)
         connection.commit()
 
@@ -185,6 +191,71 @@ def _copy(cursor, table: str, columns: tuple[str, ...], rows: Iterable) -> None:
     with cursor.copy(f"COPY {table} ({', '.join(columns)}) FROM STDIN") as copy:
         for row in rows:
             copy.write_row(row)
+
+
+_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)  # signature, flags, header extension length
+_COPY_TRAILER = b"\xff\xff"
+# STAY_COLUMNS' types in PostgreSQL's binary COPY (big-endian): a field is its length, then its bytes
+_STAY_TYPES = (">i8", ">i8", ">i8", ">i8", ">i8", ">f8", ">i8", ">i4", ">i4", ">i4", "u1")
+_NULLABLE = {"parent_hash": 3, "conflict_since": 6, "refs": 9, "unresolved": 10}
+
+
+def stays_copy_binary(stays: NewStays) -> bytes:
+    """The stays as PostgreSQL's binary COPY format, built a column at a time.
+
+    A binary COPY row is fixed-size once it is known which of its fields are NULL (a NULL
+    field is its length, -1, alone), so the rows are grouped by which rare values they
+    carry and each group is one numpy record array; the order of rows does not matter to
+    the table.
+    """
+    count = len(stays)
+    values: list[np.ndarray] = [
+        np.frombuffer(stays.stored_seq, dtype=np.int64),
+        np.frombuffer(stays.engine_hash, dtype=np.int64),  # the unsigned bits, read as signed
+        np.frombuffer(stays.sequence_hash, dtype=np.int64),
+        np.frombuffer(stays.parent_hash, dtype=np.int64),
+        np.frombuffer(stays.local_hash, dtype=np.int64),
+        np.frombuffer(stays.stored_ts, dtype=np.float64),
+        np.zeros(count, dtype=np.int64),
+        np.frombuffer(stays.slot, dtype=np.int32),
+        np.frombuffer(stays.placement_id, dtype=np.int32),
+        np.zeros(count, dtype=np.int32),
+        np.zeros(count, dtype=np.uint8),
+    ]
+    # which nullable fields each row carries, one bit each (parent_hash: most rows have one)
+    bits = {column: 1 << n for n, column in enumerate(_NULLABLE.values())}
+    carried = np.full(count, bits[_NULLABLE["parent_hash"]], dtype=np.int8)
+    if stays.no_parent:
+        carried[list(stays.no_parent)] = 0
+    for name, rare in (("conflict_since", stays.conflict_since), ("refs", stays.refs)):
+        if rare:
+            rows = np.fromiter(rare.keys(), dtype=np.int64, count=len(rare))
+            values[_NULLABLE[name]][rows] = np.fromiter(rare.values(), dtype=np.int64, count=len(rare))
+            carried[rows] |= bits[_NULLABLE[name]]
+    if stays.unresolved:
+        rows = list(stays.unresolved)
+        values[_NULLABLE["unresolved"]][rows] = 1
+        carried[rows] |= bits[_NULLABLE["unresolved"]]
+    parts = [_COPY_HEADER]
+    for pattern in np.unique(carried):
+        rows = None if pattern == carried[0] and (carried == pattern).all() else np.flatnonzero(carried == pattern)
+        here = [column not in bits or bool(pattern & bits[column]) for column in range(len(_STAY_TYPES))]
+        fields = [("fields", ">i2")]
+        for column, kind in enumerate(_STAY_TYPES):
+            fields.append((f"length{column}", ">i4"))
+            if here[column]:
+                fields.append((f"value{column}", kind))
+        records = np.empty(count if rows is None else len(rows), dtype=np.dtype(fields))
+        records["fields"] = len(_STAY_TYPES)
+        for column, kind in enumerate(_STAY_TYPES):
+            if here[column]:
+                records[f"length{column}"] = np.dtype(kind).itemsize
+                records[f"value{column}"] = values[column] if rows is None else values[column][rows]
+            else:
+                records[f"length{column}"] = -1
+        parts.append(records.tobytes())
+    parts.append(_COPY_TRAILER)
+    return b"".join(parts)
 
 
 class PlacementIds:
@@ -275,16 +346,18 @@ def load_fold(engine: sa.Engine, shard: Shard = SINGLE) -> tuple[InventoryFold, 
             }
             kept[WorkerId(w.publisher, w.dp_rank)] = (positions, [], json.loads(w.counters))
         s, p, ends = t.block_stays.c, t.placements.c, t.block_removals.c
-        # The open stays, from the tables rather than the view: NOT EXISTS in both keys' order lets
-        # PostgreSQL merge the two primary keys and SQLite probe one per stay, neither sorting.
+        # The open stays, from the tables rather than the view: a stay no run of ends covers.
         rows = connection.execution_options(yield_per=50_000).execute(
             sa.select(
                 s.stored_seq, s.slot, p.publisher, p.dp_rank, p.tier, p.provenance, s.engine_hash,
                 s.sequence_hash, s.parent_hash, s.local_hash, s.conflict_since, p.group_idx, p.ownership,
-                p.kv_cache_spec_kind, p.sliding_window, sa.func.coalesce(s.refs, 1), s.unresolved,
+                p.kv_cache_spec_kind, p.sliding_window, sa.func.coalesce(s.refs, 1), s.unresolved, s.placement_id,
             )
             .join_from(t.block_stays, t.placements, p.placement_id == s.placement_id)
-            .where(~sa.exists().where(ends.stored_seq == s.stored_seq, ends.slot == s.slot))
+            .where(~sa.exists().where(
+                ends.placement_id == s.placement_id, ends.stored_seq == s.stored_seq,
+                ends.first_slot <= s.slot, ends.last_slot >= s.slot,
+            ))
             .order_by(s.stored_seq, s.slot)
         )
         tiers = {tier.value: tier for tier in Tier}
@@ -292,7 +365,7 @@ def load_fold(engine: sa.Engine, shard: Shard = SINGLE) -> tuple[InventoryFold, 
         workers: dict[tuple[str, int], WorkerId | None] = {}
         for (
             stored_seq, slot, publisher, dp_rank, tier_name, provenance_name, engine, sequence, parent, local, conflict,
-            group, ownership, spec_kind, window, refs, unresolved,
+            group, ownership, spec_kind, window, refs, unresolved, place,
         ) in rows:
             key = (publisher, dp_rank)
             if key in workers:
@@ -309,7 +382,7 @@ def load_fold(engine: sa.Engine, shard: Shard = SINGLE) -> tuple[InventoryFold, 
                 group, ownership, spec_kind, window, refs, bool(unresolved),
             )  # fmt: skip
             kept[worker][1].append(record)
-            index.setdefault((worker, provenance), {}).setdefault(tier, {})[record.key] = (stored_seq, slot)
+            index.setdefault((worker, provenance), {}).setdefault(tier, {})[record.key] = (stored_seq, slot, place)
     for worker, (positions, records, counters) in kept.items():
         fold.restore_worker(worker, positions, records, counters)
     return fold, index

@@ -93,18 +93,20 @@ placements = sa.Table(
     sa.Column("ownership", _OWNERSHIP),
     sa.Column("kv_cache_spec_kind", _NAME),
     sa.Column("sliding_window", sa.Integer),
-    sa.Index("ix_placements_worker", "publisher", "dp_rank", "tier"),
+    # a worker's placements in id order: the as-of statement's ORDER BY, read without a sort
+    sa.Index("ix_placements_worker", "publisher", "dp_rank", "tier", "placement_id"),
 )
 
 # One row per stay of a block in a placement, written once when the block is stored. The key
-# (stored_seq, slot) is the fact's position in the log, so every replay produces the same rows,
-# and every insert appends at the end of the key (migration 0009); `ix_stays_placement` finds
-# one worker's stays. Columns widest first: PostgreSQL pads none.
-# `refs` NULL means 1 and `unresolved` NULL means false: the common values take no bytes.
+# (placement_id, stored_seq, slot) holds one worker's stays as one range in log order (the
+# as-of statement reads it without a sort, migration 0010); (stored_seq, slot) is the fact's
+# position in the log, so every replay produces the same rows. Columns widest first:
+# PostgreSQL pads none. `refs` NULL means 1 and `unresolved` NULL means false: the common
+# values take no bytes.
 block_stays = sa.Table(
     "block_stays",
     metadata,
-    sa.Column("stored_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("stored_seq", _SEQ, nullable=False),
     sa.Column("engine_hash", _HASH, nullable=False),
     sa.Column("sequence_hash", _HASH, nullable=False),
     sa.Column("parent_hash", _HASH),
@@ -112,33 +114,38 @@ block_stays = sa.Table(
     sa.Column("stored_ts", _TS, nullable=False),
     # stream seq from which a retained record disagreed with native topology (audit-only)
     sa.Column("conflict_since", _SEQ),
-    sa.Column("slot", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("slot", sa.Integer, nullable=False),
     sa.Column("placement_id", sa.Integer, nullable=False),
     sa.Column("refs", sa.Integer),  # announcements not yet removed, when more than one
     # a store without tokens whose block was unknown: hashes 0, kept for audit, never indexed
     sa.Column("unresolved", sa.Boolean),
-    sa.Index("ix_stays_placement", "placement_id", "stored_seq"),
+    sa.PrimaryKeyConstraint("placement_id", "stored_seq", "slot"),
     sa.Index("ix_stays_engine_hash", "engine_hash"),
     sa.Index("ix_stays_sequence_hash", "sequence_hash"),  # the quality audit finds a decision's blocks
     sqlite_with_rowid=False,
 )
 
-# One row per stay that ended, under the stay's key, inserted (never an UPDATE of the stay: in
-# PostgreSQL that wrote a whole new row version into every index). removal_cause: removed |
-# cleared | restart | resolved (an unresolved stay replaced, at that seq, by its resolved copy).
+# One row per run of stays that ended together: consecutive slots first_slot..last_slot of
+# one stored batch in one placement, ended at one seq for one cause (an engine evicts the
+# oldest blocks of a batch one after another, so a run is typically a whole batch). Inserted,
+# never an UPDATE of the stays. removal_cause: removed | cleared | restart | resolved (an
+# unresolved stay replaced, at that seq, by its resolved copy).
 block_removals = sa.Table(
     "block_removals",
     metadata,
-    sa.Column("stored_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("stored_seq", _SEQ, nullable=False),
     sa.Column("removed_seq", _SEQ, nullable=False),
     sa.Column("removed_ts", _TS, nullable=False),
-    sa.Column("slot", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("placement_id", sa.Integer, nullable=False),
+    sa.Column("first_slot", sa.Integer, nullable=False),
+    sa.Column("last_slot", sa.Integer, nullable=False),
     sa.Column("removal_cause", _NAME, nullable=False),
+    sa.PrimaryKeyConstraint("placement_id", "stored_seq", "first_slot"),
     sa.Index("ix_removals_removed_seq", "removed_seq"),  # history pruning walks closed stays by seq
     sqlite_with_rowid=False,
 )
 
-# The view `block_residency` (migrations 0008, 0009) joins the three: one row per stay of a block on
+# The view `block_residency` (migrations 0008-0010) joins the three: one row per stay of a block on
 # a worker's tier, as the audit reads it. Inventory as of seq S is
 # `stored_seq <= S AND (removed_seq IS NULL OR removed_seq > S)`. Described here, outside
 # `metadata`, so code can select from it; the migrations create it.

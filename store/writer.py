@@ -124,6 +124,7 @@ class RecorderProcess:
         # command line, where any user could read it in `ps`.
         self._process.stdin.write(url.encode() + b"\n")
         self._process.stdin.flush()
+        self.ready = False  # until the child says it holds its connection (wait_ready)
 
     def _reply(self) -> None:
         try:
@@ -136,6 +137,7 @@ class RecorderProcess:
     def wait_ready(self) -> None:
         """Block until the child holds its database connection (WriterError if it cannot)."""
         self._reply()
+        self.ready = True
 
     def write(self, encoded: bytes) -> None:
         """Commit one ChangeSet, given as `encode_changes` made it; returns once the child committed."""

@@ -30,9 +30,9 @@ def empty_db(request: pytest.FixtureRequest) -> str:
 
 def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, capsys) -> None:
     assert main(["db", "upgrade", "--db", empty_db]) == 0
-    assert "empty -> 0009" in capsys.readouterr().out
+    assert "empty -> 0010" in capsys.readouterr().out
     with database.opened(empty_db) as engine:
-        assert database.current_revision(engine) == database.head_revision() == "0009"
+        assert database.current_revision(engine) == database.head_revision() == "0010"
         with engine.connect() as connection:
             # The migrations build exactly the tables the code writes to.
             assert compare_metadata(MigrationContext.configure(connection), metadata) == []
@@ -46,14 +46,20 @@ def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, cap
             connection.commit()
     assert main(["db", "downgrade", "--db", empty_db]) == 0
     with database.opened(empty_db) as engine:
-        assert database.current_revision(engine) == "0008"
+        assert database.current_revision(engine) == "0009"
         with engine.connect() as connection:
-            # 0008's layout again: the placement leads both keys, removals carry it
+            # 0009's layout again: a removal row per stay, keyed by the stay
+            columns = [c["name"] for c in sa.inspect(connection).get_columns("block_removals")]
+            assert columns == ["stored_seq", "removed_seq", "removed_ts", "slot", "removal_cause"]
+            assert _residency(connection) == EXPECTED_STAYS
+        database.downgrade(engine, "0008")
+        with engine.connect() as connection:
+            # 0008's layout: the placement leads both keys, removals carry it
             columns = [c["name"] for c in sa.inspect(connection).get_columns("block_removals")]
             assert columns[:3] == ["placement_id", "stored_seq", "slot"]
             assert _residency(connection) == EXPECTED_STAYS
         database.upgrade(engine)
-        assert database.current_revision(engine) == "0009"
+        assert database.current_revision(engine) == "0010"
         with engine.connect() as connection:
             assert _residency(connection) == EXPECTED_STAYS  # and forward again
         database.downgrade(engine, "0007")
@@ -71,7 +77,9 @@ def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, cap
 
 EXPECTED_STAYS = [
     (1, 0, "p", 0, "device", "native", -2, None, None, None, 1),
-    (2, 0, "p", 0, "device", "native", 9, 2, 1.5, "removed", 3),
+    (2, 0, "p", 0, "device", "native", 9, 3, 1.5, "removed", 3),
+    (2, 1, "p", 0, "device", "native", 10, 3, 1.5, "removed", 1),
+    (2, 2, "p", 0, "device", "native", 13, 3, 1.5, "removed", 1),
 ]
 
 
@@ -81,10 +89,11 @@ def _insert_stays(connection: sa.Connection) -> None:
         "VALUES ('p', 0, 'native', 'device', 0) RETURNING placement_id")).scalar_one()
     connection.execute(sa.text(
         "INSERT INTO block_stays (placement_id, stored_seq, slot, engine_hash, sequence_hash, parent_hash, local_hash, "
-        "stored_ts, refs) VALUES (:p, 1, 0, -2, 5, NULL, 7, 1.0, NULL), (:p, 2, 0, 9, 6, -2, 8, 1.25, 3)"), {"p": place})
-    connection.execute(sa.text(
-        "INSERT INTO block_removals (stored_seq, slot, removed_seq, removed_ts, removal_cause) "
-        "VALUES (2, 0, 2, 1.5, 'removed')"))
+        "stored_ts, refs) VALUES (:p, 1, 0, -2, 5, NULL, 7, 1.0, NULL), (:p, 2, 0, 9, 6, -2, 8, 1.25, 3), "
+        "(:p, 2, 1, 10, 11, 9, 12, 1.25, NULL), (:p, 2, 2, 13, 14, 10, 15, 1.25, NULL)"), {"p": place})
+    connection.execute(sa.text(  # one run: slots 0..2 of seq 2, ended at seq 3
+        "INSERT INTO block_removals (placement_id, stored_seq, first_slot, last_slot, removed_seq, removed_ts, "
+        "removal_cause) VALUES (:p, 2, 0, 2, 3, 1.5, 'removed')"), {"p": place})
 
 
 def _residency(connection: sa.Connection) -> list[tuple]:
@@ -96,7 +105,7 @@ def _residency(connection: sa.Connection) -> list[tuple]:
 async def test_the_store_refuses_an_older_schema_and_says_which_command_to_run(nats_server, empty_db) -> None:
     with database.opened(empty_db) as engine:
         database.upgrade(engine, "0001")
-    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0009; run `kvledger db upgrade --db "):
+    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0010; run `kvledger db upgrade --db "):
         await StoreService(store_settings(nats_server.url, empty_db)).run(asyncio.Event())
 
 
