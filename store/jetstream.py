@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import nats
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
+from nats.js.errors import APIError, NotFoundError
 
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.nats_options import NatsAuthError, auth_failure, connect_options, describe_server, is_auth_error
@@ -86,6 +88,84 @@ async def bind_consumer(
     )
     await js.add_consumer(stream, config)
     return await js.pull_subscribe_bind(durable=durable, stream=stream)
+
+
+# Statuses that end a pull request: nothing (more) to deliver, the request expired, or the
+# server ended it (too many waiting requests, a leadership change, the consumer deleted).
+_REQUEST_ENDED = frozenset({StatusCode.NO_MESSAGES, StatusCode.REQUEST_TIMEOUT, StatusCode.CONFLICT})
+
+
+async def fetch(subscription: JetStreamContext.PullSubscription, batch: int, timeout: float) -> list[Msg]:
+    """Up to `batch` messages of a pull consumer, as `subscription.fetch(batch, timeout)` returns them.
+
+    nats-py's fetch waits for each message with a task and a timer of its own, which cost
+    store more than folding the message (0.48 s of a core for 14 375 messages, against 0.13
+    s this way). Here the messages are taken from the subscription's queue under one
+    deadline for the whole batch. The requests and the statuses are handled as nats-py does:
+    what is queued first; then a no-wait request for the rest (a lingering one when nothing
+    was queued), where a status other than the request's end or a heartbeat raises APIError;
+    then, when that brought nothing, one lingering request, waited for until the deadline
+    whatever status comes. TimeoutError when nothing came.
+    """
+    sub = subscription._sub
+    queue = sub._pending_queue
+    deadline = asyncio.get_running_loop().time() + timeout
+    messages: list[Msg] = []
+    while not queue.empty() and len(messages) < batch:
+        message = queue.get_nowait()
+        sub._pending_size -= len(message.data)
+        if not _status(message):  # a status here ended an earlier request
+            messages.append(message)
+    if len(messages) == batch:
+        return messages
+    request = {"batch": batch - len(messages), "no_wait": True}
+    if not messages:  # the server then holds it open until it expires
+        request["expires"] = int(timeout * 1e9) - 100_000
+    await _pull(subscription, request)
+    await _collect(sub, messages, batch, deadline, lingering=False)
+    if messages:
+        return messages
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining * 1e9 > 100_000:
+        await _pull(subscription, {"batch": batch, "expires": int(remaining * 1e9) - 100_000})
+        await _collect(sub, messages, batch, deadline, lingering=True)
+    if not messages:
+        raise TimeoutError(f"no message within {timeout} s")
+    return messages
+
+
+def _status(message: Msg) -> str | None:
+    headers = message.headers
+    return None if headers is None else headers.get(Header.STATUS)
+
+
+async def _pull(subscription: JetStreamContext.PullSubscription, request: dict) -> None:
+    await subscription._nc.publish(subscription._nms, json.dumps(request).encode(), subscription._deliver)
+
+
+async def _collect(sub, messages: list[Msg], batch: int, deadline: float, *, lingering: bool) -> None:
+    """Add delivered messages to `messages` until the batch is full, the request ends, or the deadline.
+
+    A lingering request is waited for until the deadline whatever status comes (a consumer
+    deleted and made again meanwhile answers the next request, not this one).
+    """
+    queue = sub._pending_queue
+    try:
+        async with asyncio.timeout_at(deadline):
+            while len(messages) < batch:
+                message = queue.get_nowait() if not queue.empty() else await queue.get()
+                sub._pending_size -= len(message.data)
+                status = _status(message)
+                if not status:
+                    messages.append(message)
+                elif lingering or status == StatusCode.CONTROL_MESSAGE:  # a heartbeat: the request is alive
+                    continue
+                elif status in _REQUEST_ENDED:
+                    return
+                else:
+                    raise APIError.from_msg(message)
+    except TimeoutError:
+        return
 
 
 class StalledConsumerError(nats.errors.Error):

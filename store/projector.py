@@ -15,6 +15,7 @@ by its request id and record time, never because its seq number was seen before.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import sqlite3
@@ -47,7 +48,7 @@ from store.database import create_engine, require_current
 from store.gc_policy import young_collections_deferred
 from kvledger.runtime.system import install_stop_signals
 from store.cursor import SqlIdentity, StreamCursor, Verdict, ledger_high, msg_id_of
-from store.jetstream import ConsumerWatch, SkippedMessagesError, StreamRegressedError, bind_consumer, connect
+from store.jetstream import ConsumerWatch, SkippedMessagesError, StreamRegressedError, bind_consumer, connect, fetch
 from store.recorder import SQL_CHECKPOINT, PlacementIds, last_ingest_ts, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError, encode_changes
 from store.pruning import HistoryPruner
@@ -61,6 +62,10 @@ EVENTS_DURABLE = "kvledger-store-events"
 DECISIONS_DURABLE = "kvledger-store-decisions"
 DEAD_LETTERS_DURABLE = "kvledger-store-dead-letters"
 FETCH_TIMEOUT_S = 1.0
+# Transactions the fold may run ahead of SQL: while the writer process starts (it imports
+# its drivers and connects, a few tenths of a second) or a commit stalls, batches go on
+# being folded, their transactions queued, each waiting for the one before it.
+WRITES_AHEAD = 8
 
 # Errors after which the database state is unknown: roll back, rebuild, retry. (Not
 # OSError: TimeoutError is one, and a slow fetch is no reason to distrust the fold.)
@@ -275,8 +280,9 @@ class EventsProjector:
             while not stop.is_set():
                 try:
                     if recorder is None:
-                        # Waited for below: its start (a process importing its modules and
-                        # connecting) overlaps the fold's rebuild and the consumer's binding.
+                        # Waited for by the first commit: its start (a process importing its
+                        # modules and connecting, a few tenths of a second) overlaps the fold's
+                        # rebuild, the consumer's binding and the first transactions' folding.
                         recorder = RecorderProcess(self.settings.db.url, self.stream, self.shard.checkpoint_name)
                     if self.fold is None:
                         self.fold, self.index = await asyncio.to_thread(load_fold, self.engine, self.shard)
@@ -290,8 +296,6 @@ class EventsProjector:
                     subscription = await bind_consumer(
                         js, self.stream, self.durable, verdict.start_stream_seq - 1, batch_size=self.settings.store.batch_size
                     )
-                    if not recorder.ready:
-                        await asyncio.to_thread(recorder.wait_ready)
                     self.ready = True
                     backoff.reset()
                     watch = ConsumerWatch(js, self.stream, self.durable)
@@ -314,28 +318,30 @@ class EventsProjector:
         self.ready = False
 
     async def _consume(self, subscription, watch: ConsumerWatch, last_stream_seq: int, recorder, stop: asyncio.Event) -> None:
-        # Two-stage pipeline: while transaction n is written (by the writer process), batch n+1 is
-        # fetched and folded. The fold then runs ahead of SQL, so any write failure throws
-        # the fold away; it is rebuilt from SQL, which holds exactly what was committed.
+        # Pipeline: while transaction n is written (by the writer process), batches after it are
+        # fetched and folded, up to WRITES_AHEAD transactions ahead. The fold then runs ahead of
+        # SQL, so any write failure throws the fold away; it is rebuilt from SQL, which holds
+        # exactly what was committed (only committed batches are acknowledged).
         fold, builder = self.fold, ChangeBuilder(self.index, PlacementIds(self.engine))
         owns = None if self.shard.single else self.shard.owns
         quality = self.quality
         batch_size = self.settings.store.batch_size
-        writing: asyncio.Task | None = None
+        writing: asyncio.Task | None = None  # the newest transaction's; it waits for those before it
+        ahead: collections.deque[asyncio.Task] = collections.deque()  # transactions not known committed
         # The next fetch is requested before this batch is folded, so the server's reply
         # arrives in the socket buffer meanwhile instead of after a round trip. Every
         # fetched batch is processed in order: with AckPolicy.ALL a skipped one would be
         # acknowledged by the next ack.
-        fetching = asyncio.ensure_future(subscription.fetch(batch_size, timeout=FETCH_TIMEOUT_S))
+        fetching = asyncio.ensure_future(fetch(subscription, batch_size, FETCH_TIMEOUT_S))
         try:
             while not stop.is_set():
                 try:
                     messages = await fetching
                 except TimeoutError:  # nats-py raises its own and asyncio's; both are this
                     messages = None
-                fetching = asyncio.ensure_future(subscription.fetch(batch_size, timeout=FETCH_TIMEOUT_S))
+                fetching = asyncio.ensure_future(fetch(subscription, batch_size, FETCH_TIMEOUT_S))
                 if messages is None:
-                    writing = await self._drain(writing)
+                    writing = await self._drain(writing, ahead)
                     await self._maybe_snapshot()
                     await watch.idle(last_stream_seq)
                     continue
@@ -406,15 +412,17 @@ class EventsProjector:
                     # Encoded here, while the writer is still busy with the previous transaction:
                     # in the writer's thread it would queue for the GIL behind the next fold.
                     encoded = encode_changes(changes)
-                writing = await self._drain(writing)
-                writing = asyncio.create_task(self._commit(recorder, changes, encoded, fresh, messages[-1]))
+                if len(ahead) >= WRITES_AHEAD:
+                    await self._drain(ahead.popleft())
+                writing = asyncio.create_task(self._commit(recorder, changes, encoded, fresh, messages[-1], writing))
+                ahead.append(writing)
                 # Let the commit reach the writer now: awaiting an already-arrived fetch does not
                 # yield, so without this the next batch would be folded before the write began.
                 await asyncio.sleep(0)
                 if not recorder.overlaps_folding:
-                    writing = await self._drain(writing)
+                    writing = await self._drain(writing, ahead)
                 if self.snapshots is not None and self.snapshots.due(fold.inventory_seq):
-                    writing = await self._drain(writing)
+                    writing = await self._drain(writing, ahead)
                     await self._maybe_snapshot()
         finally:
             fetching.cancel()
@@ -438,8 +446,10 @@ class EventsProjector:
                 e.epoch == batch.epoch, e.engine_seq == batch.seq, e.event_idx == 0,
             ).limit(1)).first() is not None
 
-    async def _drain(self, writing: asyncio.Task | None) -> None:
-        """Wait for the transaction in flight; on its failure the fold is no longer trusted."""
+    async def _drain(self, writing: asyncio.Task | None, ahead: collections.deque | None = None) -> None:
+        """Wait for a transaction in flight (the newest: for every one); on a failure the fold is no longer trusted."""
+        if ahead is not None:
+            ahead.clear()
         if writing is not None:
             try:
                 await writing
@@ -448,7 +458,12 @@ class EventsProjector:
                 raise
         return None
 
-    async def _commit(self, recorder, changes: ChangeSet, encoded: bytes | None, fresh: int, last_message) -> None:
+    async def _commit(self, recorder, changes: ChangeSet, encoded: bytes | None, fresh: int, last_message,
+                      after: asyncio.Task | None) -> None:
+        if after is not None:
+            await after  # transactions commit, and are acknowledged, in stream order; one failed fails the rest
+        if not recorder.ready:
+            await asyncio.to_thread(recorder.wait_ready)
         if encoded is not None:
             started = time.perf_counter()
             await asyncio.to_thread(recorder.write, encoded)
@@ -642,7 +657,7 @@ class RowProjector:
         ledger = self.cursor.ledger
         while not stop.is_set():
             try:
-                messages = await subscription.fetch(self.batch_size, timeout=FETCH_TIMEOUT_S)
+                messages = await fetch(subscription, self.batch_size, FETCH_TIMEOUT_S)
             except TimeoutError:  # nats-py raises its own and asyncio's; both are this
                 await watch.idle(last_stream_seq)
                 continue
