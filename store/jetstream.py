@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 
@@ -107,7 +108,11 @@ async def fetch(subscription: JetStreamContext.PullSubscription, batch: int, tim
     then, when that brought nothing, one lingering request, waited for until the deadline
     whatever status comes. TimeoutError when nothing came.
     """
-    sub = subscription._sub
+    sub = getattr(subscription, "_sub", None)
+    if not _FAST_FETCH_ATTRIBUTES <= set(vars(subscription)) or not hasattr(sub, "_pending_queue"):
+        # A nats-py whose pull subscription is laid out otherwise: its own fetch, slower.
+        _warn_slow_fetch()
+        return await subscription.fetch(batch, timeout=timeout)
     queue = sub._pending_queue
     deadline = asyncio.get_running_loop().time() + timeout
     messages: list[Msg] = []
@@ -132,6 +137,14 @@ async def fetch(subscription: JetStreamContext.PullSubscription, batch: int, tim
     if not messages:
         raise TimeoutError(f"no message within {timeout} s")
     return messages
+
+
+_FAST_FETCH_ATTRIBUTES = frozenset({"_sub", "_nc", "_nms", "_deliver"})  # nats-py's, read by `fetch`
+
+
+@functools.cache
+def _warn_slow_fetch() -> None:
+    log.warning("nats-py's pull subscription has changed: store fetches through nats-py's own fetch (slower)")
 
 
 def _status(message: Msg) -> str | None:

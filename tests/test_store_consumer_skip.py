@@ -1,4 +1,4 @@
-"""A consumer that delivers past messages the stream still holds is rewound to the checkpoint.
+"""Store's consumer: one that delivers past messages the stream still holds is rewound to the checkpoint.
 
 After a leader change in a NATS cluster, a durable consumer can resume past messages that
 were delivered but never acknowledged; with AckPolicy.ALL the next ack would acknowledge
@@ -9,6 +9,8 @@ is what the store sees then.
 
 from __future__ import annotations
 
+import time
+
 import nats
 import pytest
 import sqlalchemy as sa
@@ -17,7 +19,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from builders import BLOCK_SIZE, local_hashes
 from kvledger.events import EventBatch, Provenance, Stored, Tier, WorkerId
 from store import database, tables
-from store.jetstream import first_gap
+from store.jetstream import _FAST_FETCH_ATTRIBUTES, fetch, first_gap
 from store.projector import EVENTS_DURABLE
 from store_harness import RunningStore, checkpoint, publish, store_settings
 
@@ -93,3 +95,29 @@ async def test_a_message_the_stream_no_longer_holds_is_a_real_gap(nats_server, s
         rewinds = running.service.metrics.rewinds.labels(settings.stream.events_stream).value
     assert rewinds == 0
     assert ledger(sqlite_url) == (19, 1)  # the fold reports the hole: that batch is lost
+
+
+async def test_fetch_takes_what_the_consumer_delivers_in_order_and_times_out_when_it_has_nothing(nats_server) -> None:
+    connection = await nats.connect(nats_server.url)
+    try:
+        js = connection.jetstream()
+        await js.add_stream(name="FETCHED", subjects=["fetched.>"])
+        for n in range(5):
+            await js.publish(f"fetched.{n}", str(n).encode())
+        subscription = await js.pull_subscribe("fetched.>", durable="fetcher", stream="FETCHED",
+                                               config=ConsumerConfig(ack_policy=AckPolicy.ALL))
+        # the queue-draining path, not nats-py's own fetch (kept for a nats-py laid out otherwise)
+        assert _FAST_FETCH_ATTRIBUTES <= set(vars(subscription))
+        first = await fetch(subscription, 3, 5.0)
+        started = time.monotonic()
+        rest = await fetch(subscription, 10, 5.0)  # fewer than asked: what there is, at once
+        assert time.monotonic() - started < 2.5
+        assert [m.data for m in first + rest] == [b"0", b"1", b"2", b"3", b"4"]
+        assert [m.metadata.sequence.stream for m in first + rest] == [1, 2, 3, 4, 5]
+        await rest[-1].ack()
+        with pytest.raises(TimeoutError):
+            await fetch(subscription, 10, 0.3)
+        await js.publish("fetched.5", b"5")
+        assert [m.data for m in await fetch(subscription, 10, 1.0)] == [b"5"]
+    finally:
+        await connection.close()
