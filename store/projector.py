@@ -342,6 +342,8 @@ class EventsProjector:
                 fetching = asyncio.ensure_future(fetch(subscription, batch_size, FETCH_TIMEOUT_S))
                 if messages is None:
                     writing = await self._drain(writing, ahead)
+                    if not recorder.ready:  # nothing to commit yet: a writer that cannot start is said now
+                        await asyncio.to_thread(recorder.wait_ready)
                     await self._maybe_snapshot()
                     await watch.idle(last_stream_seq)
                     continue
