@@ -233,12 +233,10 @@ class ChangeBuilder:
                         last_place, place = where, self.placement(record)
                     stored.append(record)
                     places.append(place)
-                    tier_held[record.engine_hash if record.group_idx == 0 and record.ownership is None else record.key] = (
-                        stream_seq, slot, place)
+                    tier_held[record.key] = (stream_seq, slot, place)
                     slot += 1
                 else:
-                    key = tier_held.pop(
-                        record.engine_hash if record.group_idx == 0 and record.ownership is None else record.key)
+                    key = tier_held.pop(record.key)
                     removed += 1
                     removals.append((key[2], key[0], key[1], stream_seq, ts, fact.cause.value))
             elif kind is BlockReferencedFact:
@@ -357,14 +355,12 @@ def removal_runs(ends: list[tuple]) -> list[tuple]:
     Consecutive slots of one stored batch in one placement, ended at one seq for one cause,
     become one row (REMOVAL_COLUMNS); the ends may come in any order.
     """
-    runs: list[tuple] = []
-    last = None
+    runs: list[list] = []  # each a row of REMOVAL_COLUMNS, its last_slot growing
     for place, stored_seq, slot, removed_seq, removed_ts, cause in sorted(ends):
-        if (last is not None and last[0] == place and last[1] == stored_seq and last[2] == slot - 1
-                and last[3] == removed_seq and last[5] == cause):
-            last[2] = slot
-            runs[-1][5] = slot
-            continue
-        last = [place, stored_seq, slot, removed_seq, removed_ts, cause]
-        runs.append([stored_seq, removed_seq, removed_ts, place, slot, slot, cause])
+        run = runs[-1] if runs else None
+        if (run is not None and run[3] == place and run[0] == stored_seq and run[5] == slot - 1
+                and run[1] == removed_seq and run[6] == cause):
+            run[5] = slot
+        else:
+            runs.append([stored_seq, removed_seq, removed_ts, place, slot, slot, cause])
     return [tuple(run) for run in runs]

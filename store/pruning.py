@@ -99,13 +99,11 @@ def prune_once(engine: sa.Engine, settings: StoreSettings, *, events_stream: str
             removed["event_log"] += connection.execute(tables.event_log.delete().where(
                 log_c.stream_seq > done, log_c.stream_seq <= upto)).rowcount
             # Only closed stays, and only those closed at or before the horizon: the stays, then their ends.
+            # (The batches the runs name narrow the delete to ranges of the stays' key; the run itself
+            # says which slots.)
             ended = sa.select(ends_c.placement_id, ends_c.stored_seq).where(
                 ends_c.removed_seq > done, ends_c.removed_seq <= upto)
-            in_run = sa.exists().where(
-                ends_c.placement_id == stays_c.placement_id, ends_c.stored_seq == stays_c.stored_seq,
-                ends_c.first_slot <= stays_c.slot, ends_c.last_slot >= stays_c.slot,
-                ends_c.removed_seq > done, ends_c.removed_seq <= upto,
-            )
+            in_run = sa.exists().where(tables.run_covers_stay(), ends_c.removed_seq > done, ends_c.removed_seq <= upto)
             removed["block_residency"] += connection.execute(tables.block_stays.delete().where(
                 sa.tuple_(stays_c.placement_id, stays_c.stored_seq).in_(ended), in_run)).rowcount
             connection.execute(tables.block_removals.delete().where(ends_c.removed_seq > done, ends_c.removed_seq <= upto))

@@ -237,8 +237,9 @@ def stays_copy_binary(stays: NewStays) -> bytes:
         values[_NULLABLE["unresolved"]][rows] = 1
         carried[rows] |= bits[_NULLABLE["unresolved"]]
     parts = [_COPY_HEADER]
-    for pattern in np.unique(carried):
-        rows = None if pattern == carried[0] and (carried == pattern).all() else np.flatnonzero(carried == pattern)
+    patterns = np.unique(carried)
+    for pattern in patterns:
+        rows = None if len(patterns) == 1 else np.flatnonzero(carried == pattern)
         here = [column not in bits or bool(pattern & bits[column]) for column in range(len(_STAY_TYPES))]
         fields = [("fields", ">i2")]
         for column, kind in enumerate(_STAY_TYPES):
@@ -345,7 +346,7 @@ def load_fold(engine: sa.Engine, shard: Shard = SINGLE) -> tuple[InventoryFold, 
                 ),
             }
             kept[WorkerId(w.publisher, w.dp_rank)] = (positions, [], json.loads(w.counters))
-        s, p, ends = t.block_stays.c, t.placements.c, t.block_removals.c
+        s, p = t.block_stays.c, t.placements.c
         # The open stays, from the tables rather than the view: a stay no run of ends covers.
         rows = connection.execution_options(yield_per=50_000).execute(
             sa.select(
@@ -354,10 +355,7 @@ def load_fold(engine: sa.Engine, shard: Shard = SINGLE) -> tuple[InventoryFold, 
                 p.kv_cache_spec_kind, p.sliding_window, sa.func.coalesce(s.refs, 1), s.unresolved, s.placement_id,
             )
             .join_from(t.block_stays, t.placements, p.placement_id == s.placement_id)
-            .where(~sa.exists().where(
-                ends.placement_id == s.placement_id, ends.stored_seq == s.stored_seq,
-                ends.first_slot <= s.slot, ends.last_slot >= s.slot,
-            ))
+            .where(~sa.exists().where(tables.run_covers_stay()))
             .order_by(s.stored_seq, s.slot)
         )
         tiers = {tier.value: tier for tier in Tier}

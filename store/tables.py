@@ -147,6 +147,15 @@ block_removals = sa.Table(
     sqlite_with_rowid=False,
 )
 
+def run_covers_stay() -> sa.ColumnElement[bool]:
+    """A run of `block_removals` covers a stay of `block_stays`: the stay ended then (the view's join condition)."""
+    ends, stays = block_removals.c, block_stays.c
+    return sa.and_(
+        ends.placement_id == stays.placement_id, ends.stored_seq == stays.stored_seq,
+        ends.first_slot <= stays.slot, ends.last_slot >= stays.slot,
+    )
+
+
 # The view `block_residency` (migrations 0008-0010) joins the three: one row per stay of a block on
 # a worker's tier, as the audit reads it. Inventory as of seq S is
 # `stored_seq <= S AND (removed_seq IS NULL OR removed_seq > S)`. Described here, outside

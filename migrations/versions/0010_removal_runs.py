@@ -30,11 +30,6 @@ HASH = sa.BigInteger
 TS = sa.Double
 NAME = sa.String(32)
 
-STAY_COLUMNS = (
-    "stored_seq", "engine_hash", "sequence_hash", "parent_hash", "local_hash", "stored_ts", "conflict_since", "slot",
-    "placement_id", "refs", "unresolved",
-)  # fmt: skip
-
 BLOCK_RESIDENCY = """CREATE VIEW block_residency AS
 SELECT s.stored_seq, s.slot, p.publisher, p.dp_rank, p.tier, p.provenance, s.engine_hash, s.sequence_hash,
        s.parent_hash, s.local_hash, s.stored_ts, s.conflict_since, r.removed_seq, r.removed_ts, r.removal_cause,
@@ -103,11 +98,12 @@ def _rename_new_tables() -> None:
 
 def upgrade() -> None:
     views = _load("0008_compact_residency.py", "kvledger_migration_0008")
+    previous = _load("0009_stays_in_seq_order.py", "kvledger_migration_0009")
     views._drop_views()
     op.execute("DROP VIEW block_residency")
     _stays_table("block_stays_next")
     _removals_table("block_removals_next")
-    stays = ", ".join(STAY_COLUMNS)
+    stays = ", ".join(previous.STAY_COLUMNS)  # the stays' columns are 0009's, only the key moves
     op.execute(
         f"INSERT INTO block_stays_next ({stays}) SELECT {stays} FROM block_stays ORDER BY placement_id, stored_seq, slot"
     )
@@ -134,7 +130,7 @@ def downgrade() -> None:
     op.execute("DROP VIEW block_residency")
     previous._stays_table("block_stays_next", True)
     previous._removals_table("block_removals_next", True)
-    stays = ", ".join(STAY_COLUMNS)
+    stays = ", ".join(previous.STAY_COLUMNS)
     op.execute(f"INSERT INTO block_stays_next ({stays}) SELECT {stays} FROM block_stays ORDER BY stored_seq, slot")
     # Each run back to a row per slot.
     op.execute(
