@@ -135,6 +135,11 @@ class ChangeSet:
     def uncertain_rows(self) -> list[list]:
         return [row for rows in self.new_uncertain.values() for row in rows]
 
+    @property
+    def rows(self) -> int:
+        """Rows this transaction inserts into the history tables (what their statistics follow)."""
+        return len(self.new_stays) + len(self.removals) + len(self.event_rows)
+
 
 class ChangeBuilder:
     """Turns (batch, stream seq, facts) into a ChangeSet, tracking open stays and placements."""

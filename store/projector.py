@@ -51,6 +51,7 @@ from store.cursor import SqlIdentity, StreamCursor, Verdict, ledger_high, msg_id
 from store.jetstream import ConsumerWatch, SkippedMessagesError, StreamRegressedError, bind_consumer, connect, fetch
 from store.recorder import SQL_CHECKPOINT, PlacementIds, last_ingest_ts, load_fold, read_checkpoint
 from store.writer import RecorderProcess, WriterError, encode_changes
+from store.planner_statistics import PlannerStatistics
 from store.pruning import HistoryPruner
 from store.quality import QualityMetrics, QualityTracker
 from store.sharding import parse_shard
@@ -122,6 +123,9 @@ class StoreMetrics(MetricSet):
         self.pending = self.gauge(
             "kvledger_store_pending_messages", "Messages the stream holds past the last one committed (store's lag)",
             ["stream"],
+        )
+        self.analyzes = self.counter(
+            "kvledger_store_analyzes", "ANALYZE runs store started on the tables it fills (PostgreSQL; store/planner_statistics.py)"
         )
         self.uncertain_workers = self.gauge(
             "kvledger_store_uncertain_workers", "Workers whose inventory is uncertain (a hole, a lost replay)"
@@ -268,6 +272,8 @@ class EventsProjector:
         self.snapshots: SnapshotWriter | None = None
         self.cursor = StreamCursor(engine, self.stream)
         self.last_folded = None  # the last KV_EVENTS message folded: a snapshot's position, read when one is written
+        self.statistics = PlannerStatistics(engine)
+        self._analyzing: asyncio.Task | None = None
 
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
         backoff = Backoff()
@@ -289,6 +295,7 @@ class EventsProjector:
                         log.info("fold rebuilt from SQL at stream seq %d", self.fold.inventory_seq)
                         if self.quality is not None:
                             self.quality.resume_at(await asyncio.to_thread(last_ingest_ts, self.engine))
+                        await asyncio.to_thread(self.statistics.read_catalog)
                     verdict = await verify_stream(
                         self.cursor, js, self.fold.inventory_seq, event_identities, name=self.shard.checkpoint_name,
                         metrics=self.metrics, message_identity=event_message_identity,
@@ -315,6 +322,8 @@ class EventsProjector:
         finally:
             if recorder is not None:
                 await asyncio.to_thread(recorder.close)
+            if self._analyzing is not None:
+                await self._analyzing
         self.ready = False
 
     async def _consume(self, subscription, watch: ConsumerWatch, last_stream_seq: int, recorder, stop: asyncio.Event) -> None:
@@ -476,9 +485,23 @@ class EventsProjector:
             self.metrics.checkpoint.labels(self.stream).set(changes.last_seq)
             if self.fold is not None:
                 self.metrics.uncertain_workers.set(len(self.fold.uncertain_workers()))
-        self.metrics.pending.labels(self.stream).set(last_message.metadata.num_pending)
+            self.statistics.wrote(changes.rows)
+        pending = last_message.metadata.num_pending
+        self.metrics.pending.labels(self.stream).set(pending)
+        if self.statistics.due(caught_up=pending == 0) and (self._analyzing is None or self._analyzing.done()):
+            self._analyzing = asyncio.create_task(self._analyze())
         # Only after the commit: acking first could lose the batch in a crash.
         await last_message.ack()
+
+    async def _analyze(self) -> None:
+        """ANALYZE beside the projection (its own connection, in a thread); a failure only leaves it to autovacuum."""
+        try:
+            seconds = await asyncio.to_thread(self.statistics.analyze)
+        except DATABASE_ERRORS as error:
+            log.warning("ANALYZE of store's tables failed (%s); autovacuum's statistics remain", error)
+            return
+        self.metrics.analyzes.inc()
+        log.info("analyzed store's tables in %.2f s (about %d rows)", seconds, self.statistics.rows_at_last)
 
     async def _maybe_snapshot(self) -> None:
         if self.fold is not None and self.snapshots is not None and self.snapshots.due(self.fold.inventory_seq):
