@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 
 from kvledger.runtime.resources import data_dir
+from store.transactions import SQLITE_CONNECT_ARGS, apply_sqlite_pragmas
 
 # Alembic is imported where migrations are read or run, not here: store's writer process
 # opens a connection with this module and starts a tenth of a second sooner without it.
@@ -28,25 +29,35 @@ def create_engine(url: str) -> sa.Engine:
         database = parsed.database
         if database and database != ":memory:":
             Path(database).parent.mkdir(parents=True, exist_ok=True)
-        engine = sa.create_engine(url, connect_args={"timeout": 30})
+        engine = sa.create_engine(url, connect_args=dict(SQLITE_CONNECT_ARGS))
 
         @sa.event.listens_for(engine, "connect")
         def _pragmas(dbapi_connection, _record) -> None:
-            cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            # NORMAL in WAL mode loses at most the last commits on power loss, never
-            # consistency; a process crash (kill -9) loses nothing committed.
-            cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.execute("PRAGMA foreign_keys=ON")
-            # Hash indexes take inserts at random places; a page cache that holds them
-            # (rather than SQLite's 2 MB default) keeps projection from waiting on reads.
-            cursor.execute("PRAGMA cache_size=-262144")
-            cursor.close()
+            apply_sqlite_pragmas(dbapi_connection)
 
         return engine
     if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
         parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3, not the psycopg2 default
     return sa.create_engine(parsed, pool_pre_ping=True)
+
+
+def driver_connect_args(url: str) -> tuple[str, tuple, dict]:
+    """(dialect, args, keyword args) with which `store.transactions.connect_driver` opens `url` as this
+    module's engines do, for a process that imports no SQLAlchemy (store's writer)."""
+    engine = create_engine(url)
+    try:
+        args, kwargs = engine.dialect.create_connect_args(engine.url)
+    finally:
+        engine.dispose()
+    name = engine.dialect.name
+    if name == "sqlite":
+        return name, tuple(args), {**kwargs, **SQLITE_CONNECT_ARGS}
+    if name == "postgresql":
+        from psycopg.conninfo import make_conninfo
+
+        kwargs.pop("context", None)  # SQLAlchemy's own type adapters: the writer passes plain values
+        return name, (make_conninfo(*args, **kwargs),), {}
+    raise ValueError(f"unsupported database {name!r}: use SQLite or PostgreSQL")
 
 
 @contextlib.contextmanager

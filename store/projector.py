@@ -49,7 +49,8 @@ from store.gc_policy import young_collections_deferred
 from kvledger.runtime.system import install_stop_signals
 from store.cursor import SqlIdentity, StreamCursor, Verdict, ledger_high, msg_id_of
 from store.jetstream import ConsumerWatch, SkippedMessagesError, StreamRegressedError, bind_consumer, connect, fetch
-from store.recorder import SQL_CHECKPOINT, PlacementIds, last_ingest_ts, load_fold, read_checkpoint
+from store.recorder import PlacementIds, last_ingest_ts, load_fold, read_checkpoint
+from store.transactions import SQL_CHECKPOINT
 from store.writer import RecorderProcess, WriterError, encode_changes
 from store.planner_statistics import PlannerStatistics
 from store.pruning import HistoryPruner

@@ -6,6 +6,12 @@ store.writer`) owns the database connection; the parent sends each ChangeSet pic
 over the child's stdin and reads "committed" or the error from its stdout. The child
 dies with its parent (PR_SET_PDEATHSIG), so a kill -9 of the projector also ends the
 transaction in flight, which the database rolls back.
+
+The child imports no SQLAlchemy: the parent resolves the URL into the driver's connect
+arguments (store.database.driver_connect_args) and the child opens the connection with
+the driver alone (store/transactions.py). Its start is the projection's head start: at
+300 000 block events, a child importing SQLAlchemy was ready about 0.35 s after it was
+started, while the fold waited with eight transactions made.
 """
 
 from __future__ import annotations
@@ -18,8 +24,6 @@ import struct
 import subprocess
 import sys
 from typing import BinaryIO
-
-import sqlalchemy as sa
 
 from store.changes import ChangeSet
 
@@ -70,19 +74,21 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def serve(url: str, stream_name: str, requests: BinaryIO, replies: BinaryIO, checkpoint_name: str = "events") -> int:
-    """The child's loop: one ChangeSet in, one transaction, one reply out; ends at EOF or on an error."""
+def serve(stream_name: str, requests: BinaryIO, replies: BinaryIO, checkpoint_name: str = "events") -> int:
+    """The child's loop: the connect arguments first, then one ChangeSet in, one transaction, one reply out;
+    ends at EOF or on an error."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from store.database import create_engine
     from store.gc_policy import defer_young_collections
-    from store.recorder import open_recorder
+    from store.transactions import connect_driver, recorder_for
 
     defer_young_collections()  # each unpickled ChangeSet is some 10 000 lists at once
 
-    engine = create_engine(url)
     try:
-        recorder = open_recorder(engine, stream_name, checkpoint_name)
+        dialect, args, kwargs = _receive(requests)
+        recorder = recorder_for(dialect, connect_driver(dialect, args, kwargs), stream_name, checkpoint_name)
+    except EOFError:
+        return 0
     except Exception as error:
         _send(replies, ("error", f"{type(error).__name__}: {error}"))
         return 1
@@ -101,10 +107,11 @@ def serve(url: str, stream_name: str, requests: BinaryIO, replies: BinaryIO, che
             _send(replies, ("committed", ""))
     finally:
         recorder.close()
-        engine.dispose()
 
 
 def _without_password(url: str) -> str:
+    import sqlalchemy as sa  # the parent's: it has SQLAlchemy loaded already
+
     return sa.make_url(url).render_as_string(hide_password=True)
 
 
@@ -115,15 +122,17 @@ class RecorderProcess:
     overlaps_folding = True
 
     def __init__(self, url: str, stream: str, checkpoint_name: str = "events") -> None:
+        from store.database import driver_connect_args
+
+        connect_args = driver_connect_args(url)  # a URL it cannot open fails here, in the parent
         # Started from the event loop's thread: the death signal is tied to the starting thread.
         self._process = subprocess.Popen(
             [sys.executable, "-m", "store.writer", stream, _without_password(url), str(os.getpid()), checkpoint_name],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )  # fmt: skip
-        # The URL may hold a database password: it goes down the pipe, never onto the
-        # command line, where any user could read it in `ps`.
-        self._process.stdin.write(url.encode() + b"\n")
-        self._process.stdin.flush()
+        # The connect arguments may hold a database password: they go down the pipe, never
+        # onto the command line, where any user could read them in `ps`.
+        _send(self._process.stdin, connect_args)
         self.ready = False  # until the child says it holds its connection (wait_ready)
 
     def _reply(self) -> None:
@@ -164,6 +173,4 @@ if __name__ == "__main__":
     # argv: the stream, the URL without its password (only so `ps` shows which database), the parent
     # pid, and the checkpoint row the transactions advance (the shard's)
     _die_with_parent(int(sys.argv[3]))
-    raise SystemExit(serve(
-        sys.stdin.buffer.readline().decode().rstrip("\n"), sys.argv[1], sys.stdin.buffer, sys.stdout.buffer, sys.argv[4]
-    ))
+    raise SystemExit(serve(sys.argv[1], sys.stdin.buffer, sys.stdout.buffer, sys.argv[4]))

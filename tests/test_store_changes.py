@@ -10,7 +10,7 @@ import struct
 from array import array
 
 from store.changes import STAY_COLUMNS, NewStays, removal_runs
-from store.recorder import stays_copy_binary
+from store.transactions import stays_copy_binary
 
 U64 = 1 << 64
 
