@@ -419,18 +419,14 @@ class InventoryFold:
             return
         parent = event.parent_hash
         parent_sequence = self._resolve_parent(state, parent)
+        if provenance is NATIVE:
+            self._store_native_chain(state, event, parent, parent_sequence, stream_seq, facts)
+            return
         for engine_hash, local_hash in zip(event.block_hashes, event.local_hashes):
             sequence_hash = local_hash if parent_sequence is None else chain_hash(parent_sequence, local_hash)
             held = tier_records.get(block_key(group, ownership, engine_hash))
             if held is not None:
                 self._add_reference(state, own, held, stream_seq, facts)
-            elif provenance is NATIVE:
-                self._store_native(
-                    state, BlockRecord(
-                        state.worker, event.tier, NATIVE, engine_hash, sequence_hash, parent, local_hash, stream_seq,
-                        False, group, ownership, event.spec_kind, event.sliding_window,
-                    ), stream_seq, facts,
-                )  # fmt: skip
             else:
                 # kvledger/precedence.py, rule 1: one that disagrees with the engine's own
                 # topology for this block is kept for audit and never indexed.
@@ -446,6 +442,50 @@ class InventoryFold:
                 )
                 _attach_record(retained, record)
                 facts.append(BlockStoredFact(record))
+            if native.waiting or retained.waiting:
+                self._resolve_waiting(state, engine_hash, stream_seq, facts)
+            parent, parent_sequence = engine_hash, sequence_hash
+
+    def _store_native_chain(
+        self, state: WorkerState, event: Stored, parent: int | None, parent_sequence: int | None, stream_seq: int,
+        facts: list[Fact],
+    ) -> None:
+        """The engine's own store of a chain of blocks: nearly every event the fold sees.
+
+        A block that is new to the worker, in its native and retained topology alike, is the
+        only copy of its engine hash: it is attached here as `_attach_record` would attach it,
+        with what is the same for the whole event looked up once. Any other block takes the
+        general way (`_add_reference`, `_store_native`).
+        """
+        native = state.by_provenance[NATIVE]
+        retained = state.by_provenance[RETAINED]
+        tier, group, ownership = event.tier, event.group_idx, event.ownership
+        spec_kind, window, worker = event.spec_kind, event.sliding_window, state.worker
+        tier_records = native.records[tier]
+        topology, retained_topology = native.topology, retained.topology
+        plain = group == 0 and ownership is None
+        counts = None  # the group's sequence-hash counts on this tier, once a block is attached here
+        for engine_hash, local_hash in zip(event.block_hashes, event.local_hashes):
+            sequence_hash = local_hash if parent_sequence is None else chain_hash(parent_sequence, local_hash)
+            key = engine_hash if plain else (group, ownership, engine_hash)
+            held = tier_records.get(key)
+            if held is not None:
+                self._add_reference(state, native, held, stream_seq, facts)
+            else:
+                record = BlockRecord(
+                    worker, tier, NATIVE, engine_hash, sequence_hash, parent, local_hash, stream_seq,
+                    False, group, ownership, spec_kind, window,
+                )  # fmt: skip
+                if engine_hash in topology or engine_hash in retained_topology:
+                    self._store_native(state, record, stream_seq, facts)
+                else:
+                    if counts is None:
+                        counts = _group_counts(native, tier, group)
+                        native.placements.add((group, ownership))
+                    tier_records[key] = record
+                    counts[sequence_hash] = counts.get(sequence_hash, 0) + 1
+                    topology[engine_hash] = record
+                    facts.append(BlockStoredFact(record))
             if native.waiting or retained.waiting:
                 self._resolve_waiting(state, engine_hash, stream_seq, facts)
             parent, parent_sequence = engine_hash, sequence_hash
@@ -559,17 +599,28 @@ class InventoryFold:
         own = state.by_provenance[provenance]
         tier_records = own.records[event.tier]
         group, ownership = event.group_idx, event.ownership
+        plain = group == 0 and ownership is None
+        topology, by_group = own.topology, None
         for engine_hash in event.block_hashes:
-            record = tier_records.get(block_key(group, ownership, engine_hash))
+            key = engine_hash if plain else (group, ownership, engine_hash)
+            record = tier_records.get(key)
             if record is None:
                 self._count(state, "unknown_remove")
                 continue
             if record.refs > 1:
                 record = msgspec.structs.replace(record, refs=record.refs - 1)
-                tier_records[record.key] = record
+                tier_records[key] = record
                 facts.append(BlockReferencedFact(record, stream_seq))
                 continue
-            _detach(own, record)
+            if topology.get(engine_hash) is record:
+                # The only copy of its engine hash (so indexable): `_detach`'s work, its lookups made once.
+                del tier_records[key]
+                if by_group is None:
+                    by_group = own.held[event.tier]  # there already: it counts this record
+                _uncount(by_group, group, record.sequence_hash)
+                del topology[engine_hash]
+            else:
+                _detach(own, record)
             facts.append(BlockRemovedFact(record, RemovalCause.REMOVED, stream_seq))
 
     def _clear(
@@ -821,6 +872,16 @@ def _saw_group(own: _ProvenanceState, tier: Tier, group: int) -> None:
         own.rules.pop(tier, None)
 
 
+def _group_counts(own: _ProvenanceState, tier: Tier, group: int) -> Counter[int]:
+    """The sequence-hash counts of one group's indexable records on a tier, made when its first one comes."""
+    by_group = own.held[tier]
+    counts = by_group.get(group)
+    if counts is None:
+        counts = by_group[group] = Counter()
+        _saw_group(own, tier, group)
+    return counts
+
+
 def _attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
     """Hold `record` in one provenance's inventory (the fold's and every restore's one way in)."""
     tier, group = record.tier, record.group_idx
@@ -831,11 +892,7 @@ def _attach_record(own: _ProvenanceState, record: BlockRecord) -> None:
         return
     if record.conflict:
         return
-    by_group = own.held[tier]
-    counts = by_group.get(group)
-    if counts is None:
-        counts = by_group[group] = Counter()
-        _saw_group(own, tier, group)
+    counts = _group_counts(own, tier, group)
     # (dict.get, not Counter's __missing__: most hashes are new, and that is a Python call each)
     counts[record.sequence_hash] = counts.get(record.sequence_hash, 0) + 1
     own.placements.add((group, record.ownership))
@@ -875,6 +932,18 @@ def _latest_first(record: BlockRecord) -> tuple:
             record.sequence_hash, record.parent_hash if record.parent_hash is not None else -1)
 
 
+def _uncount(by_group: dict[int, Counter[int]], group: int, sequence_hash: int) -> None:
+    """One indexable record of `group` with this sequence hash left the tier."""
+    held = by_group[group]
+    left = held[sequence_hash] - 1
+    if left > 0:
+        held[sequence_hash] = left
+        return
+    del held[sequence_hash]
+    if not held:
+        del by_group[group]
+
+
 def _detach(own: _ProvenanceState, record: BlockRecord) -> None:
     del own.records[record.tier][record.key]
     if record.unresolved:
@@ -885,13 +954,7 @@ def _detach(own: _ProvenanceState, record: BlockRecord) -> None:
         return
     if record.conflict:
         return
-    by_group = own.held[record.tier]
-    held = by_group[record.group_idx]
-    held[record.sequence_hash] -= 1
-    if held[record.sequence_hash] <= 0:
-        del held[record.sequence_hash]
-        if not held:
-            del by_group[record.group_idx]
+    _uncount(own.held[record.tier], record.group_idx, record.sequence_hash)
     entry = own.topology[record.engine_hash]
     if type(entry) is BlockRecord:  # the only copy
         del own.topology[record.engine_hash]
