@@ -114,8 +114,9 @@ class QualityTracker:
         self._due: list[tuple[float, int, _Pending]] = []  # heap by deadline
         self._order = itertools.count()
         self._watchers: dict[BlockAt, list[_Pending]] = collections.defaultdict(list)
-        self._removals: collections.deque[tuple[float, int, BlockAt]] = collections.deque()  # recent, by stream time
-        self._cleared: collections.deque[tuple[float, int, WorkerId, Tier | None]] = collections.deque()
+        # (ingest ts, stream seq, facts) of recently applied batches, by stream time: their removals
+        # and clears are looked through only for a decision that comes after them (`_replay_recent`)
+        self._recent: collections.deque[tuple[float, int, Sequence[object]]] = collections.deque()
 
     @property
     def waiting(self) -> int:
@@ -161,15 +162,22 @@ class QualityTracker:
     def _replay_recent(self, pending: _Pending) -> None:
         """Removals the events projector applied after the decision's inventory seq, before the decision arrived."""
         watched = set(pending.source_hashes)
-        for ts, seq, (worker, tier, sequence_hash) in self._removals:
-            if seq > pending.inventory_seq and worker == pending.source and tier is pending.source_tier \
-                    and sequence_hash in watched:
-                pending.first_eviction_ts = ts
-                return
-        for ts, seq, worker, tier in self._cleared:
-            if seq > pending.inventory_seq and worker == pending.source and tier in (None, pending.source_tier):
-                pending.first_eviction_ts = ts
-                return
+        source, source_tier = pending.source, pending.source_tier
+        recent = [(ts, facts) for ts, seq, facts in self._recent if seq > pending.inventory_seq]
+        for ts, facts in recent:
+            for fact in facts:
+                if type(fact) is BlockRemovedFact:
+                    record = fact.record
+                    if record.provenance is NATIVE and record.tier is source_tier and record.sequence_hash in watched \
+                            and record.worker == source:
+                        pending.first_eviction_ts = ts
+                        return
+        for ts, facts in recent:
+            for fact in facts:
+                if type(fact) is InventoryClearedFact and fact.provenance is NATIVE and fact.worker == source \
+                        and fact.tier in (None, source_tier):
+                    pending.first_eviction_ts = ts
+                    return
 
     # the events side
 
@@ -190,33 +198,35 @@ class QualityTracker:
 
     def after_event(self, facts: Sequence[object], stream_seq: int, ingest_ts: float) -> None:
         self.stream_ts, self.stream_seq = ingest_ts, stream_seq
-        for fact in facts:
-            if type(fact) is BlockRemovedFact:
-                record = fact.record
-                if record.provenance is NATIVE:
-                    self._removed((record.worker, record.tier, record.sequence_hash), stream_seq, ingest_ts)
-            elif type(fact) is InventoryClearedFact and fact.provenance is NATIVE:
-                self._worker_cleared(fact.worker, fact.tier, stream_seq, ingest_ts)
+        if facts:
+            # Kept whole (the fold made the list for this batch alone): a decision that comes later
+            # looks through them, so a batch nobody waits on costs one append, not a look at each fact.
+            self._recent.append((ingest_ts, stream_seq, facts))
+            if self._due:
+                for fact in facts:
+                    if type(fact) is BlockRemovedFact:
+                        record = fact.record
+                        if record.provenance is NATIVE:
+                            self._removed((record.worker, record.tier, record.sequence_hash), stream_seq, ingest_ts)
+                    elif type(fact) is InventoryClearedFact and fact.provenance is NATIVE:
+                        self._worker_cleared(fact.worker, fact.tier, stream_seq, ingest_ts)
         self._forget_before(ingest_ts - self.horizon_s - _REMEMBER_EXTRA_S)
 
     def _removed(self, block: BlockAt, stream_seq: int, ingest_ts: float) -> None:
-        self._removals.append((ingest_ts, stream_seq, block))
         for pending in self._watchers.get(block, ()):
             if pending.first_eviction_ts is None and stream_seq > pending.inventory_seq:
                 pending.first_eviction_ts = ingest_ts
 
     def _worker_cleared(self, worker: WorkerId, tier: Tier | None, stream_seq: int, ingest_ts: float) -> None:
-        self._cleared.append((ingest_ts, stream_seq, worker, tier))
         for _, _, pending in self._due:
             if pending.source == worker and tier in (None, pending.source_tier) and pending.first_eviction_ts is None \
                     and stream_seq > pending.inventory_seq:
                 pending.first_eviction_ts = ingest_ts
 
     def _forget_before(self, ts: float) -> None:
-        while self._removals and self._removals[0][0] < ts:
-            self._removals.popleft()
-        while self._cleared and self._cleared[0][0] < ts:
-            self._cleared.popleft()
+        recent = self._recent
+        while recent and recent[0][0] < ts:
+            recent.popleft()
 
     def _judge(self, pending: _Pending, fold: InventoryFold) -> None:
         metrics = self.metrics
