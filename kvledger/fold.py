@@ -94,28 +94,29 @@ class BlockRecord(msgspec.Struct, frozen=True, gc=False):
 # --- facts: what one batch changed, in order --------------------------------------------
 
 
-@attrs.frozen
-class BlockStoredFact:
+# Facts are Structs the garbage collector does not track, like the records they carry: one is
+# made per block stored or removed, and msgspec makes one in a fifth of the time attrs's frozen
+# __init__ takes (about 0.2 microseconds less per block).
+
+
+class BlockStoredFact(msgspec.Struct, frozen=True, gc=False):
     record: BlockRecord
 
 
-@attrs.frozen
-class BlockRemovedFact:
+class BlockRemovedFact(msgspec.Struct, frozen=True, gc=False):
     record: BlockRecord
     cause: RemovalCause
     stream_seq: int
 
 
-@attrs.frozen
-class BlockReferencedFact:
+class BlockReferencedFact(msgspec.Struct, frozen=True, gc=False):
     """A held block was announced again, or removed once of several times: `record.refs` changed."""
 
     record: BlockRecord
     stream_seq: int
 
 
-@attrs.frozen
-class InventoryClearedFact:
+class InventoryClearedFact(msgspec.Struct, frozen=True, gc=False):
     """Every block of `provenance` on the worker (on `tier`, or every tier) went away at once."""
 
     worker: WorkerId
@@ -126,16 +127,14 @@ class InventoryClearedFact:
     tier: Tier | None = None
 
 
-@attrs.frozen
-class RetainedConflictFact:
+class RetainedConflictFact(msgspec.Struct, frozen=True, gc=False):
     """A retained record lost to native topology after it was stored; now audit-only."""
 
     record: BlockRecord
     stream_seq: int
 
 
-@attrs.frozen
-class UncertaintyFact:
+class UncertaintyFact(msgspec.Struct, frozen=True, gc=False):
     worker: WorkerId
     provenance: Provenance
     uncertain: bool
@@ -939,7 +938,7 @@ def _uncount(by_group: dict[int, Counter[int]], group: int, sequence_hash: int) 
     if left > 0:
         held[sequence_hash] = left
         return
-    del held[sequence_hash]
+    held.pop(sequence_hash)  # (not `del`: Counter's __delitem__ is a Python call)
     if not held:
         del by_group[group]
 
