@@ -118,7 +118,13 @@ def checkpoint(engine) -> int:
 
 
 async def project(nats_url: str, db_url: str, last: int, batch_size: int) -> float:
-    """Seconds from starting the store service until its checkpoint reaches `last`."""
+    """Seconds from starting the store service until its checkpoint reaches `last`.
+
+    The clock stops when store has committed the transaction holding `last`: its checkpoint
+    gauge (set once the commit returned) is read every few milliseconds in this process,
+    which costs nothing, where reading SQL every 0.1 s added 0.05 s on average to a run of
+    1.5 s; SQL is then asked once, to confirm.
+    """
     settings = load_settings(
         None, environ={},
         overrides={"nats.url": nats_url, "db.url": db_url, "store.http_port": 0, "store.batch_size": batch_size,
@@ -129,16 +135,17 @@ async def project(nats_url: str, db_url: str, last: int, batch_size: int) -> flo
     started = time.perf_counter()
     task = asyncio.create_task(service.run(stop))
     watcher = database.create_engine(db_url)
+    committed = service.metrics.checkpoint.labels(settings.stream.events_stream)
     try:
-        while True:
-            seq = await asyncio.to_thread(checkpoint, watcher)
-            if seq >= last:
-                break
+        while committed.value < last:
             if task.done():
                 task.result()
                 raise RuntimeError("store stopped early")
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.002)
         elapsed = time.perf_counter() - started
+        seq = await asyncio.to_thread(checkpoint, watcher)
+        if seq < last:
+            raise RuntimeError(f"store's checkpoint gauge says {committed.value}, SQL says {seq}")
     finally:
         stop.set()
         await task

@@ -243,7 +243,8 @@ class ChangeBuilder:
                 else:
                     key = tier_held.pop(record.key)
                     removed += 1
-                    removals.append((key[2], key[0], key[1], stream_seq, ts, fact.cause.value))
+                    # (`_value_`: the member's own attribute, not Enum's `value` property, once per block)
+                    removals.append((key[2], key[0], key[1], stream_seq, ts, fact.cause._value_))
             elif kind is BlockReferencedFact:
                 record = fact.record
                 key = index[(record.worker, record.provenance)][record.tier][record.key]

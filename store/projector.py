@@ -48,7 +48,9 @@ from store.database import create_engine, require_current
 from store.gc_policy import young_collections_deferred
 from kvledger.runtime.system import install_stop_signals
 from store.cursor import SqlIdentity, StreamCursor, Verdict, ledger_high, msg_id_of
-from store.jetstream import ConsumerWatch, SkippedMessagesError, StreamRegressedError, bind_consumer, connect, fetch
+from store.jetstream import (
+    ConsumerWatch, SkippedMessagesError, StreamRegressedError, bind_consumer, connect, fetch, stream_seq,
+)
 from store.recorder import PlacementIds, last_ingest_ts, load_fold, read_checkpoint
 from store.transactions import SQL_CHECKPOINT
 from store.writer import RecorderProcess, WriterError, encode_changes
@@ -140,7 +142,7 @@ class StoreMetrics(MetricSet):
 async def _refuse_skips(watch: ConsumerWatch, messages: list, last_stream_seq: int, metrics: StoreMetrics, stream: str) -> None:
     """Raise (and count) SkippedMessagesError when a fetched batch jumps past messages the stream holds,
     and StreamRegressedError when it goes back to a stream seq already read (a restored consumer)."""
-    seqs = [message.metadata.sequence.stream for message in messages]
+    seqs = [stream_seq(message) for message in messages]
     if seqs[0] <= last_stream_seq:
         raise StreamRegressedError(
             f"{stream} delivered seq {seqs[0]} after seq {last_stream_seq}: checking the stream against SQL"
@@ -361,15 +363,15 @@ class EventsProjector:
                 if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                     continue
                 await _refuse_skips(watch, messages, last_stream_seq, self.metrics, self.stream)
-                last_stream_seq = messages[-1].metadata.sequence.stream
+                last_stream_seq = stream_seq(messages[-1])
                 changes = builder.begin(fold.inventory_seq + 1)
                 fresh = others = 0
                 ledger = self.cursor.ledger
                 duplicates_before = fold.counters["duplicate_batch"]
                 recovered: list[dict] = []
                 for message in messages:
-                    stream_seq = message.metadata.sequence.stream
-                    seq = ledger(stream_seq)
+                    message_seq = stream_seq(message)
+                    seq = ledger(message_seq)
                     if seq <= fold.inventory_seq:
                         self.metrics.skipped.labels(self.stream).inc()
                         continue
@@ -405,7 +407,7 @@ class EventsProjector:
                         # twice): its rows are not written a second time.
                         fold.inventory_seq = changes.last_seq = seq
                         if self.cursor.generations and batch.events:
-                            recovered.append(_recovered_row(batch, stream_seq, seq))
+                            recovered.append(_recovered_row(batch, message_seq, seq))
                         continue
                     builder.add_batch(changes, batch, seq, facts, fold)
                 encoded = None

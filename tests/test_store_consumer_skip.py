@@ -19,7 +19,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from builders import BLOCK_SIZE, local_hashes
 from kvledger.events import EventBatch, Provenance, Stored, Tier, WorkerId
 from store import database, tables
-from store.jetstream import _FAST_FETCH_ATTRIBUTES, fetch, first_gap
+from nats.aio.msg import Msg
+
+from store.jetstream import _FAST_FETCH_ATTRIBUTES, fetch, first_gap, stream_seq
 from store.projector import EVENTS_DURABLE
 from store_harness import RunningStore, checkpoint, publish, store_settings
 
@@ -114,6 +116,7 @@ async def test_fetch_takes_what_the_consumer_delivers_in_order_and_times_out_whe
         assert time.monotonic() - started < 2.5
         assert [m.data for m in first + rest] == [b"0", b"1", b"2", b"3", b"4"]
         assert [m.metadata.sequence.stream for m in first + rest] == [1, 2, 3, 4, 5]
+        assert [stream_seq(m) for m in first + rest] == [1, 2, 3, 4, 5]
         await rest[-1].ack()
         with pytest.raises(TimeoutError):
             await fetch(subscription, 10, 0.3)
@@ -121,3 +124,13 @@ async def test_fetch_takes_what_the_consumer_delivers_in_order_and_times_out_whe
         assert [m.data for m in await fetch(subscription, 10, 1.0)] == [b"5"]
     finally:
         await connection.close()
+
+
+@pytest.mark.parametrize("reply", [
+    "$JS.ACK.KV_EVENTS.store-events.1.4242.17.1733380000000000000.9",  # the layout nats-server 2.x sends
+    "$JS.ACK.hub._.KV_EVENTS.store-events.1.4242.17.1733380000000000000.9.r4nd0m",  # with a domain and account hash
+    "$JS.ACK._.ACCHASH.KV_EVENTS.store-events.2.4242.17.1733380000000000000.9",
+])
+def test_the_stream_seq_read_from_an_ack_subject_is_the_one_nats_py_parses(reply: str) -> None:
+    message = Msg(_client=None, subject="kv.ev.a.0", reply=reply, data=b"")
+    assert stream_seq(message) == message.metadata.sequence.stream == 4242
