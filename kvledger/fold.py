@@ -26,7 +26,7 @@ from kvledger.events import (
     WorkerId,
 )
 from kvledger import precedence
-from kvledger.hashing import chain_hash
+from kvledger.hashing import chain_hash, sequence_hashes
 from kvledger.residency import ResidencyRule, rule_for
 
 NATIVE = Provenance.NATIVE
@@ -464,8 +464,8 @@ class InventoryFold:
         topology, retained_topology = native.topology, retained.topology
         plain = group == 0 and ownership is None
         counts = None  # the group's sequence-hash counts on this tier, once a block is attached here
-        for engine_hash, local_hash in zip(event.block_hashes, event.local_hashes):
-            sequence_hash = local_hash if parent_sequence is None else chain_hash(parent_sequence, local_hash)
+        chained = sequence_hashes(event.local_hashes, parent_sequence)  # the event's chain, in one call
+        for engine_hash, local_hash, sequence_hash in zip(event.block_hashes, event.local_hashes, chained):
             key = engine_hash if plain else (group, ownership, engine_hash)
             held = tier_records.get(key)
             if held is not None:
@@ -487,7 +487,7 @@ class InventoryFold:
                     facts.append(BlockStoredFact(record))
             if native.waiting or retained.waiting:
                 self._resolve_waiting(state, engine_hash, stream_seq, facts)
-            parent, parent_sequence = engine_hash, sequence_hash
+            parent = engine_hash
 
     def _store_without_tokens(
         self, state: WorkerState, provenance: Provenance, event: Stored, stream_seq: int, facts: list[Fact],
