@@ -500,7 +500,7 @@ class EventsProjector:
         """ANALYZE beside the projection (its own connection, in a thread); a failure only leaves it to autovacuum."""
         try:
             seconds = await asyncio.to_thread(self.statistics.analyze)
-        except DATABASE_ERRORS as error:
+        except Exception as error:  # upkeep, not projection: whatever went wrong, the rows are committed
             log.warning("ANALYZE of store's tables failed (%s); autovacuum's statistics remain", error)
             return
         self.metrics.analyzes.inc()
