@@ -299,8 +299,14 @@ async def lose_and_heal(fault: Fault, db_url: str, seed: int) -> tuple[Healing, 
         # The cluster repaired the node from its peers: no stage may claim a loss.
         assert not healing.noticed and losses == [], healing
     else:
-        # Never a silent heal: what was lost was published again by ingest, and store and decide saw it.
-        assert healing.store_losses > 0 and healing.decide_regressions > 0, healing
+        # Never a silent heal: what was lost was published again by ingest, and store saw it. decide checks
+        # the message it applied last: before ingest put the lost batches back it finds it gone and
+        # rebuilds; after, the stream holds that very message at that seq again (ingest publishes the lost
+        # batches, same Msg-Ids, before anything newer), so decide's index is what the stream holds and
+        # there is nothing to rebuild; which comes first is a race (seen once in CI: decide's check came
+        # second). `_decide_matches_reference` above shows decide right either way; with content that
+        # changed (a Gap, beyond the engines' buffers) decide must rebuild, and that test asserts it.
+        assert healing.store_losses > 0, healing
         assert len(losses) == healing.store_losses
         # Every batch acknowledged and lost was published again, none more.
         assert healing.repaired + healing.lost == len(acknowledged) - max(fault.restored.values()), healing
@@ -332,7 +338,9 @@ async def test_a_coordinated_power_loss_of_every_node_is_healed_from_the_engines
     cluster elects a leader, and new publishes would take the lost seqs 61-120. ingest finds the
     shortfall (on its reconnection, else before its next write) and publishes the 60 lost batches again from the engines' buffers
     before anything newer; store finds the stream no longer holding what SQL committed and reads it
-    again as a new generation; decide finds its last applied message gone and rebuilds."""
+    again as a new generation; decide finds its last applied message gone and rebuilds, unless ingest
+    has already put it back at its seq (then decide's index is the stream's, and is checked against the
+    reference model)."""
     healing, kept = await lose_and_heal(PowerLoss(nats_cluster, tmp_path), db_url, seed=32)
     assert not kept, "a coordinated power loss loses the acknowledged tail"
     assert healing.lost == 0, "the engines still buffered every lost batch"
