@@ -36,17 +36,17 @@ def _commit_one(url: str, seq: int) -> None:
 
 
 @pytest.mark.service
-def test_a_password_reaches_the_writer_down_its_pipe_and_the_writer_commits(postgres_url: str) -> None:
+@pytest.mark.parametrize("secret", ["s3cret-writer-password", "p@ss w'rd\\:/?#=%"])
+def test_a_password_reaches_the_writer_down_its_pipe_and_the_writer_commits(postgres_url: str, secret: str) -> None:
     with database.opened(postgres_url) as engine:
         database.upgrade(engine)
-    secret = "s3cret-writer-password"
     # The test server trusts local connections, so any password opens it; the point is where it travels.
     with_password = sa.make_url(postgres_url).set(password=secret).render_as_string(hide_password=False)
     writer = RecorderProcess(with_password, "KV_EVENTS")
     try:
         writer.wait_ready()  # connected: its command line is the one it runs with
         command_line = Path(f"/proc/{writer._process.pid}/cmdline").read_bytes()
-        assert secret.encode() not in command_line
+        assert secret.encode() not in command_line and b"w'rd" not in command_line
         assert b"***" in command_line  # the URL shown, its password hidden
         writer.write(encode_changes(ChangeSet(first_seq=7, last_seq=7)))
     finally:
