@@ -8,7 +8,7 @@ statistics follow, the as-of statement is planned for the table as it was, nearl
 12.5 ms once analyzed). So store runs `ANALYZE` itself on the tables it fills, by the rule
 autovacuum uses (a tenth more rows than at the last one), as soon as it has caught up with
 the stream. Not while catching up: analyzing whenever the tables had doubled during the
-bench's catch-up of 300 000 block events (five times) cost the projection about 5 %
+bench's catch-up of 300 000 block events cost the projection about 5 %
 (PostgreSQL and store share the cores), and over a catch-up longer than a minute
 autovacuum's own rounds keep the statistics near enough.
 
