@@ -132,4 +132,15 @@ async def test_cluster_loses_nothing_when_the_events_leader_is_killed(cluster: C
         url = f"http://127.0.0.1:{cluster.port(replica, 9103)}/v1/decide"
         # An answer that cannot be recorded in KV_DECISIONS is refused (500) until the
         # stream has its leader again; a client retries (docs/decide.md, "On record").
-        await wait_until(lambda: http(url, body, headers)[0] == 200, 60, f"{replica} to answer and record")
+        replies: list[tuple[int, bytes]] = []
+
+        def answered() -> bool:
+            replies.append(http(url, body, headers))
+            return replies[-1][0] == 200
+
+        try:
+            await wait_until(answered, 60, f"{replica} to answer and record")
+        except AssertionError as timed_out:
+            # What the replica said last, and its own account (its log), beside the timeout.
+            last = replies[-1] if replies else None
+            raise AssertionError(f"{timed_out}; last reply {last!r}\n{cluster.service_log(replica)[-6000:]}") from None
