@@ -139,9 +139,12 @@ class StoreMetrics(MetricSet):
         self.quality = QualityMetrics(self)
 
 
-async def _refuse_skips(watch: ConsumerWatch, messages: list, last_stream_seq: int, metrics: StoreMetrics, stream: str) -> None:
-    """Raise (and count) SkippedMessagesError when a fetched batch jumps past messages the stream holds,
-    and StreamRegressedError when it goes back to a stream seq already read (a restored consumer)."""
+async def _refuse_skips(
+    watch: ConsumerWatch, messages: list, last_stream_seq: int, metrics: StoreMetrics, stream: str,
+) -> list[int]:
+    """The batch's stream seqs, in order. Raise (and count) SkippedMessagesError when a fetched batch jumps past
+    messages the stream holds, and StreamRegressedError when it goes back to a stream seq already read (a
+    restored consumer)."""
     seqs = [stream_seq(message) for message in messages]
     if seqs[0] <= last_stream_seq:
         raise StreamRegressedError(
@@ -152,6 +155,7 @@ async def _refuse_skips(watch: ConsumerWatch, messages: list, last_stream_seq: i
     except SkippedMessagesError:
         metrics.rewinds.labels(stream).inc()
         raise
+    return seqs
 
 
 def _note_verdict(verdict: Verdict, stream: str, metrics: StoreMetrics) -> None:
@@ -362,15 +366,14 @@ class EventsProjector:
                 watch.delivered()
                 if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                     continue
-                await _refuse_skips(watch, messages, last_stream_seq, self.metrics, self.stream)
-                last_stream_seq = stream_seq(messages[-1])
+                seqs = await _refuse_skips(watch, messages, last_stream_seq, self.metrics, self.stream)
+                last_stream_seq = seqs[-1]
                 changes = builder.begin(fold.inventory_seq + 1)
                 fresh = others = 0
                 ledger = self.cursor.ledger
                 duplicates_before = fold.counters["duplicate_batch"]
                 recovered: list[dict] = []
-                for message in messages:
-                    message_seq = stream_seq(message)
+                for message, message_seq in zip(messages, seqs):
                     seq = ledger(message_seq)
                     if seq <= fold.inventory_seq:
                         self.metrics.skipped.labels(self.stream).inc()
@@ -692,12 +695,12 @@ class RowProjector:
             watch.delivered()
             if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                 continue
-            await _refuse_skips(watch, messages, last_stream_seq, self.metrics, self.stream)
-            last_stream_seq = messages[-1].metadata.sequence.stream
+            seqs = await _refuse_skips(watch, messages, last_stream_seq, self.metrics, self.stream)
+            last_stream_seq = seqs[-1]
             rows: list[TableRow] = []
             fresh = 0
-            for message in messages:
-                seq = ledger(message.metadata.sequence.stream)
+            for message, message_seq in zip(messages, seqs):
+                seq = ledger(message_seq)
                 if seq <= checkpoint:
                     self.metrics.skipped.labels(self.stream).inc()
                     continue

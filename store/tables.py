@@ -147,6 +147,7 @@ block_removals = sa.Table(
     sqlite_with_rowid=False,
 )
 
+
 def run_covers_stay() -> sa.ColumnElement[bool]:
     """A run of `block_removals` covers a stay of `block_stays`: the stay ended then (the view's join condition)."""
     ends, stays = block_removals.c, block_stays.c

@@ -67,6 +67,7 @@ def connect_driver(dialect: str, args: tuple, kwargs: dict):
         return psycopg.connect(*args, **kwargs)
     raise ValueError(f"unsupported database {dialect!r}: use SQLite or PostgreSQL")
 
+
 EVENTS_CHECKPOINT = "events"
 
 
@@ -287,8 +288,6 @@ def stays_copy_binary(stays: NewStays) -> bytes:
         parts.append(records.tobytes())
     parts.append(_COPY_TRAILER)
     return b"".join(parts)
-
-
 
 
 def recorder_for(dialect: str, connection, stream: str, checkpoint_name: str = EVENTS_CHECKPOINT,
