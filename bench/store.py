@@ -280,6 +280,24 @@ def size_under_window(db_url: str, blocks: int) -> dict[str, float]:
             "bytes_after_keeping_half": kept, "pruned_rows": sum(result.rows.values()), "prune_s": prune_s}
 
 
+def empty_schema_bytes(cluster, sqlite_path: Path | None, revision: str = "head") -> int | None:
+    """Bytes of a fresh database migrated to `revision` and holding nothing (None: no cluster to make one in).
+
+    What the database takes before the first event (PostgreSQL's catalog alone is about 8 MB), so
+    the bytes each block event adds are told apart from a cost paid once.
+    """
+    if cluster is not None:
+        url = cluster.create_database(f"kvledger_empty_{uuid.uuid4().hex[:8]}")
+    elif sqlite_path is not None:
+        sqlite_path.unlink(missing_ok=True)
+        url = f"sqlite:///{sqlite_path}"
+    else:
+        return None
+    with database.opened(url) as engine:
+        database.upgrade(engine, revision)
+        return database_bytes(engine)
+
+
 def yardstick(db_url: str, blocks: int, cluster=None, sqlite_path: Path | None = None) -> float:
     """Seconds the database takes to bulk-load the rows store wrote into an empty copy of the schema."""
     with database.opened(db_url) as engine, engine.connect() as connection:
@@ -340,6 +358,7 @@ def compare(args: argparse.Namespace) -> int:
         "inventory_at_seq SQL p50 ms": re.compile(r"^(\w+):   inventory_at_seq_sql_p50_ms = ([\d.]+)", re.M),
         "inventory_at_seq in DB p50 ms": re.compile(r"^(\w+):   inventory_at_seq_in_db_p50_ms = ([\d.]+)", re.M),
         "restart s": re.compile(r"^(\w+):   restart_s = ([\d.]+)", re.M),
+        "bytes": re.compile(r"^(\w+):   bytes_full = ([\d,]+)", re.M),
     }
     common = ["--blocks", str(args.blocks), "--workers", str(args.workers), "--capacity", str(args.capacity),
               "--batch-size", str(args.batch_size)] + [f"--db={db}" for db in args.db or ["sqlite", "postgres"]]
@@ -356,10 +375,43 @@ def compare(args: argparse.Namespace) -> int:
                 runs.append((label, found))
                 print(f"turn {turn + 1}, {label}: " + "; ".join(
                     f"{db} {name} {value}" for name, per_db in found.items() for db, value in per_db.items()), flush=True)
+        print_net_bytes(args, runs, tree, work)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def print_net_bytes(args: argparse.Namespace, runs: list[tuple[str, dict]], tree: Path, work: Path) -> None:
+    """Each run's bytes per million block events less its revision's empty schema, measured here now.
+
+    REV's empty schema is made by this tree's migrations up to REV's last one, which must be
+    REV's own files unchanged (migrations are never edited once made).
+    """
+    revision_of = re.compile(r'^revision = "(\w+)"', re.M)
+    theirs = sorted((tree / "migrations" / "versions").glob("*.py"))
+    their_head = max(revision_of.search(path.read_text()).group(1) for path in theirs)
+    changed = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", args.compare, "--",
+                              *(f"migrations/versions/{path.name}" for path in theirs)]).returncode
+    if changed:
+        print(f"net bytes: not told, this tree's migrations up to {their_head} differ from {args.compare}'s")
+        return
+    for db in args.db or ["sqlite", "postgres"]:
+        if db not in ("sqlite", "postgres"):
+            continue
+        cluster = services.start_postgres(services.postgres_source(os.environ)) if db == "postgres" else None
+        try:
+            empty = {label: empty_schema_bytes(cluster, work / f"empty-{n}.db", revision)
+                     for n, (label, revision) in enumerate(((args.compare, their_head), ("this tree", "head")))}
+        finally:
+            if cluster is not None:
+                cluster.close()
+        print(f"{db} empty schema: {args.compare} (revision {their_head}) {empty[args.compare]:,} bytes, "
+              f"this tree {empty['this tree']:,} bytes")
+        for turn, (label, found) in enumerate(runs):
+            full = int(found["bytes"][db].replace(",", ""))
+            print(f"turn {turn // 2 + 1}, {label}: {db} bytes / M block events net of the empty schema "
+                  f"{(full - empty[label]) / args.blocks * 1e6:,.0f}")
 
 
 def main() -> int:
@@ -410,8 +462,13 @@ def main() -> int:
                 largest = sorted(bytes_by_table(url).items(), key=lambda item: -item[1])[:10]
                 print(f"{name}:   bytes_by_table = " + ", ".join(f"{table} {size / blocks * 1e6 / 1e6:.1f}" for table, size in largest)
                       + " (MB per M block events)")
-                for key, value in size_under_window(url, blocks).items():
+                size = size_under_window(url, blocks)
+                for key, value in size.items():
                     print(f"{name}:   {key} = {value:,.0f}" if key != "prune_s" else f"{name}:   {key} = {value:.2f}")
+                empty = empty_schema_bytes(cluster, work / "empty.db" if name == "sqlite" else None)
+                if empty is not None:
+                    print(f"{name}:   bytes_of_empty_schema = {empty:,.0f}")
+                    print(f"{name}:   bytes_per_million_block_events_net = {(size['bytes_full'] - empty) / blocks * 1e6:,.0f}")
             finally:
                 if cluster is not None:
                     cluster.close()
