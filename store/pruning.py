@@ -99,7 +99,7 @@ def prune_once(engine: sa.Engine, settings: StoreSettings, *, events_stream: str
             removed["event_log"] += connection.execute(tables.event_log.delete().where(
                 log_c.stream_seq > done, log_c.stream_seq <= upto)).rowcount
             # Only closed stays, and only those closed at or before the horizon: the stays, then their ends.
-            # (The batches the runs name narrow the delete to ranges of the stays' key; the run itself
+            # (The batches the runs name narrow the delete to ranges of (placement_id, stored_seq); the run itself
             # says which slots.)
             ended = sa.select(ends_c.placement_id, ends_c.stored_seq).where(
                 ends_c.removed_seq > done, ends_c.removed_seq <= upto)

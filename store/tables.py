@@ -162,7 +162,7 @@ def run_covers_stay() -> sa.ColumnElement[bool]:
     )
 
 
-# The view `block_residency` (migrations 0008-0010) joins the three: one row per stay of a block on
+# The view `block_residency` (migrations 0008-0011) joins the three: one row per stay of a block on
 # a worker's tier, as the audit reads it. Inventory as of seq S is
 # `stored_seq <= S AND (removed_seq IS NULL OR removed_seq > S)`. Described here, outside
 # `metadata`, so code can select from it; the migrations create it.
