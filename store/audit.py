@@ -43,7 +43,7 @@ WHERE ingest_ts = (SELECT MAX(ingest_ts) FROM event_log WHERE ingest_ts <= :ts);
 )
 
 # The as-of statements read the tables rather than the view: one worker's placements in id
-# order (ix_placements_worker), each placement's stays as one range of the stays' key in log
+# order (ix_placements_worker), each placement's stays as one range of (placement_id, stored_seq) in log
 # order, and a stay left out when a run of ends covers it by :seq. Ordered by numbers only:
 # PostgreSQL compares text under the database's collation, which made sorting an answer of
 # 20 000 rows by provenance and ownership cost more than finding them. The worker and
