@@ -85,6 +85,29 @@ def events_leader(stack: ComposeStack) -> str | None:
     return None
 
 
+def decide_connections(stack: ComposeStack, killed: str) -> str:
+    """Where each decide replica is connected, as the surviving nodes see it, with its subscriptions."""
+    lines = []
+    for node in NODES:
+        if node == killed:
+            continue
+        status, body = http(f"http://127.0.0.1:{stack.port(node, 8222)}/connz?subs=1")
+        if status != 200:
+            lines.append(f"{node}: /connz answered {status}")
+            continue
+        for connection in json.loads(body).get("connections", []):
+            if connection.get("name") == "kvledger-decide":
+                lines.append(f"{node}: decide from {connection['ip']}, {connection.get('subscriptions', 0)} "
+                             f"subscriptions {sorted(connection.get('subscriptions_list', []))}")
+    return "\n".join(lines)
+
+
+def log_records(log: str) -> str:
+    """A service's log without its tracebacks' frames: the records alone."""
+    return "\n".join(line for line in log.splitlines()
+                     if not line.split("|", 1)[-1].startswith(("  ", " Traceback", " During handling", " The above")))
+
+
 async def test_cluster_loses_nothing_when_the_events_leader_is_killed(cluster: ComposeStack, engine_ports) -> None:
     publish, replay = engine_ports
     requests = synthetic_requests(10_000, seed=5)
@@ -143,4 +166,9 @@ async def test_cluster_loses_nothing_when_the_events_leader_is_killed(cluster: C
         except AssertionError as timed_out:
             # What the replica said last, and its own account (its log), beside the timeout.
             last = replies[-1] if replies else None
-            raise AssertionError(f"{timed_out}; last reply {last!r}\n{cluster.service_log(replica)[-6000:]}") from None
+            address = subprocess.run(
+                ["docker", "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}",
+                 cluster.container(replica)], capture_output=True, text=True).stdout.strip()
+            raise AssertionError(f"{timed_out}; last reply {last!r}\n{replica} is at {address}\n"
+                                 f"{decide_connections(cluster, leader)}\n"
+                                 f"{log_records(cluster.service_log(replica))[-8000:]}") from None
