@@ -186,6 +186,17 @@ class NatsSettings:
     tls_cert: str | None = _setting(None, "Client certificate for mutual TLS.")
     tls_key: str | None = _setting(None, "Private key of the client certificate.")
     connect_timeout_s: float = _setting(5.0, "Seconds to wait for the NATS connection.", rule=_positive())
+    # A server killed with its host's network gone (a container, a machine) may never close
+    # its clients' connections: only unanswered pings tell, and nats-py's own default (two
+    # pings 120 s apart) left a service writing into a dead connection for minutes.
+    ping_interval_s: float = _setting(
+        5.0, "Seconds between the client's pings to its NATS server; with `max_outstanding_pings` unanswered the "
+        "connection is taken for dead and the client reconnects to another server.", rule=_positive(),
+    )
+    max_outstanding_pings: int = _setting(
+        2, "Unanswered pings after which the NATS connection is taken for dead (noticed within about "
+        "`ping_interval_s` × (this + 1)).", rule=_between(1, 100),
+    )
 
     @staticmethod
     def sync_interval_problem(text: str) -> str | None:

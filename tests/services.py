@@ -309,6 +309,14 @@ class ManagedService(abc.ABC):
     def stop(self) -> None:
         """Shut the server down gracefully; `restart` can bring it back."""
 
+    def freeze(self) -> None:
+        """Stop the server's processes where they are (SIGSTOP): its connections stay open, nothing answers."""
+        raise ServiceNotControllable(f"{type(self).__name__} cannot be frozen")
+
+    def thaw(self) -> None:
+        """Let a frozen server run on (SIGCONT)."""
+        raise ServiceNotControllable(f"{type(self).__name__} cannot be thawed")
+
     def close(self) -> None:
         """Stop the server and release what it holds (temporary folders, containers)."""
         self.stop()
@@ -384,8 +392,17 @@ class LocalNatsServer(NatsService):
         self.stop()
         self.start()
 
+    def freeze(self) -> None:
+        assert self._process is not None
+        self._process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self._process is not None
+        self._process.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self._process is not None:
+            self.thaw()  # a frozen process would not hear SIGTERM
             _stop_process(self._process, signal.SIGTERM)
 
     def close(self) -> None:
@@ -402,6 +419,12 @@ class _InContainer:
         container = self._container.get_wrapped_container()
         container.kill()
         container.wait()
+
+    def freeze(self) -> None:
+        self._container.get_wrapped_container().pause()
+
+    def thaw(self) -> None:
+        self._container.get_wrapped_container().unpause()
 
     def stop(self) -> None:
         container = self._container.get_wrapped_container()

@@ -17,6 +17,8 @@ def connect_options(settings: NatsSettings, *, name: str) -> dict[str, Any]:
         "servers": [url.strip() for url in settings.url.split(",") if url.strip()],
         "name": name,
         "connect_timeout": settings.connect_timeout_s,
+        "ping_interval": settings.ping_interval_s,
+        "max_outstanding_pings": settings.max_outstanding_pings,
     }
     if settings.token:
         options["token"] = settings.token
