@@ -14,13 +14,12 @@ import time
 import nats
 import pytest
 import sqlalchemy as sa
+from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from builders import BLOCK_SIZE, local_hashes
 from kvledger.events import EventBatch, Provenance, Stored, Tier, WorkerId
 from store import database, tables
-from nats.aio.msg import Msg
-
 from store.jetstream import _FAST_FETCH_ATTRIBUTES, fetch, first_gap, stream_seq
 from store.projector import EVENTS_DURABLE
 from store_harness import RunningStore, checkpoint, publish, store_settings
