@@ -103,6 +103,10 @@ async def test_health_metrics_and_redelivery_after_restart_change_nothing(nats_s
         service = running.service
         await running.until(lambda: checkpoint(db_url) >= last, "projection")
         await running.until(service.is_ready, "readiness")
+        # The gauge moves when the writer process's answer reaches store's process, just after SQL
+        # shows the commit (seen once in CI: /metrics read between the two).
+        committed = service.metrics.checkpoint.labels(settings.stream.events_stream)
+        await running.until(lambda: committed.value >= last, "the checkpoint gauge")
         reader, writer = await asyncio.open_connection("127.0.0.1", service.http_port)
         writer.write(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         body = (await reader.read()).decode()
