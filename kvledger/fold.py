@@ -748,6 +748,15 @@ class InventoryFold:
         state = self._workers.get(worker)
         return state is not None and _holds(state.by_provenance[provenance], tier, sequence_hash)
 
+    def holds_in_any_group(self, worker: WorkerId, provenance: Provenance, tier: Tier, sequence_hash: int) -> bool:
+        """Whether some KV-cache group of the worker holds a record with this sequence hash on the tier: the
+        SQL ledger's rule for a held block (an open stay in any group), where `holds` asks every deciding group."""
+        state = self._workers.get(worker)
+        if state is None:
+            return False
+        by_group = state.by_provenance[provenance].held.get(tier)
+        return bool(by_group) and any(counts.get(sequence_hash, 0) > 0 for counts in by_group.values())
+
     def holds_each(
         self, worker: WorkerId, sequence_hash: int, classes: Sequence[tuple[Provenance, Tier]]
     ) -> list[bool]:

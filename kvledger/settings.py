@@ -104,6 +104,18 @@ def _non_empty() -> _Rule:
     return _Rule(lambda v: None if v.strip() else "must not be empty")
 
 
+def _horizons() -> _Rule:
+    """Distinct horizons in milliseconds, each above 0 and at most an hour."""
+    def problem(values: tuple[float, ...]) -> str | None:
+        for value in values:
+            if not 0 < value <= 3_600_000:
+                return f"each horizon must be > 0 and <= 3600000 ms, got {value!r}"
+        if len(set(values)) != len(values):
+            return f"horizons must be distinct, got {list(values)!r}"
+        return None
+    return _Rule(problem)
+
+
 _PORT = _between(0, 65535)
 
 # JetStream refuses these characters in stream names (they are subject or path syntax).
@@ -310,6 +322,12 @@ class StoreSettings:
         0.5, "Horizon of the decision-quality metrics, in seconds of stream time: a decision counts as stale when "
         "its chosen source no longer holds the transferred blocks just before the first event ingested this long "
         "after it (`kvledger audit quality` takes any horizon).", rule=_positive(),
+    )
+    quality_horizons_ms: tuple[float, ...] = _setting(
+        (500.0,), "Horizons, in milliseconds of stream time, at which store judges every decision once and keeps "
+        "the verdict in SQL (decision_verdicts), in the transaction of the event that settles it; "
+        "`kvledger audit quality`, the demo and replay read these verdicts. An empty list judges nothing; "
+        "an audit at another horizon judges in SQL.", rule=_horizons(),
     )
     quality_max_pending: int = _setting(
         100000, "Decisions the quality metrics keep waiting for their horizon; beyond this, new ones are counted "
@@ -528,6 +546,16 @@ def _float_from_text(text: str) -> object:
     return _float_from_data(number)
 
 
+def _float_list_from_data(value: object) -> object:
+    if not isinstance(value, (list, tuple)):
+        raise _Mismatch
+    return tuple(_float_from_data(item) for item in value)
+
+
+def _float_list_from_text(text: str) -> object:
+    return tuple(_float_from_text(piece.strip()) for piece in text.split(",") if piece.strip())
+
+
 def _bool_from_data(value: object) -> object:
     if not isinstance(value, bool):
         raise _Mismatch
@@ -575,6 +603,7 @@ _KINDS: dict[object, _Kind] = {
     float: _Kind("float", _float_from_data, _float_from_text),
     bool: _Kind("bool", _bool_from_data, _bool_from_text),
     tuple[str, ...]: _Kind("list[str]", _str_list_from_data, _str_list_from_text),
+    tuple[float, ...]: _Kind("list[float]", _float_list_from_data, _float_list_from_text),
 }
 
 # ------------------------------------------------------------------- registry

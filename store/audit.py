@@ -18,7 +18,9 @@ import sqlalchemy as sa
 from kvledger.events import Tier, WorkerId
 from store.pruning import DECISIONS_PRUNED, HistoryPruned, pruned_through, refuse_pruned
 from store.sharding import sharded_events_checkpoint
+from store import tables
 from store.tables import to_signed, to_unsigned
+from store.verdicts import horizon_ms_of, judge_into
 
 
 @attrs.frozen
@@ -161,60 +163,21 @@ ORDER BY name;""",
     (),
 )
 
-# The quality audit: a decision is judged at its horizon, the stream seq just before the
-# first event ingested at or after decided_ts + :horizon_s (none yet: still pending). A
-# relied-on block is held there when some native stay of it on that worker (source: the
-# chosen tier; target: any local tier) is open at the horizon seq.
-_JUDGED = """WITH judged AS (
-  SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.reason, d.target,
-         d.chosen_source, d.chosen_dp_rank, d.chosen_tier,
-         (SELECT MIN(e.stream_seq) FROM event_log e WHERE e.ingest_ts >= d.decided_ts + :horizon_s) - 1 AS horizon_seq
+# The quality audit reads each decision's verdict at a horizon: whether the relied-on blocks
+# were still held at the horizon seq, the seq just before the first event ingested at or
+# after decided_ts + horizon (store/verdicts.py's JUDGE_SQL says how it is derived from the
+# stays). store writes the verdicts of its configured horizons (decision_verdicts) as events
+# settle them; for any other horizon the audit judges every decision in SQL first, into a
+# temporary table of the same name. A decision without a verdict is pending: no event has
+# been ingested that late yet.
+_JUDGED = """WITH judged_quality AS (
+  SELECT d.stream_seq, d.request_id, d.decided_ts, d.reason, d.target, d.chosen_source, d.chosen_dp_rank,
+         d.chosen_tier, d.inventory_seq, v.horizon_seq, v.stale, COALESCE(v.source_blocks, 0) AS source_blocks,
+         COALESCE(v.source_gone, 0) AS source_gone, v.source_gone_after_ms, v.first_eviction_ms, v.lost_credit,
+         COALESCE(v.target_blocks, 0) AS target_blocks, COALESCE(v.target_gone, 0) AS target_gone,
+         v.target_gone_after_ms
   FROM decisions d
-),
-blocks AS (
-  SELECT b.stream_seq, b.role, b.position,
-         MAX(CASE WHEN s.stored_seq <= j.horizon_seq AND (s.removed_seq IS NULL OR s.removed_seq > j.horizon_seq)
-                  THEN 1 ELSE 0 END) AS held,
-         MIN(CASE WHEN s.stored_seq <= j.inventory_seq AND s.removed_seq > j.inventory_seq
-                   AND s.removed_seq <= j.horizon_seq THEN s.removed_ts END) AS first_removed_ts,
-         MAX(CASE WHEN s.removed_seq > j.inventory_seq AND s.removed_seq <= j.horizon_seq
-                  THEN s.removed_ts END) AS last_removed_ts
-  FROM judged j
-  JOIN decision_blocks b ON b.stream_seq = j.stream_seq
-  JOIN decisions d ON d.stream_seq = b.stream_seq
-  LEFT JOIN block_residency s
-    ON s.sequence_hash = b.sequence_hash AND s.provenance = 'native'
-   AND s.publisher = CASE WHEN b.role = 'source' THEN d.chosen_source ELSE d.target_publisher END
-   AND s.dp_rank = CASE WHEN b.role = 'source' THEN d.chosen_dp_rank ELSE d.target_dp_rank END
-   AND s.tier IN ('device', 'host', 'disk')
-   AND (b.role = 'target' OR s.tier = d.chosen_tier)
-   AND s.stored_seq <= j.horizon_seq AND (s.removed_seq IS NULL OR s.removed_seq > j.inventory_seq)
-  WHERE j.horizon_seq IS NOT NULL AND b.role IN ('source', 'target')
-  GROUP BY b.stream_seq, b.role, b.position
-),
-quality AS (
-  SELECT j.stream_seq, j.request_id, j.decided_ts, j.reason, j.target, j.chosen_source, j.chosen_dp_rank,
-         j.chosen_tier, j.inventory_seq, j.horizon_seq,
-         SUM(CASE WHEN b.role = 'source' THEN 1 ELSE 0 END) AS source_blocks,
-         SUM(CASE WHEN b.role = 'source' AND b.held = 0 THEN 1 ELSE 0 END) AS source_gone,
-         (MIN(CASE WHEN b.role = 'source' AND b.held = 0 THEN b.last_removed_ts END) - j.decided_ts) * 1000
-           AS source_gone_after_ms,
-         (MIN(CASE WHEN b.role = 'source' THEN b.first_removed_ts END) - j.decided_ts) * 1000 AS first_eviction_ms,
-         SUM(CASE WHEN b.role = 'target' THEN 1 ELSE 0 END) AS target_blocks,
-         SUM(CASE WHEN b.role = 'target' AND b.held = 0 THEN 1 ELSE 0 END) AS target_gone,
-         (MIN(CASE WHEN b.role = 'target' AND b.held = 0 THEN b.last_removed_ts END) - j.decided_ts) * 1000
-           AS target_gone_after_ms
-  FROM judged j LEFT JOIN blocks b ON b.stream_seq = j.stream_seq
-  GROUP BY j.stream_seq, j.request_id, j.decided_ts, j.reason, j.target, j.chosen_source, j.chosen_dp_rank,
-           j.chosen_tier, j.inventory_seq, j.horizon_seq
-),
-judged_quality AS (
-  SELECT q.*,
-         CASE WHEN q.horizon_seq IS NULL OR q.source_blocks = 0 THEN NULL
-              WHEN q.source_gone > 0 THEN 1 ELSE 0 END AS stale,
-         CASE WHEN q.horizon_seq IS NULL OR q.target_blocks = 0 THEN NULL
-              WHEN q.target_gone > 0 THEN 1 ELSE 0 END AS lost_credit
-  FROM quality q
+  LEFT JOIN decision_verdicts v ON v.stream_seq = d.stream_seq AND v.horizon_ms = :horizon_ms
 )"""
 
 DECISION_QUALITY = Query(
@@ -226,7 +189,7 @@ SELECT stream_seq, request_id, decided_ts, reason, target, chosen_source, chosen
        lost_credit, target_blocks, target_gone, target_gone_after_ms
 FROM judged_quality
 ORDER BY stream_seq;""",
-    ("horizon_s",),
+    ("horizon_ms",),
 )
 
 DECISION_QUALITY_SUMMARY = Query(
@@ -277,53 +240,20 @@ SELECT dimension, key, SUM(hint) AS hints, SUM(stale) AS stale_hints,
 FROM ranked
 GROUP BY dimension, key
 ORDER BY dimension, key;""",
-    ("horizon_s",),
+    ("horizon_ms",),
 )
 
 # Shadow decisions (decide.shadow) are judged as live hints are: the shadow's chosen source
 # must still hold the blocks it would have transferred, on its tier, at the horizon seq.
-_SHADOW_JUDGED = """WITH judged AS (
-  SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.shadow_settings_digest, d.shadow_reason,
-         d.target, d.shadow_source, d.shadow_dp_rank, d.shadow_tier, d.shadow_transfer_blocks, d.shadow_saving_ms,
-         (SELECT MIN(e.stream_seq) FROM event_log e WHERE e.ingest_ts >= d.decided_ts + :horizon_s) - 1 AS horizon_seq
+_SHADOW_JUDGED = """WITH judged_shadow AS (
+  SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, v.horizon_seq, d.shadow_settings_digest,
+         d.shadow_reason, d.target, d.shadow_source, d.shadow_dp_rank, d.shadow_tier, d.shadow_transfer_blocks,
+         d.shadow_saving_ms, COALESCE(v.shadow_source_blocks, 0) AS source_blocks,
+         COALESCE(v.shadow_source_gone, 0) AS source_gone, v.shadow_source_gone_after_ms AS source_gone_after_ms,
+         v.shadow_first_eviction_ms AS first_eviction_ms, v.shadow_stale AS stale
   FROM decisions d
+  LEFT JOIN decision_verdicts v ON v.stream_seq = d.stream_seq AND v.horizon_ms = :horizon_ms
   WHERE d.shadow_source IS NOT NULL
-),
-blocks AS (
-  SELECT b.stream_seq, b.position,
-         MAX(CASE WHEN s.stored_seq <= j.horizon_seq AND (s.removed_seq IS NULL OR s.removed_seq > j.horizon_seq)
-                  THEN 1 ELSE 0 END) AS held,
-         MIN(CASE WHEN s.stored_seq <= j.inventory_seq AND s.removed_seq > j.inventory_seq
-                   AND s.removed_seq <= j.horizon_seq THEN s.removed_ts END) AS first_removed_ts,
-         MAX(CASE WHEN s.removed_seq > j.inventory_seq AND s.removed_seq <= j.horizon_seq
-                  THEN s.removed_ts END) AS last_removed_ts
-  FROM judged j
-  JOIN decision_blocks b ON b.stream_seq = j.stream_seq AND b.role = 'shadow_source'
-  LEFT JOIN block_residency s
-    ON s.sequence_hash = b.sequence_hash AND s.provenance = 'native'
-   AND s.publisher = j.shadow_source AND s.dp_rank = j.shadow_dp_rank AND s.tier = j.shadow_tier
-   AND s.stored_seq <= j.horizon_seq AND (s.removed_seq IS NULL OR s.removed_seq > j.inventory_seq)
-  WHERE j.horizon_seq IS NOT NULL
-  GROUP BY b.stream_seq, b.position
-),
-quality AS (
-  SELECT j.stream_seq, j.request_id, j.decided_ts, j.inventory_seq, j.horizon_seq, j.shadow_settings_digest,
-         j.shadow_reason, j.target, j.shadow_source, j.shadow_dp_rank, j.shadow_tier, j.shadow_transfer_blocks,
-         j.shadow_saving_ms,
-         COUNT(b.position) AS source_blocks,
-         SUM(CASE WHEN b.held = 0 THEN 1 ELSE 0 END) AS source_gone,
-         (MIN(CASE WHEN b.held = 0 THEN b.last_removed_ts END) - j.decided_ts) * 1000 AS source_gone_after_ms,
-         (MIN(b.first_removed_ts) - j.decided_ts) * 1000 AS first_eviction_ms
-  FROM judged j LEFT JOIN blocks b ON b.stream_seq = j.stream_seq
-  GROUP BY j.stream_seq, j.request_id, j.decided_ts, j.inventory_seq, j.horizon_seq, j.shadow_settings_digest,
-           j.shadow_reason, j.target, j.shadow_source, j.shadow_dp_rank, j.shadow_tier, j.shadow_transfer_blocks,
-           j.shadow_saving_ms
-),
-judged_shadow AS (
-  SELECT q.*,
-         CASE WHEN q.horizon_seq IS NULL OR q.source_blocks = 0 THEN NULL
-              WHEN q.source_gone > 0 THEN 1 ELSE 0 END AS stale
-  FROM quality q
 )"""
 
 SHADOW_QUALITY = Query(
@@ -335,7 +265,7 @@ SELECT stream_seq, request_id, decided_ts, shadow_settings_digest, target, shado
        source_gone, source_gone_after_ms, first_eviction_ms
 FROM judged_shadow
 ORDER BY stream_seq;""",
-    ("horizon_s",),
+    ("horizon_ms",),
 )
 
 SHADOW_QUALITY_SUMMARY = Query(
@@ -363,7 +293,7 @@ SELECT dimension, key, COUNT(*) AS hints, SUM(stale) AS stale_hints,
 FROM keyed
 GROUP BY dimension, key
 ORDER BY dimension, key;""",
-    ("horizon_s",),
+    ("horizon_ms",),
 )
 
 # In-flight credit (decide.inflight_ttl_ms) is confirmed when the target held every in-flight
@@ -371,32 +301,11 @@ ORDER BY dimension, key;""",
 INFLIGHT_QUALITY_SUMMARY = Query(
     "inflight_quality_summary",
     "In-flight credit at a horizon, per target: decisions that had it, how many the engine confirmed, lost credit with and without it",
-    """WITH judged AS (
-  SELECT d.stream_seq, d.target, d.target_publisher, d.target_dp_rank, d.inventory_seq,
-         (SELECT MIN(e.stream_seq) FROM event_log e WHERE e.ingest_ts >= d.decided_ts + :horizon_s) - 1 AS horizon_seq
+    """WITH per_decision AS (
+  SELECT d.stream_seq, d.target, v.target_blocks, v.target_gone, v.inflight_blocks, v.inflight_gone
   FROM decisions d
-  WHERE d.target_publisher IS NOT NULL
-),
-blocks AS (
-  SELECT b.stream_seq, b.role, b.position,
-         MAX(CASE WHEN s.stored_seq IS NOT NULL THEN 1 ELSE 0 END) AS held
-  FROM judged j
-  JOIN decision_blocks b ON b.stream_seq = j.stream_seq AND b.role IN ('target', 'inflight')
-  LEFT JOIN block_residency s
-    ON s.sequence_hash = b.sequence_hash AND s.provenance = 'native'
-   AND s.publisher = j.target_publisher AND s.dp_rank = j.target_dp_rank AND s.tier IN ('device', 'host', 'disk')
-   AND s.stored_seq <= j.horizon_seq AND (s.removed_seq IS NULL OR s.removed_seq > j.horizon_seq)
-  WHERE j.horizon_seq IS NOT NULL
-  GROUP BY b.stream_seq, b.role, b.position
-),
-per_decision AS (
-  SELECT j.stream_seq, j.target,
-         SUM(CASE WHEN b.role = 'target' THEN 1 ELSE 0 END) AS target_blocks,
-         SUM(CASE WHEN b.role = 'target' AND b.held = 0 THEN 1 ELSE 0 END) AS target_gone,
-         SUM(CASE WHEN b.role = 'inflight' THEN 1 ELSE 0 END) AS inflight_blocks,
-         SUM(CASE WHEN b.role = 'inflight' AND b.held = 0 THEN 1 ELSE 0 END) AS inflight_gone
-  FROM judged j JOIN blocks b ON b.stream_seq = j.stream_seq
-  GROUP BY j.stream_seq, j.target
+  JOIN decision_verdicts v ON v.stream_seq = d.stream_seq AND v.horizon_ms = :horizon_ms
+  WHERE d.target_publisher IS NOT NULL AND v.target_blocks + v.inflight_blocks > 0
 )
 SELECT target AS worker,
        SUM(CASE WHEN inflight_blocks > 0 THEN 1 ELSE 0 END) AS inflight_decisions,
@@ -411,7 +320,7 @@ SELECT target AS worker,
 FROM per_decision
 GROUP BY target
 ORDER BY target;""",
-    ("horizon_s",),
+    ("horizon_ms",),
 )
 
 STREAM_LOSSES = Query(
@@ -547,7 +456,7 @@ class Audit:
 
     def decision_quality(self, horizon_s: float) -> list[dict]:
         """Each decision judged at its horizon; `stale` / `lost_credit` are None while pending or when it relied on nothing."""
-        return run(self.connection, DECISION_QUALITY, horizon_s=horizon_s)
+        return self._judged(DECISION_QUALITY, horizon_s)
 
     def decisions_not_judged(self, horizon_s: float) -> int:
         """Decisions no event has been ingested `horizon_s` after yet: the rates leave them out."""
@@ -557,20 +466,63 @@ class Audit:
 
     def decision_quality_summary(self, horizon_s: float) -> list[dict]:
         """The rates per (dimension, key): dimension worker, tier, reason or hour (its start, epoch seconds)."""
-        return [_plain_numbers(row) for row in run(self.connection, DECISION_QUALITY_SUMMARY, horizon_s=horizon_s)]
-
+        return self._judged(DECISION_QUALITY_SUMMARY, horizon_s)
 
     def shadow_quality(self, horizon_s: float) -> list[dict]:
         """Each shadow decision with a would-be hint, judged at its horizon; `stale` None while pending."""
-        return [_plain_numbers(row) for row in run(self.connection, SHADOW_QUALITY, horizon_s=horizon_s)]
+        return self._judged(SHADOW_QUALITY, horizon_s)
 
     def shadow_quality_summary(self, horizon_s: float) -> list[dict]:
         """Would-be hints per (dimension, key): dimension settings (digest), worker or tier."""
-        return [_plain_numbers(row) for row in run(self.connection, SHADOW_QUALITY_SUMMARY, horizon_s=horizon_s)]
+        return self._judged(SHADOW_QUALITY_SUMMARY, horizon_s)
 
     def inflight_quality_summary(self, horizon_s: float) -> list[dict]:
         """In-flight credit per target worker: confirmed at the horizon, lost credit with and without it."""
-        return [_plain_numbers(row) for row in run(self.connection, INFLIGHT_QUALITY_SUMMARY, horizon_s=horizon_s)]
+        return self._judged(INFLIGHT_QUALITY_SUMMARY, horizon_s)
+
+    def verdict_source(self, horizon_s: float) -> str:
+        """Where the verdicts at a horizon come from: `store` (every settled decision has its row), `store+sql`
+        (store judges it, the SQL judge settles what it has not written yet) or `sql` (store does not judge it)."""
+        horizon_ms = horizon_ms_of(horizon_s)
+        h = tables.verdict_horizons.c
+        if self.connection.execute(sa.select(h.horizon_ms).where(h.horizon_ms == horizon_ms)).first() is None:
+            return "sql"
+        return "store+sql" if self._due_pending(horizon_ms) else "store"
+
+    def _due_pending(self, horizon_ms: float) -> list[tuple[int, float, float]]:
+        p, e = tables.verdicts_pending.c, tables.event_log.c
+        newest = sa.select(sa.func.max(e.ingest_ts)).scalar_subquery()
+        return [tuple(row) for row in self.connection.execute(
+            sa.select(p.stream_seq, p.horizon_ms, p.due_ts).where(p.horizon_ms == horizon_ms, p.due_ts <= newest))]
+
+    def _judged(self, query: Query, horizon_s: float) -> list[dict]:
+        """`query` over the verdicts at `horizon_s`: store's where it judges that horizon, with what it has not
+        settled yet (or every decision, at a horizon it does not judge) judged in SQL into a temporary
+        decision_verdicts, which the statement then reads instead of the table."""
+        horizon_ms = horizon_ms_of(horizon_s)
+        source = self.verdict_source(horizon_s)
+        if source == "store":
+            return [_plain_numbers(row) for row in run(self.connection, query, horizon_ms=horizon_ms)]
+        connection = self.connection
+        if connection.dialect.name == "sqlite":
+            stored, temporary = "main.decision_verdicts", "temp.decision_verdicts"
+        else:
+            schema = connection.exec_driver_sql("SELECT current_schema()").scalar_one()
+            stored, temporary = f'"{schema}".decision_verdicts', "pg_temp.decision_verdicts"
+        connection.exec_driver_sql(f"CREATE TEMPORARY TABLE decision_verdicts AS SELECT * FROM {stored} WHERE 1 = 0")
+        try:
+            if source == "sql":
+                d = tables.decisions.c
+                decisions = [(seq, horizon_ms, decided_ts + horizon_ms / 1000)
+                             for seq, decided_ts in connection.execute(sa.select(d.stream_seq, d.decided_ts))]
+            else:
+                connection.execute(sa.text(f"INSERT INTO {temporary} SELECT * FROM {stored} WHERE horizon_ms = :h"),
+                                   {"h": horizon_ms})
+                decisions = self._due_pending(horizon_ms)
+            judge_into(connection, temporary, decisions)
+            return [_plain_numbers(row) for row in run(connection, query, horizon_ms=horizon_ms)]
+        finally:
+            connection.exec_driver_sql(f"DROP TABLE {temporary}")
 
 
 def _plain_numbers(row: dict) -> dict:

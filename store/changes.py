@@ -52,6 +52,13 @@ EVENT_LOG_COLUMNS = (
     "block_count", "gap_reason", "gap_expected_seq", "gap_received_seq", "engine_ts", "ingest_ts",
     "group_idx", "ownership",
 )  # fmt: skip
+# The columns of a decision_verdicts row, in order (store.tables.decision_verdicts).
+VERDICT_COLUMNS = (
+    "stream_seq", "horizon_ms", "horizon_seq", "stale", "source_blocks", "source_gone", "source_gone_after_ms",
+    "first_eviction_ms", "lost_credit", "target_blocks", "target_gone", "target_gone_after_ms", "shadow_stale",
+    "shadow_source_blocks", "shadow_source_gone", "shadow_source_gone_after_ms", "shadow_first_eviction_ms",
+    "inflight_blocks", "inflight_gone", "judged_by",
+)  # fmt: skip
 UNCERTAIN_COLUMNS = ("publisher", "dp_rank", "provenance", "since_seq", "since_ts", "reason", "until_seq", "until_ts", "resolved_by")
 DEAD_LETTER_COLUMNS = (
     "source", "stream_seq", "subject", "publisher", "dp_rank", "endpoint", "reason", "frames", "raw", "ingest_ts", "recorded_ts",
@@ -128,6 +135,7 @@ class ChangeSet:
     workers: dict[WorkerId, tuple[int, int, float]] = attrs.field(factory=dict)
     worker_rows: list[tuple] = attrs.field(factory=list)
     dead_letters: list[tuple] = attrs.field(factory=list)
+    verdicts: list[tuple] = attrs.field(factory=list)  # decision_verdicts rows this transaction settles
     checkpoint_counters: str = "{}"
     blocks: int = 0  # block facts, for throughput metrics
 

@@ -56,7 +56,8 @@ from store.transactions import SQL_CHECKPOINT
 from store.writer import RecorderProcess, WriterError, encode_changes
 from store.planner_statistics import PlannerStatistics
 from store.pruning import HistoryPruner
-from store.quality import QualityMetrics, QualityTracker
+from store.quality import QualityMetrics, QualityTracker, open_native_records
+from store.verdicts import VerdictSweeper, pending_rows, register_horizons
 from store.sharding import parse_shard
 from store.snapshots import SnapshotWriter
 
@@ -301,7 +302,8 @@ class EventsProjector:
                         self.fold, self.index = await asyncio.to_thread(load_fold, self.engine, self.shard)
                         log.info("fold rebuilt from SQL at stream seq %d", self.fold.inventory_seq)
                         if self.quality is not None:
-                            self.quality.resume_at(await asyncio.to_thread(last_ingest_ts, self.engine))
+                            self.quality.resume_at(
+                                await asyncio.to_thread(last_ingest_ts, self.engine), self.fold.inventory_seq)
                         await asyncio.to_thread(self.statistics.read_catalog)
                     verdict = await verify_stream(
                         self.cursor, js, self.fold.inventory_seq, event_identities, name=self.shard.checkpoint_name,
@@ -394,15 +396,23 @@ class EventsProjector:
                         fold.inventory_seq = seq
                         self.metrics.dead_letters.labels(self.stream).inc()
                         continue
+                    settling, verdicts, open_before = (), (), None
                     if quality is not None:
-                        quality.before_event(batch.ingest_ts, fold)
+                        if batch.events:
+                            # Judged on the fold as of the seq before the first event written at or
+                            # after their horizon (the SQL judge's horizon seq: a batch without
+                            # events writes no event_log row, so it settles nothing).
+                            settling = quality.due(batch.ingest_ts)
+                            if settling:
+                                verdicts = quality.judge(settling, fold, seq - 1)
+                        open_before = open_native_records(batch, fold)
                     duplicates = fold.counters["duplicate_batch"]
                     facts, accepted = fold.begin(batch, seq)
                     if accepted:
                         for event in batch.events:
                             fold.apply_event(batch.worker, batch.provenance, event, seq, facts)
                     if quality is not None:
-                        quality.after_event(facts, seq, batch.ingest_ts)
+                        quality.after_event(facts, seq, batch.ingest_ts, open_before)
                     if not accepted and (
                         fold.counters["duplicate_batch"] != duplicates or self._recorded_before(batch)
                     ):
@@ -411,8 +421,13 @@ class EventsProjector:
                         fold.inventory_seq = changes.last_seq = seq
                         if self.cursor.generations and batch.events:
                             recovered.append(_recovered_row(batch, message_seq, seq))
+                        if settling:
+                            quality.put_back(settling)  # the next written event settles them
                         continue
                     builder.add_batch(changes, batch, seq, facts, fold)
+                    if settling:
+                        changes.verdicts.extend(verdicts)
+                        quality.settled(settling, verdicts)
                 encoded = None
                 if recovered:
                     # Before the transaction that moves the checkpoint past them, idempotently:
@@ -763,14 +778,17 @@ class StoreService:
             settings.stream.events_stream, settings.stream.decisions_stream, dead_letters_stream(settings.stream).name,
         ])
         self.engine = create_engine(settings.db.url)
-        # The quality metrics need the whole inventory in one fold: one store, not shards.
+        self.horizons_ms = settings.store.quality_horizons_ms
+        # Judging as events are folded needs the whole inventory in one fold: one store, not
+        # shards (sharded, the SQL judge settles every decision once all shards are past it).
         self.quality = QualityTracker(
-            self.metrics.quality, settings.store.quality_horizon_s, settings.store.quality_max_pending,
-        ) if parse_shard(settings.store.shard).single else None
+            self.metrics.quality, self.horizons_ms, settings.store.quality_max_pending,
+            settings.store.quality_horizon_s,
+        ) if parse_shard(settings.store.shard).single and self.horizons_ms else None
         self.events = EventsProjector(settings, self.engine, self.metrics, self.quality)
         batch = settings.store.batch_size
         self.decisions = RowProjector(
-            "decisions", settings.stream.decisions_stream, DECISIONS_DURABLE, decision_rows,
+            "decisions", settings.stream.decisions_stream, DECISIONS_DURABLE, self._decision_rows,
             self.engine, self.metrics, batch, self.quality.decisions_committed if self.quality else None,
             decision_identities, recorded_decisions,
         )  # fmt: skip
@@ -788,6 +806,11 @@ class StoreService:
 
     def is_ready(self) -> bool:
         return all(projector.ready for projector in self.projectors)
+
+    def _decision_rows(self, message, seq: int) -> list[TableRow]:
+        """A decision's rows, and a pending verdict per configured horizon beside them."""
+        rows = decision_rows(message, seq)
+        return rows + pending_rows(rows, self.horizons_ms) if self.horizons_ms else rows
 
     async def run(self, stop: asyncio.Event) -> None:
         with young_collections_deferred():
@@ -807,11 +830,18 @@ class StoreService:
             try:
                 js = connection.jetstream()
                 await self._ensure_streams(js, stop)
+                if self.leads and self.horizons_ms:
+                    try:
+                        await asyncio.to_thread(register_horizons, self.engine, self.horizons_ms)
+                    except DATABASE_ERRORS as error:  # audits judge in SQL until a later start registers them
+                        log.warning("could not record the verdict horizons (%s); continuing without", error)
                 async with asyncio.TaskGroup() as group:
                     for projector in self.projectors:
                         group.create_task(projector.run(js, stop))
                     if self.leads:
                         group.create_task(self.pruner.run(stop))
+                        if self.horizons_ms:
+                            group.create_task(VerdictSweeper(self.engine, self.metrics.quality).run(stop))
             finally:
                 # Not drain(): every ack has been awaited already, and drain would wait out
                 # the pull requests still parked on the server.

@@ -116,8 +116,8 @@ def prune_once(engine: sa.Engine, settings: StoreSettings, *, events_stream: str
                 decision_c.stream_seq > decisions_done, decision_c.stream_seq <= upto)).rowcount
             connection.execute(tables.decision_blocks.delete().where(
                 tables.decision_blocks.c.stream_seq > decisions_done, tables.decision_blocks.c.stream_seq <= upto))
-            connection.execute(tables.decision_requests.delete().where(
-                tables.decision_requests.c.stream_seq > decisions_done, tables.decision_requests.c.stream_seq <= upto))
+            for table in (tables.decision_requests, tables.decision_verdicts, tables.verdicts_pending):
+                connection.execute(table.delete().where(table.c.stream_seq > decisions_done, table.c.stream_seq <= upto))
             _save(connection, DECISIONS_PRUNED, decisions_stream, upto, now)
         decisions_done = upto
     return PruneResult(done, decisions_done, removed)

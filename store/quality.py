@@ -1,20 +1,23 @@
-"""Decision quality as it happens: was each decision still true at its horizon?
+"""Decision verdicts as they happen: was each decision still true at its horizon?
 
-`kvledger audit quality` answers this from SQL for any horizon. Here store answers it for
-one horizon (`store.quality_horizon_s`) as the events arrive, without querying: each
-decision the decisions projector commits waits, with the blocks it relies on, until the
-events projector is about to apply the first event ingested at or after decided_ts +
-horizon. The events fold then holds exactly the inventory as of the seq before it — the
-audit's horizon seq — and is asked whether the chosen source still holds the transferred
-blocks on its tier (else the hint was *stale*) and whether the target still holds its
-credited blocks on some local tier (else the credit was *lost*). Removals of chosen blocks
-on the way give the time from the decision to the first eviction.
+store judges every decision once per configured horizon (`store.quality_horizons_ms`) as the
+events arrive, without querying: each decision the decisions projector commits waits, with
+the blocks it relies on, until the events projector is about to write the first event
+ingested at or after decided_ts + horizon. The events fold then holds exactly the inventory
+as of the seq before it — the audit's horizon seq — and is asked whether the chosen source
+still holds the transferred blocks on its tier (else the hint was *stale*), whether the
+target still holds its credited blocks on some local tier (else the credit was *lost*), the
+shadow source its would-be transfer, and the target its in-flight blocks. Removals of the
+relied-on blocks on the way (each stay's end, clears included) give the times
+`store/verdicts.py`'s SQL judge derives from the stays. The verdict is a row of
+`decision_verdicts` in the transaction that writes that event, so it is written exactly
+once: a transaction that fails takes its verdicts with it, and the fold rebuilt from SQL
+starts with no decision waiting (the SQL judge settles those, see `store/verdicts.py`).
 
-The fold answers with the residency rule of `kvledger/residency.py`; the SQL audit counts a
-block held while any KV-cache group holds it, so for hybrid models the two can differ.
-Decisions that reach store after their horizon has passed in the fold (as after a restart,
-when the fold is rebuilt from SQL past them) are counted as not judged (`late`); the SQL
-audit judges them all.
+A block counts as held while any KV-cache group holds it natively (a stay in SQL), the SQL
+judge's rule, so the two always agree. Decisions that reach store after their horizon has
+passed in the fold (as after a restart) are left to the SQL judge (`late`), as are those
+whose inventory seq lies before the removals the tracker still remembers.
 """
 
 from __future__ import annotations
@@ -26,14 +29,16 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
-from kvledger.events import Provenance, Tier, WorkerId
-from kvledger.fold import BlockRemovedFact, InventoryClearedFact, InventoryFold
+from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.fold import BlockRemovedFact, BlockStoredFact, InventoryClearedFact, InventoryFold
 from kvledger.reuse import LOCAL_TIERS
 from kvledger.runtime.metrics import MetricSet
 from store import tables
 
 NATIVE = Provenance.NATIVE
-BlockAt = tuple[WorkerId, Tier, int]  # (worker, tier, sequence hash)
+WatchKey = tuple[WorkerId, int]  # (worker, sequence hash)
+# A stay's end as the tracker sees it: (worker, tier, sequence hash, stored seq).
+StayEnd = tuple[WorkerId, Tier, int, int]
 # How long, in stream time beyond the horizon, removals are remembered for decisions that
 # reach store after the events projector has already passed their inventory seq.
 _REMEMBER_EXTRA_S = 1.0
@@ -60,7 +65,11 @@ class QualityMetrics:
             "Time from a decision to the first eviction of a chosen block, within the horizon", ["tier"],
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
         self.unjudged = metrics.counter(
-            "kvledger_store_decision_quality_unjudged", "Decisions the quality metrics could not judge, by why", ["reason"])
+            "kvledger_store_decision_quality_unjudged",
+            "Decisions the events fold could not judge, by why (the SQL judge settles them)", ["reason"])
+        self.verdicts = metrics.counter(
+            "kvledger_store_decision_verdicts", "Decision verdicts written to SQL, by who judged them (fold | sql)",
+            ["judged_by"])
         self.watched = metrics.counter(
             "kvledger_store_decision_quality_watched", "Decisions taken in to wait for their horizon")
 
@@ -86,37 +95,123 @@ def judge(
     return stale, lost
 
 
-@attrs.define(eq=False)
+
+@attrs.define(eq=False, slots=True)
+class _Role:
+    """The blocks one decision relies on one worker for, and what happened to their stays in its window."""
+
+    worker: WorkerId
+    tiers: tuple[Tier, ...]
+    hashes: tuple[int, ...]
+    # per block, the last end of one of its stays after the inventory seq (None: none)
+    last_removed: list = attrs.field(factory=list)
+    # the first end of a stay that was open at the inventory seq (the first eviction)
+    first_removed: float | None = None
+
+
+@attrs.define(eq=False, slots=True)
 class _Pending:
     stream_seq: int
     decided_ts: float
     deadline: float
+    horizon_ms: float
     inventory_seq: int
     reason: str
-    source: WorkerId | None
-    source_tier: Tier | None
-    source_hashes: tuple[int, ...]
-    target: WorkerId | None
-    target_hashes: tuple[int, ...]
-    first_eviction_ts: float | None = None
+    source: _Role | None
+    target: _Role | None
+    shadow: _Role | None
+    inflight: _Role | None
+    with_metrics: bool  # the metrics' horizon
+
+    def watched(self) -> tuple[_Role, ...]:
+        return tuple(role for role in (self.source, self.target, self.shadow) if role is not None and role.hashes)
+
+
+def _role(rows: dict, worker: WorkerId | None, tiers: tuple[Tier, ...], watch: bool) -> _Role | None:
+    if worker is None:
+        return None
+    hashes = tuple(h for _, h in sorted(rows))
+    return _Role(worker, tiers, hashes, [None] * len(hashes) if watch else [])
+
+
+def _stay_ends(facts: Sequence[object], open_before: dict | None) -> list[StayEnd]:
+    """The native stays `facts` ended, each once: removals, and the blocks a clear found open.
+
+    `open_before` is the batch's worker's native records before the batch (taken only for a
+    batch that can clear); the facts' stores and removals are played over it in order, so a
+    clear ends exactly the stays open at that moment, as SQL's clear statement does.
+    """
+    ends: list[StayEnd] = []
+    mirror = None
+    for fact in facts:
+        kind = type(fact)
+        if kind is BlockRemovedFact:
+            record = fact.record
+            if record.provenance is NATIVE:
+                ends.append((record.worker, record.tier, record.sequence_hash, record.stream_seq))
+                if mirror is not None:
+                    mirror.get(record.tier, {}).pop(record.key, None)
+        elif kind is BlockStoredFact:
+            if mirror is not None and fact.record.provenance is NATIVE:
+                record = fact.record
+                mirror.setdefault(record.tier, {})[record.key] = record
+        elif kind is InventoryClearedFact and fact.provenance is NATIVE:
+            if mirror is None:
+                mirror = {tier: dict(records) for tier, records in (open_before or {}).items()}
+            tiers = list(mirror) if fact.tier is None else [fact.tier]
+            for tier in tiers:
+                for record in mirror.pop(tier, {}).values():
+                    ends.append((record.worker, record.tier, record.sequence_hash, record.stream_seq))
+    return ends
+
+
+def may_clear(batch: EventBatch, fold: InventoryFold) -> bool:
+    """Whether applying `batch` can clear its worker's native inventory (a clear, a gap, a new epoch)."""
+    if batch.provenance is not NATIVE:
+        return False
+    for event in batch.events:
+        kind = type(event)
+        if kind is not Stored and kind is not Removed:
+            return True
+    state = fold.worker_state(batch.worker)
+    return state is not None and state.epoch is not None and batch.epoch != state.epoch
+
+
+def open_native_records(batch: EventBatch, fold: InventoryFold) -> dict | None:
+    """The worker's native records before `batch`, by tier, when the batch can clear them (else None)."""
+    if not may_clear(batch, fold):
+        return None
+    state = fold.worker_state(batch.worker)
+    if state is None:
+        return None
+    return {tier: dict(records) for tier, records in state.by_provenance[NATIVE].records.items() if records}
 
 
 class QualityTracker:
-    """Fed by both projectors: `decisions_committed` with the decisions rows, and around each
-    applied KV_EVENTS batch `before_event` (judging what is due) and `after_event` (removals)."""
+    """Fed by both projectors: `decisions_committed` with the decisions rows; around each KV_EVENTS batch
+    the events projector writes, `due` (what it settles), `judge` (on the fold before it), `settled` or
+    `put_back`, and `after_event` (the stays the batch ended)."""
 
-    def __init__(self, metrics: QualityMetrics, horizon_s: float, max_pending: int) -> None:
+    def __init__(self, metrics: QualityMetrics, horizons_ms: Sequence[float], max_pending: int,
+                 metrics_horizon_s: float | None = None) -> None:
         self.metrics = metrics
-        self.horizon_s = horizon_s
+        self.horizons_ms = tuple(horizons_ms)
+        # The metrics follow one horizon: the configured one closest to store.quality_horizon_s.
+        if metrics_horizon_s is not None and self.horizons_ms:
+            wanted = metrics_horizon_s * 1000
+            self.metrics_horizon_ms = min(self.horizons_ms, key=lambda h: (abs(h - wanted), h))
+        else:
+            self.metrics_horizon_ms = self.horizons_ms[0] if self.horizons_ms else None
         self.max_pending = max_pending
-        self.stream_ts: float | None = None  # ingest time of the last event applied
+        self.stream_ts: float | None = None  # the highest ingest time of the events applied
         self.stream_seq = 0
         self._due: list[tuple[float, int, _Pending]] = []  # heap by deadline
         self._order = itertools.count()
-        self._watchers: dict[BlockAt, list[_Pending]] = collections.defaultdict(list)
-        # (ingest ts, stream seq, facts) of recently applied batches, by stream time: their removals
-        # and clears are looked through only for a decision that comes after them (`_replay_recent`)
-        self._recent: collections.deque[tuple[float, int, Sequence[object]]] = collections.deque()
+        self._watchers: dict[WatchKey, list[tuple[_Pending, _Role, int]]] = collections.defaultdict(list)
+        # (ingest ts, stream seq, stays ended) of recently applied batches that ended stays: looked
+        # through only for a decision that comes after them (`_replay_recent`)
+        self._recent: collections.deque[tuple[float, int, list[StayEnd]]] = collections.deque()
+        self._covered_after = 0  # every batch past this seq that ended stays is in _recent
 
     @property
     def waiting(self) -> int:
@@ -125,6 +220,8 @@ class QualityTracker:
     # the decisions side
 
     def decisions_committed(self, rows: Iterable[tuple[object, dict]]) -> None:
+        if not self.horizons_ms:
+            return
         decisions: dict[int, dict] = {}
         blocks: dict[tuple[int, str], list[tuple[int, int]]] = collections.defaultdict(list)
         for table, row in rows:
@@ -133,125 +230,199 @@ class QualityTracker:
             elif table is tables.decision_blocks:
                 blocks[row["stream_seq"], row["role"]].append((row["position"], tables.to_unsigned(row["sequence_hash"])))
         for seq, row in decisions.items():
-            source_hashes = tuple(h for _, h in sorted(blocks.get((seq, "source"), ())))
-            target_hashes = tuple(h for _, h in sorted(blocks.get((seq, "target"), ())))
-            if source_hashes or target_hashes:
-                self._take(row, source_hashes, target_hashes)
+            for horizon_ms in self.horizons_ms:
+                self._take(row, blocks, horizon_ms)
 
-    def _take(self, row: dict, source_hashes: tuple[int, ...], target_hashes: tuple[int, ...]) -> None:
-        deadline = row["decided_ts"] + self.horizon_s
+    def _take(self, row: dict, blocks: dict, horizon_ms: float) -> None:
+        deadline = row["decided_ts"] + horizon_ms / 1000
         if self.stream_ts is not None and self.stream_ts >= deadline:
             self.metrics.unjudged.labels("late").inc()
+            return
+        if row["inventory_seq"] < self._covered_after:
+            self.metrics.unjudged.labels("before_remembered").inc()
             return
         if len(self._due) >= self.max_pending:
             self.metrics.unjudged.labels("too_many_pending").inc()
             return
-        source = WorkerId(row["chosen_source"], row["chosen_dp_rank"]) if source_hashes else None
-        target = WorkerId(row["target_publisher"], row["target_dp_rank"]) if target_hashes else None
+        seq = row["stream_seq"]
+        target = WorkerId(row["target_publisher"], row["target_dp_rank"]) if row["target_publisher"] is not None else None
+        source = WorkerId(row["chosen_source"], row["chosen_dp_rank"]) if row["chosen_source"] is not None else None
+        shadow = WorkerId(row["shadow_source"], row["shadow_dp_rank"]) if row.get("shadow_source") is not None else None
+        source_rows, target_rows = blocks.get((seq, "source"), ()), blocks.get((seq, "target"), ())
+        shadow_rows, inflight_rows = blocks.get((seq, "shadow_source"), ()), blocks.get((seq, "inflight"), ())
         pending = _Pending(
-            row["stream_seq"], row["decided_ts"], deadline, row["inventory_seq"], row["reason"], source,
-            Tier(row["chosen_tier"]) if source is not None else None, source_hashes, target, target_hashes,
+            seq, row["decided_ts"], deadline, horizon_ms, row["inventory_seq"], row["reason"],
+            _role(source_rows, source, (Tier(row["chosen_tier"]),), True) if source_rows else None,
+            _role(target_rows, target, LOCAL_TIERS, True) if target_rows else None,
+            _role(shadow_rows, shadow, (Tier(row["shadow_tier"]),), True) if shadow_rows else None,
+            _role(inflight_rows, target, LOCAL_TIERS, False) if inflight_rows else None,
+            horizon_ms == self.metrics_horizon_ms,
         )
-        if source is not None:
-            for sequence_hash in source_hashes:
-                self._watchers[source, pending.source_tier, sequence_hash].append(pending)
+        watchers = self._watchers
+        for role in pending.watched():
+            worker = role.worker
+            for position, sequence_hash in enumerate(role.hashes):
+                watchers[worker, sequence_hash].append((pending, role, position))
+        if pending.watched() and self._recent and self._recent[-1][1] > pending.inventory_seq:
             self._replay_recent(pending)
         heapq.heappush(self._due, (deadline, next(self._order), pending))
-        self.metrics.watched.inc()
+        if pending.with_metrics:
+            self.metrics.watched.inc()
 
     def _replay_recent(self, pending: _Pending) -> None:
-        """Removals the events projector applied after the decision's inventory seq, before the decision arrived."""
-        watched = set(pending.source_hashes)
-        source, source_tier = pending.source, pending.source_tier
-        recent = [(ts, facts) for ts, seq, facts in self._recent if seq > pending.inventory_seq]
-        for ts, facts in recent:
-            for fact in facts:
-                if type(fact) is BlockRemovedFact:
-                    record = fact.record
-                    if record.provenance is NATIVE and record.tier is source_tier and record.sequence_hash in watched \
-                            and record.worker == source:
-                        pending.first_eviction_ts = ts
-                        return
-        for ts, facts in recent:
-            for fact in facts:
-                if type(fact) is InventoryClearedFact and fact.provenance is NATIVE and fact.worker == source \
-                        and fact.tier in (None, source_tier):
-                    pending.first_eviction_ts = ts
-                    return
+        """Stays the events projector ended after the decision's inventory seq, before the decision arrived."""
+        roles = {}
+        for role in pending.watched():
+            for position, sequence_hash in enumerate(role.hashes):
+                roles.setdefault((role.worker, sequence_hash), []).append((pending, role, position))
+        for ts, seq, ends in self._recent:
+            if seq > pending.inventory_seq:
+                for end in ends:
+                    found = roles.get((end[0], end[2]))
+                    if found is not None:
+                        _note_end(found, end, seq, ts)
 
     # the events side
 
-    def resume_at(self, ingest_ts: float | None) -> None:
-        """The events fold was (re)built from SQL, as of an event ingested at `ingest_ts` (None: no
-        event yet). Decisions whose horizon lies at or before it can no longer be judged on it."""
-        self.stream_ts = ingest_ts
-        while ingest_ts is not None and self._due and self._due[0][0] <= ingest_ts:
-            _, _, pending = heapq.heappop(self._due)
-            self._unwatch(pending)
-            self.metrics.unjudged.labels("late").inc()
-
-    def before_event(self, ingest_ts: float, fold: InventoryFold) -> None:
-        """Judge every decision whose horizon this event reaches, on the fold as of the seq before it."""
-        while self._due and self._due[0][0] <= ingest_ts:
-            _, _, pending = heapq.heappop(self._due)
-            self._judge(pending, fold)
-
-    def after_event(self, facts: Sequence[object], stream_seq: int, ingest_ts: float) -> None:
-        self.stream_ts, self.stream_seq = ingest_ts, stream_seq
-        if facts:
-            # Kept whole (the fold made the list for this batch alone): a decision that comes later
-            # looks through them, so a batch nobody waits on costs one append, not a look at each fact.
-            self._recent.append((ingest_ts, stream_seq, facts))
-            if self._due:
-                for fact in facts:
-                    if type(fact) is BlockRemovedFact:
-                        record = fact.record
-                        if record.provenance is NATIVE:
-                            self._removed((record.worker, record.tier, record.sequence_hash), stream_seq, ingest_ts)
-                    elif type(fact) is InventoryClearedFact and fact.provenance is NATIVE:
-                        self._worker_cleared(fact.worker, fact.tier, stream_seq, ingest_ts)
-        self._forget_before(ingest_ts - self.horizon_s - _REMEMBER_EXTRA_S)
-
-    def _removed(self, block: BlockAt, stream_seq: int, ingest_ts: float) -> None:
-        for pending in self._watchers.get(block, ()):
-            if pending.first_eviction_ts is None and stream_seq > pending.inventory_seq:
-                pending.first_eviction_ts = ingest_ts
-
-    def _worker_cleared(self, worker: WorkerId, tier: Tier | None, stream_seq: int, ingest_ts: float) -> None:
+    def resume_at(self, ingest_ts: float | None, stream_seq: int = 0) -> None:
+        """The events fold was (re)built from SQL, as of `stream_seq`, whose newest event was ingested at
+        `ingest_ts` (None: no event yet). Nothing waiting can be judged on it (what it saw of their windows
+        went with the fold): they are left to the SQL judge, as is every decision before `stream_seq`."""
         for _, _, pending in self._due:
-            if pending.source == worker and tier in (None, pending.source_tier) and pending.first_eviction_ts is None \
-                    and stream_seq > pending.inventory_seq:
-                pending.first_eviction_ts = ingest_ts
+            if pending.with_metrics:
+                self.metrics.unjudged.labels("late").inc()
+        self._due.clear()
+        self._watchers.clear()
+        self._recent.clear()
+        self.stream_ts = ingest_ts
+        self.stream_seq = self._covered_after = stream_seq
+
+    def due(self, ingest_ts: float) -> list[_Pending]:
+        """The decisions whose horizon a batch ingested at `ingest_ts` reaches, taken off the queue."""
+        settled = []
+        queue = self._due
+        while queue and queue[0][0] <= ingest_ts:
+            settled.append(heapq.heappop(queue)[2])
+        return settled
+
+    def put_back(self, pendings: Sequence[_Pending]) -> None:
+        """Decisions `due` gave for a batch that is not written after all: they wait for the next."""
+        for pending in pendings:
+            heapq.heappush(self._due, (pending.deadline, next(self._order), pending))
+
+    def judge(self, pendings: Sequence[_Pending], fold: InventoryFold, horizon_seq: int) -> list[tuple]:
+        """The verdict rows of `pendings` on the fold as of `horizon_seq` (the seq before the settling batch)."""
+        holds = fold.holds_in_any_group
+        return [_verdict(pending, holds, horizon_seq) for pending in pendings]
+
+    def settled(self, pendings: Sequence[_Pending], rows: Sequence[tuple]) -> None:
+        """`pendings`' verdicts are in the transaction: stop watching them, and count them in the metrics."""
+        metrics = self.metrics
+        for pending, row in zip(pendings, rows):
+            self._unwatch(pending)
+            if not pending.with_metrics:
+                continue
+            stale, lost = row[3], row[8]
+            if stale is not None:
+                worker, tier = pending.source.worker.name, pending.source.tiers[0].value
+                metrics.hints.labels(worker, tier).inc()
+                if stale:
+                    metrics.stale_hints.labels(worker, tier).inc()
+                if row[7] is not None:
+                    metrics.first_eviction.labels(tier).observe(max(row[7] / 1000, 0.0))
+            if lost is not None:
+                worker = pending.target.worker.name
+                metrics.credits.labels(worker, pending.reason).inc()
+                if lost:
+                    metrics.lost_credits.labels(worker, pending.reason).inc()
+        if rows:
+            metrics.verdicts.labels("fold").inc(len(rows))
+
+    def after_event(self, facts: Sequence[object], stream_seq: int, ingest_ts: float,
+                    open_before: dict | None = None) -> None:
+        """A batch was applied: note the stays it ended for the decisions waiting on them."""
+        if self.stream_ts is None or ingest_ts > self.stream_ts:
+            self.stream_ts = ingest_ts
+        self.stream_seq = stream_seq
+        if facts:
+            ends = _stay_ends(facts, open_before)
+            if ends:
+                self._recent.append((ingest_ts, stream_seq, ends))
+                watchers = self._watchers
+                if watchers:
+                    for end in ends:
+                        found = watchers.get((end[0], end[2]))
+                        if found:
+                            _note_end(found, end, stream_seq, ingest_ts)
+        if self.horizons_ms:
+            self._forget_before(self.stream_ts - max(self.horizons_ms) / 1000 - _REMEMBER_EXTRA_S)
 
     def _forget_before(self, ts: float) -> None:
         recent = self._recent
         while recent and recent[0][0] < ts:
-            recent.popleft()
-
-    def _judge(self, pending: _Pending, fold: InventoryFold) -> None:
-        metrics = self.metrics
-        stale, lost = judge(lambda worker, tier, h: fold.holds(worker, NATIVE, tier, h), pending.source,
-                            pending.source_tier, pending.source_hashes, pending.target, pending.target_hashes)
-        if stale is not None:
-            worker, tier = pending.source.name, pending.source_tier.value
-            metrics.hints.labels(worker, tier).inc()
-            if stale:
-                metrics.stale_hints.labels(worker, tier).inc()
-            if pending.first_eviction_ts is not None:
-                metrics.first_eviction.labels(tier).observe(max(pending.first_eviction_ts - pending.decided_ts, 0.0))
-        if pending.source is not None:
-            self._unwatch(pending)
-        if lost is not None:
-            worker = pending.target.name
-            metrics.credits.labels(worker, pending.reason).inc()
-            if lost:
-                metrics.lost_credits.labels(worker, pending.reason).inc()
+            self._covered_after = recent.popleft()[1]
 
     def _unwatch(self, pending: _Pending) -> None:
-        for sequence_hash in pending.source_hashes:
-            block = (pending.source, pending.source_tier, sequence_hash)
-            watchers = self._watchers.get(block)
-            if watchers is not None:
-                watchers.remove(pending)
-                if not watchers:
-                    del self._watchers[block]
+        watchers = self._watchers
+        for role in pending.watched():
+            for sequence_hash in set(role.hashes):
+                key = (role.worker, sequence_hash)
+                found = watchers.get(key)
+                if found is not None:
+                    kept = [entry for entry in found if entry[0] is not pending]
+                    if kept:
+                        watchers[key] = kept
+                    else:
+                        del watchers[key]
+
+
+def _note_end(found: Sequence[tuple[_Pending, _Role, int]], end: StayEnd, stream_seq: int, ts: float) -> None:
+    """A stay of a watched block ended at `stream_seq`: the last end per block, the first of a stay open at
+    the decision's inventory seq (SQL's `last_removed_ts` and `first_removed_ts`)."""
+    tier, stored_seq = end[1], end[3]
+    for pending, role, position in found:
+        if stream_seq <= pending.inventory_seq or tier not in role.tiers:
+            continue
+        last = role.last_removed[position]
+        if last is None or ts > last:
+            role.last_removed[position] = ts
+        if stored_seq <= pending.inventory_seq and (role.first_removed is None or ts < role.first_removed):
+            role.first_removed = ts
+
+
+def _gone(role: _Role | None, holds: Callable[[WorkerId, Provenance, Tier, int], bool]) -> list[int]:
+    if role is None:
+        return []
+    worker, tiers = role.worker, role.tiers
+    return [position for position, h in enumerate(role.hashes)
+            if not any(holds(worker, NATIVE, tier, h) for tier in tiers)]
+
+
+def _after_ms(ts: float | None, decided_ts: float) -> float | None:
+    return None if ts is None else (ts - decided_ts) * 1000
+
+
+def _judged(role: _Role | None, gone: list[int], decided_ts: float) -> tuple:
+    """(verdict, blocks, gone, gone_after_ms, first_eviction_ms) of one role, as the SQL judge computes them."""
+    if role is None or not role.hashes:
+        return None, 0, 0, None, None
+    removed = [role.last_removed[position] for position in gone if role.last_removed[position] is not None]
+    return (int(bool(gone)), len(role.hashes), len(gone), _after_ms(min(removed) if removed else None, decided_ts),
+            _after_ms(role.first_removed, decided_ts))
+
+
+def _verdict(pending: _Pending, holds, horizon_seq: int) -> tuple:
+    decided_ts = pending.decided_ts
+    stale, source_blocks, source_gone, source_after, first_eviction = _judged(
+        pending.source, _gone(pending.source, holds), decided_ts)
+    lost, target_blocks, target_gone, target_after, _ = _judged(pending.target, _gone(pending.target, holds), decided_ts)
+    shadow_stale, shadow_blocks, shadow_gone, shadow_after, shadow_first = _judged(
+        pending.shadow, _gone(pending.shadow, holds), decided_ts)
+    inflight = pending.inflight
+    inflight_blocks = len(inflight.hashes) if inflight is not None else 0
+    inflight_gone = len(_gone(inflight, holds))
+    return (
+        pending.stream_seq, pending.horizon_ms, horizon_seq, stale, source_blocks, source_gone, source_after,
+        first_eviction, lost, target_blocks, target_gone, target_after, shadow_stale, shadow_blocks, shadow_gone,
+        shadow_after, shadow_first, inflight_blocks, inflight_gone, "fold",
+    )

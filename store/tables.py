@@ -303,6 +303,58 @@ decision_requests = sa.Table(
     sa.Column("local_hashes", sa.LargeBinary, nullable=False),
 )
 
+# Each decision's verdict at each horizon store judges (`store.quality_horizons_ms`): was the
+# chosen source still holding the transferred blocks on its tier (`stale`), the target its
+# credited ones on some local tier (`lost_credit`), the shadow source its would-be transfer
+# (`shadow_stale`), and how many in-flight blocks the target held, all at the horizon seq.
+# Written once, in the transaction of the event that settles the decision (`judged_by` fold),
+# or by the set-based SQL judge for a decision that came too late for that (`judged_by` sql).
+decision_verdicts = sa.Table(
+    "decision_verdicts",
+    metadata,
+    sa.Column("stream_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("horizon_ms", sa.Double, primary_key=True),
+    sa.Column("horizon_seq", _SEQ, nullable=False),
+    sa.Column("stale", sa.SmallInteger),
+    sa.Column("source_blocks", sa.Integer, nullable=False),
+    sa.Column("source_gone", sa.Integer, nullable=False),
+    sa.Column("source_gone_after_ms", sa.Double),
+    sa.Column("first_eviction_ms", sa.Double),
+    sa.Column("lost_credit", sa.SmallInteger),
+    sa.Column("target_blocks", sa.Integer, nullable=False),
+    sa.Column("target_gone", sa.Integer, nullable=False),
+    sa.Column("target_gone_after_ms", sa.Double),
+    sa.Column("shadow_stale", sa.SmallInteger),
+    sa.Column("shadow_source_blocks", sa.Integer, nullable=False),
+    sa.Column("shadow_source_gone", sa.Integer, nullable=False),
+    sa.Column("shadow_source_gone_after_ms", sa.Double),
+    sa.Column("shadow_first_eviction_ms", sa.Double),
+    sa.Column("inflight_blocks", sa.Integer, nullable=False),
+    sa.Column("inflight_gone", sa.Integer, nullable=False),
+    sa.Column("judged_by", _NAME, nullable=False),
+    sqlite_with_rowid=False,
+)
+
+# Decisions no verdict settles yet, per horizon, by when one is due (decided_ts + horizon):
+# what the SQL judge looks at, so it never scans the decisions already judged.
+verdicts_pending = sa.Table(
+    "verdicts_pending",
+    metadata,
+    sa.Column("stream_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("horizon_ms", sa.Double, primary_key=True),
+    sa.Column("due_ts", _TS, nullable=False),
+    sa.Index("ix_verdicts_pending_due", "due_ts"),
+    sqlite_with_rowid=False,
+)
+
+# The horizons store judges, since when: an audit at one of them reads verdicts.
+verdict_horizons = sa.Table(
+    "verdict_horizons",
+    metadata,
+    sa.Column("horizon_ms", sa.Double, primary_key=True),
+    sa.Column("since_ts", _TS, nullable=False),
+)
+
 # One row per consumer: the last stream seq whose effects are committed.
 checkpoints = sa.Table(
     "checkpoints",

@@ -27,6 +27,7 @@ from store.changes import (
     REMOVAL_COLUMNS,
     STAY_COLUMNS,
     UNCERTAIN_COLUMNS,
+    VERDICT_COLUMNS,
     WORKER_COLUMNS,
     ChangeSet,
     NewStays,
@@ -103,6 +104,10 @@ SQL_CLEAR = (
 )
 SQL_REFERENCES = "UPDATE block_stays SET refs = ? WHERE placement_id = ? AND stored_seq = ? AND slot = ?"
 SQL_CONFLICT = "UPDATE block_stays SET conflict_since = ? WHERE placement_id = ? AND stored_seq = ? AND slot = ?"
+# A decision's verdict, and its pending row gone, in the transaction of the event that settles it
+# (store/quality.py); a verdict the SQL judge wrote first is kept (the key is the decision and horizon).
+SQL_VERDICT = _insert("decision_verdicts", VERDICT_COLUMNS) + " ON CONFLICT (stream_seq, horizon_ms) DO NOTHING"
+SQL_SETTLED = "DELETE FROM verdicts_pending WHERE stream_seq = ? AND horizon_ms = ?"
 SQL_RESOLVE = (
     "UPDATE uncertain_periods SET until_seq = ?, until_ts = ?, resolved_by = ? "
     "WHERE publisher = ? AND dp_rank = ? AND provenance = ? AND until_seq IS NULL"
@@ -192,6 +197,9 @@ def _write_common(cursor, changes: ChangeSet, checkpoint: tuple, sql) -> None:
         cursor.executemany(sql(SQL_WORKER), changes.worker_rows)
     if changes.dead_letters:
         cursor.executemany(sql(SQL_DEAD_LETTER), changes.dead_letters)
+    if changes.verdicts:
+        cursor.executemany(sql(SQL_VERDICT), changes.verdicts)
+        cursor.executemany(sql(SQL_SETTLED), [(row[0], row[1]) for row in changes.verdicts])
     cursor.execute(sql(SQL_CHECKPOINT), checkpoint)
 
 

@@ -99,5 +99,5 @@ async def test_with_reuse_off_the_shadow_hints_are_recorded_and_judged_as_real_o
         assert fresh_summary["worker", "source/1"]["fresh_ttft_saved_ms"] == pytest.approx(source["estimated_ttft_saved_ms"])
         for query, rows in ((audit_queries.SHADOW_QUALITY, audit.shadow_quality(0.5)),
                             (audit_queries.SHADOW_QUALITY_SUMMARY, audit.shadow_quality_summary(0.5))):
-            assert_shell_agrees(db_url, query, {"horizon_s": 0.5}, rows, (
+            assert_shell_agrees(db_url, query, {"horizon_ms": 500.0}, rows, (
                 "request_id", "stale", "source_gone", "dimension", "key", "hints", "stale_hints", "blocks_moved"))

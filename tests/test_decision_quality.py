@@ -102,7 +102,7 @@ async def test_a_source_evicting_100_ms_after_the_decision_is_stale_at_500_ms_an
         # The same answers as an auditor gets pasting the documented statements into sqlite3 or psql.
         for query, rows in ((audit_queries.DECISION_QUALITY, audit.decision_quality(0.5)),
                             (audit_queries.DECISION_QUALITY_SUMMARY, audit.decision_quality_summary(0.5))):
-            assert_shell_agrees(db_url, query, {"horizon_s": 0.5}, rows, (
+            assert_shell_agrees(db_url, query, {"horizon_ms": 500.0}, rows, (
                 "request_id", "stale", "source_gone", "lost_credit", "target_gone", "dimension", "key", "hints",
                 "stale_hints", "credited"))
         fresh_summary = {(row["dimension"], row["key"]): row for row in audit.decision_quality_summary(0.05)}
@@ -110,24 +110,27 @@ async def test_a_source_evicting_100_ms_after_the_decision_is_stale_at_500_ms_an
         assert fresh_summary["worker", "source/1"]["median_first_eviction_ms"] is None
 
 
-def test_a_fold_rebuilt_past_a_decision_s_horizon_does_not_judge_it() -> None:
-    # A store restarting with its events checkpoint ahead of its decisions: the rebuilt fold
-    # already stands after the horizon, so it cannot say what was held there.
+def test_a_fold_rebuilt_from_sql_leaves_what_waited_to_the_sql_judge() -> None:
+    # A store whose fold is rebuilt from SQL (a restart, a failed write) no longer holds what
+    # it saw of the waiting decisions' windows: they go to the SQL judge (store/verdicts.py).
     metric_set = MetricSet()
     registry = metric_set.registry
     metrics = QualityMetrics(metric_set)
-    tracker = QualityTracker(metrics, horizon_s=0.5, max_pending=10)
+    tracker = QualityTracker(metrics, [500.0], max_pending=10)
     row = {"stream_seq": 1, "decided_ts": 100.0, "inventory_seq": 3, "reason": "chosen", "chosen_source": "source",
            "chosen_dp_rank": 1, "chosen_tier": "device", "target_publisher": "target", "target_dp_rank": 0}
     blocks = [(tables.decision_blocks, {"stream_seq": 1, "role": "source", "position": 0, "sequence_hash": -5})]
     tracker.decisions_committed([(tables.decisions, row), *blocks])
     assert tracker.waiting == 1
-    tracker.resume_at(100.4)  # before the horizon: it still waits
-    assert tracker.waiting == 1
-    tracker.resume_at(100.5)
+    tracker.resume_at(100.4, 5)
     assert tracker.waiting == 0
     assert registry.get_sample_value("kvledger_store_decision_quality_unjudged_total", {"reason": "late"}) == 1
     assert registry.get_sample_value("kvledger_store_decision_hints_total", {"worker": "source/1", "tier": "device"}) is None
+    # and a decision made before the rebuilt fold's seq is not taken in: its window began before it
+    tracker.decisions_committed([(tables.decisions, {**row, "stream_seq": 2, "decided_ts": 100.3}), *blocks])
+    assert tracker.waiting == 0
+    assert registry.get_sample_value(
+        "kvledger_store_decision_quality_unjudged_total", {"reason": "before_remembered"}) == 1
 
 
 def decided_ts(connection: sa.Connection, request_id: str) -> float:

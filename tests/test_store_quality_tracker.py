@@ -14,7 +14,7 @@ from kvledger.events import Cleared, EventBatch, Provenance, Removed, Tier, Work
 from kvledger.fold import InventoryFold
 from store import tables
 from store.projector import StoreMetrics
-from store.quality import QualityTracker
+from store.quality import QualityTracker, open_native_records
 
 HORIZON_S = 0.5
 SOURCE, OTHER, TARGET = WorkerId("source"), WorkerId("other"), WorkerId("target")
@@ -26,7 +26,8 @@ class Feed:
     def __init__(self) -> None:
         self.fold = InventoryFold()
         self.metrics = StoreMetrics()
-        self.tracker = QualityTracker(self.metrics.quality, HORIZON_S, 1000)
+        self.tracker = QualityTracker(self.metrics.quality, [HORIZON_S * 1000], 1000, HORIZON_S)
+        self.verdicts: list[tuple] = []
         self.seq = 0
         self.engine_seqs: dict[WorkerId, int] = {}
 
@@ -34,12 +35,16 @@ class Feed:
         self.seq += 1
         engine_seq = self.engine_seqs[worker] = self.engine_seqs.get(worker, -1) + 1
         batch = EventBatch(worker, 0, engine_seq, ingest_ts, ingest_ts, Provenance.NATIVE, events)
-        self.tracker.before_event(ingest_ts, self.fold)
+        settling = self.tracker.due(ingest_ts)
+        verdicts = self.tracker.judge(settling, self.fold, self.seq - 1)
+        open_before = open_native_records(batch, self.fold)
         facts, accepted = self.fold.begin(batch, self.seq)
         assert accepted
         for event in events:
             self.fold.apply_event(worker, Provenance.NATIVE, event, self.seq, facts)
-        self.tracker.after_event(facts, self.seq, ingest_ts)
+        self.tracker.after_event(facts, self.seq, ingest_ts, open_before)
+        self.tracker.settled(settling, verdicts)
+        self.verdicts += verdicts
         return self.seq
 
     def sequence_hashes(self, worker: WorkerId, engine_hashes: list[int]) -> list[int]:
