@@ -151,7 +151,7 @@ def horizon_seqs(connection: sa.Connection, deadlines: Sequence[float]) -> list[
 def _fill_work(connection: sa.Connection, work: Iterable[tuple[int, float, int]]) -> None:
     connection.exec_driver_sql(
         f"CREATE TEMPORARY TABLE IF NOT EXISTS {_WORK_TABLE} "
-        "(stream_seq BIGINT PRIMARY KEY, horizon_ms DOUBLE PRECISION, horizon_seq BIGINT)"
+        "(stream_seq BIGINT, horizon_ms DOUBLE PRECISION, horizon_seq BIGINT, PRIMARY KEY (stream_seq, horizon_ms))"
     )
     connection.exec_driver_sql(f"DELETE FROM {_WORK_TABLE}")
     rows = [{"stream_seq": seq, "horizon_ms": horizon_ms, "horizon_seq": horizon_seq}
@@ -186,7 +186,8 @@ def judge_into(connection: sa.Connection, table: str, decisions: Sequence[tuple[
     if not work:
         return 0
     _fill_work(connection, work)
-    conflict = " ON CONFLICT (stream_seq, horizon_ms) DO NOTHING" if table == "decision_verdicts" else ""
+    # (`WHERE 1 = 1`: SQLite reads an ON after a bare FROM as a join's, so an upsert's SELECT needs a WHERE.)
+    conflict = " WHERE 1 = 1 ON CONFLICT (stream_seq, horizon_ms) DO NOTHING" if table == "decision_verdicts" else ""
     connection.exec_driver_sql(f"INSERT INTO {table} ({_VERDICT_LIST}) {JUDGE_SQL}{conflict}")
     connection.exec_driver_sql(f"DELETE FROM {_WORK_TABLE}")
     return len(work)

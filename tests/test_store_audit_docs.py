@@ -14,7 +14,7 @@ from store_harness import project, publish, recorded_stream, run_in_shell, store
 pytestmark = pytest.mark.service
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "audit.md"
-VALUES = {"publisher": "eng-a", "dp_rank": 0, "tier": "device", "seq": 150, "ts": 1100.0, "hash": 5, "request_id": "x", "limit": 10, "horizon_s": 0.5}
+VALUES = {"publisher": "eng-a", "dp_rank": 0, "tier": "device", "seq": 150, "ts": 1100.0, "hash": 5, "request_id": "x", "limit": 10, "horizon_ms": 500.0}
 
 
 def test_the_doc_quotes_every_query_verbatim() -> None:

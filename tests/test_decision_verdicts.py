@@ -1,0 +1,192 @@
+"""Decision verdicts (store/quality.py, store/verdicts.py): judged once per horizon, kept in SQL, equal to SQL's judgement.
+
+Hypothesis writes event streams (three workers storing, removing and re-storing chains of
+blocks on two tiers, clearing, restarting under a new epoch; ingest times a little off the
+wall clock, now and then behind the batch before) interleaved with requests to a real decide
+(reuse on, shadow decisions and in-flight credit on), all through a real nats-server into a
+real store on SQLite and PostgreSQL. store judges the decisions at three horizons as it
+folds, or in SQL for those that reach it too late; a fourth horizon is configured only after
+the ledger is written, so the SQL judge settles all of it. Then, for every horizon, the
+verdict rows must be exactly the set-based SQL judge's over the whole ledger (every column,
+floats to the last bit), which must agree with the audit's former per-block statement
+(tests/quality_reference.py); and each decision has one verdict per horizon, no more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import attrs
+import nats
+import pytest
+import sqlalchemy as sa
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+
+from builders import Stream, local_hashes, publish, removed, stored
+from decide.service import DecideService
+from engines import wait_until
+from kvledger.events import Cleared, Tier, WorkerId
+from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
+from kvledger.settings import load_settings
+from quality_reference import reference_verdicts
+from store import database, tables
+from store.changes import VERDICT_COLUMNS
+from store.verdicts import judge_into
+from store_harness import RunningStore, checkpoint, store_settings
+
+pytestmark = pytest.mark.service
+
+WORKERS = (WorkerId("a"), WorkerId("b", 1), WorkerId("c"))
+LIVE_HORIZONS_MS = (60.0, 250.0, 500.0)
+LATER_HORIZON_MS = 120.0
+DEADLINE_S = 30.0
+
+step = st.one_of(
+    st.tuples(st.just("store"), st.sampled_from(WORKERS), st.integers(1, 10), st.sampled_from([Tier.DEVICE, Tier.HOST])),
+    st.tuples(st.just("remove"), st.sampled_from(WORKERS), st.lists(st.integers(1, 10), min_size=1, max_size=4),
+              st.sampled_from([Tier.DEVICE, Tier.HOST])),
+    st.tuples(st.just("clear"), st.sampled_from(WORKERS), st.none(), st.sampled_from([Tier.DEVICE, None])),
+    st.tuples(st.just("restart"), st.sampled_from(WORKERS), st.none(), st.none()),
+    st.tuples(st.just("decide"), st.sampled_from(WORKERS), st.integers(1, 12), st.none()),
+)
+timed_step = st.tuples(step, st.integers(0, 60), st.floats(-0.04, 0.02))  # (step, ms to wait, ingest skew in s)
+
+
+def decide_settings(url: str):
+    return load_settings(environ={}, overrides={
+        "nats.url": url, "decide.http_port": 0, "decide.backend": "cpu", "decide.shadow": True,
+        "decide.inflight_ttl_ms": 400.0, "reuse.enable_decode_to_prefill_gpu_reuse": True,
+        "reuse.enable_decode_to_prefill_reuse": True, "reuse.transfer_source_prefill_token_us": 1000.0,
+        "reuse.minimum_transfer_prefix_blocks": 1, "reuse.minimum_estimated_ttft_saving_ms": 0.0,
+    }).settings
+
+
+def fresh_database(request: pytest.FixtureRequest, kind: str, tmp_path) -> str:
+    if kind == "sqlite":
+        url = f"sqlite:///{tmp_path / f'ledger-{uuid.uuid4().hex[:8]}.db'}"
+    else:
+        url = request.getfixturevalue("postgres_server").create_database(f"kvledger_verdicts_{uuid.uuid4().hex[:12]}")
+    with database.opened(url) as engine:
+        database.upgrade(engine)
+    return url
+
+
+async def clean_streams(js) -> None:
+    for name in await js.streams_info():
+        await js.delete_stream(name.config.name)
+
+
+async def run_workload(nats_url: str, db_url: str, steps) -> int:
+    """The steps published and asked, store and decide running; returns the number of decisions."""
+    stream = Stream()
+    epochs = {worker: 0 for worker in WORKERS}
+    decisions = 0
+    base = stored([1])  # every worker known from the start, so decide ranks them all
+    async with await nats.connect(nats_url) as nc:
+        js = nc.jetstream()
+        await clean_streams(js)
+        settings = decide_settings(nats_url)
+        await ensure_stream(js, events_stream(settings.stream))
+        await publish(js, [at(stream.batch(worker, base), time.time()) for worker in WORKERS])
+        async with RunningStore(store_settings(nats_url, db_url, quality_horizons_ms=list(LIVE_HORIZONS_MS))) as running, \
+                DecideService(settings) as decide:
+            await decide.wait_ready(DEADLINE_S)
+            for (kind, worker, value, tier), wait_ms, skew in steps:
+                await asyncio.sleep(wait_ms / 1000)
+                if kind == "decide":
+                    ask = [{"request_id": f"r{decisions}", "target": worker.name, "block_size": 4,
+                            "local_hashes": [str(h) for h in local_hashes(list(range(1, value + 1)))]}]
+                    await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(ask).encode(), timeout=10)
+                    decisions += 1
+                    continue
+                if kind == "store":
+                    event = stored(list(range(1, value + 1)), tier=tier)
+                elif kind == "remove":
+                    event = removed(value, tier)
+                elif kind == "clear":
+                    event = Cleared(tier)
+                else:
+                    epochs[worker] += 1
+                    event = stored([1, 2])
+                batch = stream.batch(worker, event, epoch=epochs[worker], seq=0 if kind == "restart" else None)
+                await publish(js, [at(batch, time.time() + skew)])
+            # Every decision in SQL first, so the last ones wait in the fold for their horizon; then an
+            # event far past every horizon settles them all.
+            await running.until(lambda: checkpoint(db_url, "decisions") >= decisions, "every decision in SQL")
+            last = stream.batch(WORKERS[0], stored([1]), epoch=epochs[WORKERS[0]])
+            await publish(js, [at(last, time.time() + 5.0)])
+            await running.until(lambda: checkpoint(db_url) >= last[1], "every event in SQL")
+            await running.until(lambda: checkpoint(db_url, "decisions") >= decisions, "every decision in SQL")
+            await running.until(lambda: pending(db_url) == 0, "every verdict written")
+    return decisions
+
+
+def at(batch_and_seq, ingest_ts: float):
+    batch, seq = batch_and_seq
+    return attrs.evolve(batch, ingest_ts=ingest_ts, engine_ts=ingest_ts), seq
+
+
+def pending(url: str) -> int:
+    with database.opened(url) as engine, engine.connect() as connection:
+        return connection.execute(sa.select(sa.func.count()).select_from(tables.verdicts_pending)).scalar_one()
+
+
+def stored_verdicts(connection: sa.Connection, horizon_ms: float) -> list[tuple]:
+    v = tables.decision_verdicts
+    return [tuple(row) for row in connection.execute(
+        sa.select(*[v.c[name] for name in VERDICT_COLUMNS]).where(v.c.horizon_ms == horizon_ms).order_by(v.c.stream_seq))]
+
+
+def sql_verdicts(connection: sa.Connection, horizon_ms: float) -> list[tuple]:
+    """The set-based SQL judge over every decision, into a temporary table."""
+    connection.exec_driver_sql("CREATE TEMPORARY TABLE judged_here AS SELECT * FROM decision_verdicts WHERE 1 = 0")
+    d = tables.decisions.c
+    judge_into(connection, "judged_here", [(seq, horizon_ms, ts + horizon_ms / 1000)
+                                           for seq, ts in connection.execute(sa.select(d.stream_seq, d.decided_ts))])
+    rows = connection.exec_driver_sql(f"SELECT {', '.join(VERDICT_COLUMNS)} FROM judged_here ORDER BY stream_seq").all()
+    connection.exec_driver_sql("DROP TABLE judged_here")
+    return [tuple(row) for row in rows]
+
+
+def without_judge(rows: list[tuple]) -> list[tuple]:
+    return [row[:-1] for row in rows]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+# Each example runs real services for seconds: no shrinking, a failure prints its steps as found.
+@settings(max_examples=3, deadline=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(steps=st.lists(timed_step, min_size=12, max_size=40))
+def test_verdicts_equal_the_sql_judgement_of_the_whole_ledger(nats_server, request, tmp_path, kind, steps) -> None:
+    steps = [*steps, ((("decide", WORKERS[1], 6, None)), 0, 0.0)]  # at least one decision
+    db_url = fresh_database(request, kind, tmp_path)
+    decisions = asyncio.run(run_workload(nats_server.url, db_url, steps))
+    # A horizon configured after the fact: the SQL judge settles every decision recorded so far.
+    later = store_settings(nats_server.url, db_url, quality_horizons_ms=[*LIVE_HORIZONS_MS, LATER_HORIZON_MS])
+
+    def later_judged() -> int:
+        with database.opened(db_url) as engine, engine.connect() as connection:
+            return len(stored_verdicts(connection, LATER_HORIZON_MS))
+
+    async def backfill() -> None:
+        async with RunningStore(later) as running:
+            await running.until(lambda: later_judged() == decisions and pending(db_url) == 0, "the later horizon judged")
+
+    asyncio.run(backfill())
+    with database.opened(db_url) as engine, engine.connect() as connection:
+        judged_by = []
+        for horizon_ms in (*LIVE_HORIZONS_MS, LATER_HORIZON_MS):
+            stored_rows = stored_verdicts(connection, horizon_ms)
+            assert len(stored_rows) == decisions, f"one verdict per decision at {horizon_ms} ms"
+            assert without_judge(stored_rows) == without_judge(sql_verdicts(connection, horizon_ms))
+            assert reference_verdicts(connection, horizon_ms / 1000) == {
+                row[0]: (row[3], row[5], row[6], row[7], row[8], row[10], row[11]) for row in stored_rows}
+            judged_by += [row[-1] for row in stored_rows]
+        later_rows = stored_verdicts(connection, LATER_HORIZON_MS)
+        assert {row[-1] for row in later_rows} == {"sql"}
+        assert "fold" in judged_by  # the events fold judged what it could, live
+        total = connection.execute(sa.select(sa.func.count()).select_from(tables.decision_verdicts)).scalar_one()
+        assert total == decisions * (len(LIVE_HORIZONS_MS) + 1)
