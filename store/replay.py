@@ -70,6 +70,32 @@ ORDER BY d.stream_seq;""",
     ("horizon_s", "from_ts", "to_ts"),
 )
 
+# The same without the horizon seq, which `read_window` finds from `replay_ingest_times` instead: the
+# correlated MIN above scans event_log once per decision (a replay's time grew with decisions × events).
+REPLAY_DECISIONS = Query(
+    "replay_decisions",
+    "The decisions of a window with the requests they answered",
+    """SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.target, d.reason, d.baseline_blocks,
+       d.chosen_source, d.chosen_dp_rank, d.chosen_tier, d.chosen_prefix_blocks, d.chosen_transfer_blocks,
+       d.chosen_saving_ms, d.target_prefix_blocks,
+       r.block_size, r.blocks, r.requested_target, r.fallback, r.local_hashes
+FROM decisions d
+JOIN decision_requests r ON r.stream_seq = d.stream_seq
+WHERE d.decided_ts >= :from_ts AND d.decided_ts < :to_ts
+ORDER BY d.stream_seq;""",
+    ("from_ts", "to_ts"),
+)
+
+REPLAY_INGEST_TIMES = Query(
+    "replay_ingest_times",
+    "Every event's ingest time in seq order: a decision's horizon seq is the seq before the first event ingested "
+    "at or after its horizon",
+    """SELECT stream_seq, ingest_ts
+FROM event_log
+ORDER BY stream_seq;""",
+    (),
+)
+
 # Decisions of the window recorded without their request (before migration 0007): not replayed.
 UNREPLAYABLE = Query(
     "replay_unreplayable",
@@ -112,7 +138,8 @@ ORDER BY generation;""",
     (),
 )
 
-QUERIES = (REPLAY_REQUESTS, UNREPLAYABLE, REPLAY_STAYS, REPLAY_WORKERS, KV_EVENTS_GENERATIONS)
+QUERIES = (REPLAY_REQUESTS, REPLAY_DECISIONS, REPLAY_INGEST_TIMES, UNREPLAYABLE, REPLAY_STAYS, REPLAY_WORKERS,
+           KV_EVENTS_GENERATIONS)
 
 _NATIVE, _RETAINED = Provenance.NATIVE, Provenance.RETAINED
 _FOREVER = math.inf
@@ -378,17 +405,31 @@ def sql_refusal(connection: sa.Connection, first_seq: int | None, from_ts: float
     return None
 
 
-def replay(
-    connection: sa.Connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
-    from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
-) -> Report:
-    """Answer every recorded request decided in [from_ts, to_ts) again under each of `settings` (name, value),
-    from SQL; raises ReplayRefused when SQL no longer holds the window (`replay_stream` reads the streams).
+@attrs.frozen
+class Window:
+    """The recorded decisions of a window as SQL holds them, and the seqs their timeline spans."""
 
-    `placed`: a request naming no target is answered for its fallback, where its load balancer placed it, as
-    shadow decisions rank it (decide/shadow.py): what reuse would transfer there. Otherwise as it was asked."""
+    decisions: list[Recorded]
+    unreplayable: int
+    first_seq: int
+    last_seq: int
+
+
+def read_window(connection: sa.Connection, *, horizon_s: float, from_ts: float = -math.inf,
+                to_ts: float = math.inf, horizons_in_sql: bool = True) -> Window:
+    """The decisions of [from_ts, to_ts) with their requests; raises ReplayRefused when SQL no longer holds the
+    window. `horizons_in_sql`: each horizon seq by `replay_requests`' own subquery (the reference), else from
+    one pass over the events' ingest times (`_horizon_seqs`, as the streams find it), the same seq."""
     window = {"from_ts": max(from_ts, -1e18), "to_ts": min(to_ts, 1e18)}
-    rows = run(connection, REPLAY_REQUESTS, horizon_s=horizon_s, **window)
+    if horizons_in_sql:
+        rows = run(connection, REPLAY_REQUESTS, horizon_s=horizon_s, **window)
+    else:
+        rows = run(connection, REPLAY_DECISIONS, **window)
+        if rows:
+            times = connection.execute(sa.text(REPLAY_INGEST_TIMES.sql.rstrip(";"))).all()
+            found = _horizon_seqs(times, [row["decided_ts"] + horizon_s for row in rows], ingest_ts=lambda t: t)
+            for row, horizon in zip(rows, found):
+                row["horizon_seq"] = horizon
     unreplayable = run(connection, UNREPLAYABLE, **window)[0]["decisions"]
     generations = _Generations(run(connection, KV_EVENTS_GENERATIONS))
     decisions = [_recorded_of(row, generations.ledger_seq(row["inventory_seq"], row["decided_ts"])) for row in rows]
@@ -398,13 +439,53 @@ def replay(
     refusal = sql_refusal(connection, first if decisions else None, from_ts)
     if refusal is not None:
         raise ReplayRefused(refusal)
-    timeline = Timeline(run(connection, REPLAY_STAYS, first_seq=first, last_seq=last), run(connection, REPLAY_WORKERS))
+    return Window(decisions, unreplayable, first, last)
+
+
+def stay_columns(connection: sa.Connection, first_seq: int, last_seq: int) -> tuple[list, ...]:
+    """`replay_stays`' rows as columns (publisher, dp_rank, provenance, tier, sequence_hash as stored: signed,
+    stored_seq, removed_seq, conflict_since), without a dict per row: a window holds many stays per decision."""
+    result = connection.execute(sa.text(REPLAY_STAYS.sql.rstrip(";")), {"first_seq": first_seq, "last_seq": last_seq})
+    rows = result.cursor.fetchall()  # the driver's tuples: a Row each costs a third again
+    result.close()
+    return tuple(list(column) for column in zip(*rows)) if rows else tuple([] for _ in range(8))
+
+
+def workers_of(connection: sa.Connection) -> list[tuple[WorkerId, int]]:
+    """Every worker, in worker order, with the seq it was first seen at."""
+    return [(WorkerId(row["publisher"], row["dp_rank"]), row["first_stream_seq"] or 0)
+            for row in run(connection, REPLAY_WORKERS)]
+
+
+def report_of(window: tuple[float, float], horizon_s: float, source: str, decisions: Sequence[Recorded],
+              judged: Sequence[tuple[Outcome, list[Outcome]]], unreplayable: int,
+              settings: Sequence[tuple[str, ReuseSettings]]) -> Report:
+    """The report of decisions answered and judged elsewhere (decide's kernels: kvledger/app/replay.py), tallied
+    as this module tallies its own answers."""
+    return _report(window, horizon_s, source, decisions, judged, unreplayable, settings)
+
+
+def replay(
+    connection: sa.Connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
+    from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
+) -> Report:
+    """Answer every recorded request decided in [from_ts, to_ts) again under each of `settings` (name, value),
+    from SQL, with the reference model (kvledger/reuse.py, one request at a time): the reference the fast replay
+    (kvledger/app/replay.py) is tested against. Raises ReplayRefused when SQL no longer holds the window
+    (`replay_stream` reads the streams).
+
+    `placed`: a request naming no target is answered for its fallback, where its load balancer placed it, as
+    shadow decisions rank it (decide/shadow.py): what reuse would transfer there. Otherwise as it was asked."""
+    window = read_window(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts)
+    decisions = window.decisions
+    timeline = Timeline(run(connection, REPLAY_STAYS, first_seq=window.first_seq, last_seq=window.last_seq),
+                        run(connection, REPLAY_WORKERS))
     judged = []
     for decision in decisions:
         horizon = decision.horizon_seq
         answers = _answers(timeline.at(decision.inventory_seq), decision, settings, placed)
         judged.append(_judged(decision, answers, None if horizon is None else _native_at(timeline.at(horizon))))
-    return _report((from_ts, to_ts), horizon_s, "sql", decisions, judged, unreplayable, settings)
+    return _report((from_ts, to_ts), horizon_s, "sql", decisions, judged, window.unreplayable, settings)
 
 
 # --- from the streams ----------------------------------------------------------------------
@@ -477,12 +558,13 @@ class _FoldView:
         return self.fold.holds(worker, provenance, tier, sequence_hash)
 
 
-def _horizon_seqs(batches: Sequence[tuple[int, EventBatch]], thresholds: Sequence[float]) -> list[int | None]:
+def _horizon_seqs(batches: Sequence[tuple[int, EventBatch]], thresholds: Sequence[float],
+                  ingest_ts=lambda batch: batch.ingest_ts) -> list[int | None]:
     """`replay_requests`' horizon seq on the stream: the seq before the first event ingested at or after each
     threshold (decided_ts + horizon), None while none has come that late."""
     seqs, latest, running = [], [], -math.inf
     for seq, batch in batches:  # ingest times need not rise with the seq: the first at or after a time is found
-        running = max(running, batch.ingest_ts)  # on their running maximum, which does
+        running = max(running, ingest_ts(batch))  # on their running maximum, which does
         seqs.append(seq)
         latest.append(running)
     found = []
@@ -492,15 +574,13 @@ def _horizon_seqs(batches: Sequence[tuple[int, EventBatch]], thresholds: Sequenc
     return found
 
 
-async def replay_stream(
-    js: JetStreamContext, streams: StreamSettings, settings: Sequence[tuple[str, ReuseSettings]], *,
-    horizon_s: float, from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
-    timeout_s: float = 300.0,
-) -> Report:
-    """`replay` from the streams instead of SQL: the window's records from KV_DECISIONS, and KV_EVENTS folded from
-    its first seq (`kvledger.fold.InventoryFold`), each request answered by the fold as it stood right after its
-    inventory seq and judged by the fold as it stood at its horizon seq. Raises ReplayRefused when the streams no
-    longer hold the window (their retention dropped messages it needs)."""
+async def read_streams(
+    js: JetStreamContext, streams: StreamSettings, *, horizon_s: float, from_ts: float = -math.inf,
+    to_ts: float = math.inf, timeout_s: float = 300.0,
+) -> tuple[list[Recorded], int, list[tuple[int, EventBatch]]]:
+    """The window's recorded decisions from KV_DECISIONS (each with its horizon seq on KV_EVENTS), how many lack
+    their request, and every KV_EVENTS batch from seq 1. Raises ReplayRefused when the streams no longer hold the
+    window (their retention dropped messages it needs)."""
     first_record, records = await _messages(js, streams.decisions_stream, DECISIONS_SUBJECT, timeout_s)
     if first_record > 1:
         known = min((m.timestamp for m in records if m.timestamp is not None), default=None)
@@ -532,6 +612,20 @@ async def replay_stream(
             continue  # store dead-letters it: no event in SQL either
     horizons = _horizon_seqs(batches, [decision.decided_ts + horizon_s for decision in decisions])
     decisions = [attrs.evolve(decision, horizon_seq=horizon) for decision, horizon in zip(decisions, horizons)]
+    return decisions, unreplayable, batches
+
+
+async def replay_stream(
+    js: JetStreamContext, streams: StreamSettings, settings: Sequence[tuple[str, ReuseSettings]], *,
+    horizon_s: float, from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
+    timeout_s: float = 300.0,
+) -> Report:
+    """`replay` from the streams instead of SQL (the reference, as `replay`): the window's records from
+    KV_DECISIONS, and KV_EVENTS folded from its first seq (`kvledger.fold.InventoryFold`), each request answered by
+    the fold as it stood right after its inventory seq and judged by the fold as it stood at its horizon seq.
+    Raises ReplayRefused when the streams no longer hold the window (their retention dropped messages it needs)."""
+    decisions, unreplayable, batches = await read_streams(js, streams, horizon_s=horizon_s, from_ts=from_ts,
+                                                          to_ts=to_ts, timeout_s=timeout_s)
     judged = _judged_on_the_fold(batches, decisions, settings, placed)
     return _report((from_ts, to_ts), horizon_s, "stream", decisions, judged, unreplayable, settings)
 

@@ -17,7 +17,12 @@ import math
 import sys
 from pathlib import Path
 
-from kvledger.settings import LoadedSettings, SettingsError, reuse_settings_from
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvledger.events import WorkerId
+from kvledger.settings import LoadedSettings, ReuseSettings, SettingsError, reuse_settings_from
 
 COLUMNS = ("settings", "digest", "decisions", "changed", "hints", "estimated_ttft_saved_ms", "blocks_moved",
            "tokens_moved", "judged_hints", "stale_hints", "stale_hint_rate", "fresh_ttft_saved_ms", "credited",
@@ -45,7 +50,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     from store import database
     from store.commands import _parse_time, print_table
-    from store.replay import ReplayRefused, replay
+    from store.replay import ReplayRefused
 
     settings = loaded.settings
     sweep = []
@@ -104,7 +109,8 @@ def run(args: argparse.Namespace, loaded: LoadedSettings) -> int:
         f"from {settings.stream.decisions_stream} over {settings.stream.events_stream} folded" + \
         (f" (SQL no longer holds the window: {refusal})" if refusal else "")
     print(f"replayed {report.replayed} recorded requests{' as placed' if args.placed else ''} {where}, judged at "
-          f"{args.horizon_ms:g} ms" + (f"; {report.unreplayable} decisions without a recorded request left out"
+          f"{args.horizon_ms:g} ms" + (f"; {report.unreplayable} decisions unreplayable: recorded without their request "
+                                       "(decide.record_requests = false)"
                                        if report.unreplayable else "")
           + (f"; {report.truncated} longer than 16 384 blocks answered on their first blocks" if report.truncated else ""))
     print_table(rows, COLUMNS)
@@ -120,7 +126,112 @@ async def _from_streams(settings, sweep: list, options: dict):
     import nats
 
     from kvledger.runtime.nats_options import connect_options
-    from store.replay import replay_stream
 
     async with await nats.connect(**connect_options(settings.nats, name="kvledger-replay")) as nc:
         return await replay_stream(nc.jetstream(), settings.stream, sweep, **options)
+
+
+# --- the replay at decide's speed ---------------------------------------------------------
+#
+# store/replay.py reads the window and tallies the report; decide/whatif.py folds the timeline into decide's
+# rows and answers with decide's kernels; here one is handed to the other (the stages never import each other).
+# store/replay.py's own `replay` and `replay_stream`, the reference model one request at a time, stay the
+# reference the tests compare these with, to the last float.
+
+
+def replay(connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
+           from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False):
+    """`store.replay.replay`'s report, from SQL, answered by decide's kernels in a batch per inventory seq."""
+    from store.replay import read_window, report_of, stay_columns, workers_of
+
+    window = read_window(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts, horizons_in_sql=False)
+    judged = []
+    if window.decisions:  # an empty window loads no kernel and reads no stay
+        from decide.whatif import StayTimeline
+
+        timeline = StayTimeline.of_columns(workers_of(connection),
+                                           *stay_columns(connection, window.first_seq, window.last_seq))
+        judged = _answered(window.decisions, settings, placed, timeline, lambda decision: decision.horizon_seq)
+    return report_of((from_ts, to_ts), horizon_s, "sql", window.decisions, judged, window.unreplayable, settings)
+
+
+async def replay_stream(js, streams, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
+                        from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
+                        timeout_s: float = 300.0):
+    """`store.replay.replay_stream`'s report, KV_EVENTS folded by decide's own index, answered by its kernels."""
+    from store.replay import read_streams, report_of
+
+    decisions, unreplayable, batches = await read_streams(js, streams, horizon_s=horizon_s, from_ts=from_ts,
+                                                          to_ts=to_ts, timeout_s=timeout_s)
+    judged = []
+    if decisions:
+        from decide.whatif import FoldTimeline
+
+        judged = _answered(decisions, settings, placed, FoldTimeline(batches), lambda decision: decision.horizon_seq)
+    return report_of((from_ts, to_ts), horizon_s, "stream", decisions, judged, unreplayable, settings)
+
+
+def _answered(decisions: Sequence, settings: Sequence[tuple[str, ReuseSettings]], placed: bool, timeline,
+              horizon_of) -> list:
+    """Each decision's recorded outcome and its replayed ones (store.replay.Outcome), judged at its horizon."""
+    from decide.ranked import REASONS
+    from decide.whatif import FALLBACK, NAMED, Requests, recorded_outcomes
+    from kvledger.events import Tier
+    from store.replay import Outcome
+
+    targets, fallbacks = [], []
+    for decision in decisions:
+        request = decision.request
+        if placed and request.target is None and request.fallback is not None:
+            targets.append(request.fallback)
+            fallbacks.append(None)
+        else:
+            targets.append(request.target)
+            fallbacks.append(request.fallback if request.target is None else None)
+    requests = Requests.of([decision.request.local_hashes for decision in decisions],
+                           [decision.request.block_size for decision in decisions],
+                           [decision.inventory_seq for decision in decisions], targets, fallbacks)
+    horizons = np.array([-1 if (seq := horizon_of(decision)) is None else seq for decision in decisions],
+                        dtype=np.int64)
+    recorded_targets = [WorkerId.parse(decision.target) if decision.target else None for decision in decisions]
+    recorded = ([decision.source for decision in decisions], [decision.tier for decision in decisions],
+                [decision.baseline_blocks for decision in decisions],
+                [decision.prefix_blocks for decision in decisions], recorded_targets,
+                [decision.target_prefix_blocks for decision in decisions])
+    values = [value for _, value in settings]
+    if hasattr(timeline, "slot"):
+        answers, judged = timeline.answer(requests, values, horizons, recorded_outcomes(timeline.slot, *recorded))
+    else:
+        answers, judged = timeline.answer(requests, values, horizons, recorded)
+    workers = timeline.workers
+    names = [worker.name for worker in workers]
+    tiers = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+    verdict = (None, False, True)  # by judged code + 1
+    stale, lost = (judged.stale + 1).tolist(), (judged.lost + 1).tolist()
+    outcomes: list[list] = [[] for _ in decisions]
+    for setting in range(len(values)):
+        columns = zip(answers.target[setting].tolist(), answers.target_how[setting].tolist(),
+                      answers.reason[setting].tolist(), answers.source[setting].tolist(),
+                      answers.tier[setting].tolist(), answers.prefix[setting].tolist(),
+                      answers.transfer[setting].tolist(), answers.saving[setting].tolist(),
+                      stale[setting + 1], lost[setting + 1])
+        for position, (target, how, reason, source, tier, prefix, transfer, saving, is_stale, is_lost) in \
+                enumerate(columns):
+            if target >= 0:
+                target_name = names[target]
+            elif how == NAMED:
+                target_name = targets[position].name
+            elif how == FALLBACK:
+                target_name = fallbacks[position].name
+            else:
+                target_name = None
+            chosen = source >= 0
+            outcomes[position].append(Outcome(
+                target_name, REASONS[reason], workers[source] if chosen else None, tiers[tier] if chosen else None,
+                prefix, transfer, saving, verdict[is_stale], verdict[is_lost]))
+    return [
+        (Outcome(decision.target, decision.reason, decision.source, decision.tier, decision.prefix_blocks or 0,
+                 decision.transfer_blocks or 0, decision.saving_ms or 0.0, verdict[is_stale], verdict[is_lost]),
+         replayed)
+        for decision, replayed, is_stale, is_lost in zip(decisions, outcomes, stale[0], lost[0])
+    ]

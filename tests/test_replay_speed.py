@@ -1,0 +1,152 @@
+"""The replay at decide's speed (kvledger/app/replay.py, decide/whatif.py) against the reference it replaces.
+
+A demo ledger (`kvledger demo`, reuse off, recorded on SQLite or PostgreSQL) replayed under a
+sweep of settings by both: the reference model one request at a time (store/replay.py's
+`replay` and `replay_stream`) and decide's index and kernels in a batch per inventory seq. The
+reports must be equal to the last float, tallies and every changed decision (what
+`--decisions` lists), as asked and as placed, at horizons that judge and that leave pending,
+from SQL and from the streams. Then the bad input the command refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import nats
+import pytest
+import sqlalchemy as sa
+
+from kvledger.app import replay as fast
+from kvledger.app.cli import main as kvledger
+from kvledger.runtime.embedded import EmbeddedNats
+from kvledger.settings import ReuseSettings, StreamSettings, reuse_settings_from
+from store import database
+from store import replay as reference
+
+pytestmark = pytest.mark.service
+
+SETTINGS = {
+    "same.toml": "[reuse]\n",
+    "on.toml": "[reuse]\nenable_decode_to_prefill_reuse = true\nenable_decode_to_prefill_gpu_reuse = true\n",
+    "gpu32.toml": "[reuse]\nenable_decode_to_prefill_gpu_reuse = true\nminimum_transfer_prefix_blocks = 32\n",
+    "host-cheap.toml": "[reuse]\nenable_decode_to_prefill_reuse = true\ntransfer_source_estimated_block_us = 10.0\n"
+                       "minimum_transfer_prefix_blocks = 1\nminimum_estimated_ttft_saving_ms = 0.0\n",
+}
+
+
+def _sweep(tmp_path: Path) -> list[tuple[str, ReuseSettings]]:
+    sweep = []
+    for name, text in SETTINGS.items():
+        path = tmp_path / name
+        path.write_text(text)
+        sweep.append((str(path), reuse_settings_from(path, ReuseSettings())))
+    return sweep
+
+
+def _demo(tmp_path: Path, db_url: str) -> Path:
+    """A finished demo's data folder, its ledger in `db_url`."""
+    data = tmp_path / "demo"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVLEDGER_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "kvledger.app.cli", "demo", "--duration", "5", "--workers", "3",
+         "--data-dir", str(data), "--db", db_url],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return data
+
+
+def test_a_demo_ledger_gives_the_reference_report_to_the_last_float(db_url, tmp_path, capsys) -> None:
+    data = _demo(tmp_path, db_url)
+    sweep = _sweep(tmp_path)
+    with database.opened(db_url) as engine, engine.connect() as connection:
+        decisions = connection.execute(sa.text("SELECT COUNT(*) FROM decisions")).scalar()
+        assert decisions > 50
+        for placed in (False, True):
+            for horizon_s in (0.5, 0.05, 3600.0):  # judged (late and early) and pending
+                expected = reference.replay(connection, sweep, horizon_s=horizon_s, placed=placed)
+                got = fast.replay(connection, sweep, horizon_s=horizon_s, placed=placed)
+                assert got == expected, (placed, horizon_s)
+                assert got.replayed == decisions
+        # Some settings change what the demo decided, so the comparison covers chosen transfers and their verdicts.
+        placed_report = fast.replay(connection, sweep, horizon_s=0.5, placed=True)
+        assert placed_report.settings[1].changed > 0 and placed_report.settings[1].judged_hints > 0
+        assert placed_report.settings[0].hints == 0  # reuse off: as placed, only the targets change
+        # A window: the later half of the decisions.
+        times = sorted(connection.execute(sa.text("SELECT decided_ts FROM decisions")).scalars())
+        middle = times[len(times) // 2]
+        assert fast.replay(connection, sweep, horizon_s=0.5, from_ts=middle) == \
+            reference.replay(connection, sweep, horizon_s=0.5, from_ts=middle)
+
+    # The command's listing (--decisions --json) is the reference report's.
+    args = ["replay", "--db", db_url, "--placed", "--decisions", "--json", "--source", "sql"]
+    capsys.readouterr()
+    assert kvledger([*args, *(arg for path, _ in sweep for arg in ("--settings", path))]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["rows"] == [placed_report.recorded.row(), *(tally.row() for tally in placed_report.settings)]
+    assert printed["changes"] == {tally.name: tally.changes for tally in placed_report.settings}
+
+    # From the streams: the demo's KV_DECISIONS and KV_EVENTS, folded by decide's index.
+    store = tmp_path / "nats-copy"
+    shutil.copytree(data / "nats", store)
+    with EmbeddedNats(str(store)) as server:
+        asyncio.run(_streams_agree(server.url, sweep))
+
+    # Decisions recorded without their request (decide.record_requests = false) are counted, never skipped.
+    with database.opened(db_url) as engine:
+        with engine.begin() as connection:
+            connection.execute(sa.text("DELETE FROM decision_requests WHERE stream_seq IN "
+                                       "(SELECT stream_seq FROM decision_requests ORDER BY stream_seq LIMIT 10)"))
+        with engine.connect() as connection:
+            expected = reference.replay(connection, sweep, horizon_s=0.5)
+            got = fast.replay(connection, sweep, horizon_s=0.5)
+    assert got == expected and got.unreplayable == 10 and got.replayed == decisions - 10
+    capsys.readouterr()
+    assert kvledger(["replay", "--db", db_url, "--settings", sweep[0][0]]) == 0
+    assert "10 decisions unreplayable: recorded without their request" in capsys.readouterr().out
+
+
+async def _streams_agree(url: str, sweep) -> None:
+    async with await nats.connect(url) as nc:
+        js = nc.jetstream()
+        for placed in (False, True):
+            for horizon_s in (0.5, 3600.0):
+                expected = await reference.replay_stream(js, StreamSettings(), sweep, horizon_s=horizon_s,
+                                                         placed=placed)
+                got = await fast.replay_stream(js, StreamSettings(), sweep, horizon_s=horizon_s, placed=placed)
+                assert got == expected, (placed, horizon_s)
+                assert got.replayed > 50
+
+
+def test_an_empty_window_loads_no_kernel_and_reads_no_stay(sqlite_url, tmp_path) -> None:
+    with database.opened(sqlite_url) as engine:
+        database.upgrade(engine)
+        with engine.connect() as connection:
+            report = fast.replay(connection, _sweep(tmp_path), horizon_s=0.5)
+    assert (report.replayed, report.unreplayable) == (0, 0)
+    assert report == attrs.evolve(report)
+
+
+def test_bad_settings_files_are_refused_naming_the_key(sqlite_url, tmp_path, capsys) -> None:
+    with database.opened(sqlite_url) as engine:
+        database.upgrade(engine)
+    cases = {
+        "unknown.toml": ("[reuse]\nenable_decode_to_prefil_reuse = true\n", "enable_decode_to_prefil_reuse"),
+        "negative.toml": ("[reuse]\nminimum_transfer_prefix_blocks = -1\n", "minimum_transfer_prefix_blocks"),
+        "budget.toml": ("[reuse]\ntransfer_source_lookup_budget_ms = -2.0\n", "transfer_source_lookup_budget_ms"),
+        "kind.toml": ("[reuse]\ndevice_credit_weight = \"lots\"\n", "device_credit_weight"),
+    }
+    for name, (text, key) in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        capsys.readouterr()
+        assert kvledger(["replay", "--db", sqlite_url, "--settings", str(path)]) == 2, name
+        err = capsys.readouterr().err
+        assert key in err and name in err, err
