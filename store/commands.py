@@ -286,12 +286,17 @@ _DECISION_QUALITY_COLUMNS = ("stream_seq", "request_id", "reason", "target", "ch
 
 @_refusing_old_schemas
 def audit_quality(settings: Settings, horizon_ms: float, by: Sequence[str] | None, per_decision: bool,
-                  as_json: bool, judged: str = "live") -> int:
+                  as_json: bool, judged: str = "live", ceiling: bool = False) -> int:
     if not horizon_ms >= 0:
         print(f"kvledger audit quality: --horizon-ms must be 0 or more, got {horizon_ms}", file=sys.stderr)
         return 2
     engine, audit, connection = _audit(settings)
     try:
+        if ceiling:
+            return _ceiling(connection, settings, as_json)
+        if not as_json:
+            source = audit.verdict_source(horizon_ms / 1000)
+            print(_VERDICT_SOURCES[source].format(horizon=f"{horizon_ms:g}"), file=sys.stderr)
         if judged == "shadow":  # the would-be hints of decide.shadow
             rows = (audit.shadow_quality(horizon_ms / 1000) if per_decision else
                     [row for row in audit.shadow_quality_summary(horizon_ms / 1000) if not by or row["dimension"] in by])
@@ -317,6 +322,42 @@ def audit_quality(settings: Settings, horizon_ms: float, by: Sequence[str] | Non
     finally:
         connection.close()
         engine.dispose()
+
+
+_VERDICT_SOURCES = {
+    "store": "verdicts at {horizon} ms as store judged them (decision_verdicts)",
+    "store+sql": "verdicts at {horizon} ms as store judged them, and in SQL those an event settled since",
+    "sql": "judged in SQL at {horizon} ms (store does not judge this horizon: store.quality_horizons_ms)",
+}
+_CEILING_COLUMNS = ("policy", "requests", "request_blocks", "hit_blocks", "prefix_hit_rate", "ttft_saving_ms",
+                    "workers", "capacity_blocks", "unreplayable", "truncated")
+
+
+def _ceiling(connection: sa.Connection, settings: Settings, as_json: bool) -> int:
+    """kvledger's achieved prefix hits beside round-robin's and an oracle's on the same requests (store/ceiling.py)."""
+    from store.ceiling import ceiling
+    from store.replay import ReplayRefused
+
+    try:
+        report = ceiling(connection, settings.reuse)
+    except ReplayRefused as refused:
+        print(f"kvledger audit quality --ceiling: {refused}", file=sys.stderr)
+        return 1
+    _emit(report.rows(), as_json, _CEILING_COLUMNS)
+    return 0
+
+
+def ceiling_figures(url: str, reuse) -> dict[str, object] | None:
+    """The oracle's, round-robin's and kvledger's prefix hits on the ledger's recorded requests (None: none)."""
+    from store.ceiling import ceiling
+    from store.replay import ReplayRefused
+
+    with database.opened(url) as engine, engine.connect() as connection:
+        try:
+            report = ceiling(connection, reuse)
+        except ReplayRefused:
+            return None
+    return {row["policy"]: row for row in report.rows()}
 
 
 def quality_totals(url: str, horizon_s: float) -> dict[str, int]:

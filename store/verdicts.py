@@ -17,6 +17,9 @@ times of several ingest processes need not rise with the seq): linear in the eve
 the decisions judged, where a correlated MIN per decision scanned the log's tail each time.
 A relied-on block is held at the horizon seq when a native stay of it on that worker's
 placement (the chosen tier; any local tier for the target and in-flight blocks) is open there.
+Only the stays that overlap the decision's window count (ended after the earlier of its
+inventory and horizon seqs): they are found through the stays' sequence-hash index, whose
+entries carry the placement and stored seq, and the rest are dropped before grouping.
 """
 
 from __future__ import annotations
@@ -66,21 +69,30 @@ relied AS (
    AND (b.role IN ('target', 'inflight')
         OR p.tier = CASE b.role WHEN 'source' THEN j.chosen_tier ELSE j.shadow_tier END)
 ),
-blocks AS (
+windowed AS (
   SELECT r.stream_seq, r.horizon_ms, r.role, r.position,
-         MAX(CASE WHEN s.stored_seq IS NOT NULL AND (e.removed_seq IS NULL OR e.removed_seq > r.horizon_seq)
-                  THEN 1 ELSE 0 END) AS held,
-         MIN(CASE WHEN s.stored_seq <= r.inventory_seq AND e.removed_seq > r.inventory_seq
-                   AND e.removed_seq <= r.horizon_seq THEN e.removed_ts END) AS first_removed_ts,
-         MAX(CASE WHEN e.removed_seq > r.inventory_seq AND e.removed_seq <= r.horizon_seq
-                  THEN e.removed_ts END) AS last_removed_ts
+         CASE WHEN e.removed_seq IS NULL OR e.removed_seq > r.horizon_seq THEN 1 ELSE 0 END AS held,
+         CASE WHEN s.stored_seq <= r.inventory_seq AND e.removed_seq > r.inventory_seq
+               AND e.removed_seq <= r.horizon_seq THEN e.removed_ts END AS first_removed_ts,
+         CASE WHEN e.removed_seq > r.inventory_seq AND e.removed_seq <= r.horizon_seq
+              THEN e.removed_ts END AS last_removed_ts
   FROM relied r
-  LEFT JOIN block_stays s
+  JOIN block_stays s
     ON s.sequence_hash = r.sequence_hash AND s.placement_id = r.placement_id AND s.stored_seq <= r.horizon_seq
   LEFT JOIN block_removals e
     ON e.placement_id = s.placement_id AND e.stored_seq = s.stored_seq
    AND e.first_slot <= s.slot AND e.last_slot >= s.slot
-  GROUP BY r.stream_seq, r.horizon_ms, r.role, r.position
+  WHERE e.removed_seq IS NULL
+     OR e.removed_seq > CASE WHEN r.inventory_seq < r.horizon_seq THEN r.inventory_seq ELSE r.horizon_seq END
+),
+blocks AS (
+  SELECT b.stream_seq, j.horizon_ms, b.role, b.position, COALESCE(MAX(w.held), 0) AS held,
+         MIN(w.first_removed_ts) AS first_removed_ts, MAX(w.last_removed_ts) AS last_removed_ts
+  FROM judged j
+  JOIN decision_blocks b ON b.stream_seq = j.stream_seq
+  LEFT JOIN windowed w
+    ON w.stream_seq = b.stream_seq AND w.horizon_ms = j.horizon_ms AND w.role = b.role AND w.position = b.position
+  GROUP BY b.stream_seq, j.horizon_ms, b.role, b.position
 ),
 counted AS (
   SELECT j.stream_seq, j.horizon_ms, j.horizon_seq, j.decided_ts,

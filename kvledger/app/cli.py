@@ -263,7 +263,7 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
     from kvledger.runtime.nats_options import connect_options
     from kvledger.runtime.system import run_services
     from kvledger.sim.workload import DEMO_BLOCK_SIZE, mooncake_requests, synthetic_requests
-    from store.commands import inflight_totals, ledger_counts, quality_totals, shadow_totals
+    from store.commands import ceiling_figures, inflight_totals, ledger_counts, quality_totals, shadow_totals
 
     console = Console()
     requests = mooncake_requests(args.trace) if args.trace else synthetic_requests(100_000)
@@ -307,11 +307,15 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
         await run_services({**services, "demo": driver}, stop)
 
     counts = ledger_counts(settings.db.url)
-    horizon_ms = settings.store.quality_horizon_s * 1000
-    console.print(f"[dim]judging {counts['decisions']} decisions at their {horizon_ms:g} ms horizon (SQL)...[/]")
-    quality = quality_totals(settings.db.url, settings.store.quality_horizon_s)
-    shadow = shadow_totals(settings.db.url, settings.store.quality_horizon_s)
-    inflight = inflight_totals(settings.db.url, settings.store.quality_horizon_s)
+    # The verdicts store wrote as it folded (store.quality_horizons_ms), at the metrics' horizon if judged.
+    horizons = settings.store.quality_horizons_ms
+    wanted = settings.store.quality_horizon_s * 1000
+    horizon_ms = min(horizons, key=lambda h: (abs(h - wanted), h)) if horizons else wanted
+    console.print(f"[dim]reading the verdicts of {counts['decisions']} decisions at {horizon_ms:g} ms...[/]")
+    quality = quality_totals(settings.db.url, horizon_ms / 1000)
+    shadow = shadow_totals(settings.db.url, horizon_ms / 1000)
+    inflight = inflight_totals(settings.db.url, horizon_ms / 1000)
+    ceiling = ceiling_figures(settings.db.url, settings.reuse)
     bridged, events, inventory, decisions = counts["batches"], counts["events"], counts["blocks_held"], counts["decisions"]
     summary = Table(title="kvledger demo", show_header=False, min_width=72)
     summary.add_column(style="bold")
@@ -333,6 +337,16 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
         ("estimated TTFT saved by reuse transfers", f"{score.reuse_saving_ms / 1000:.1f} s"),
         ("prefix hit rate with kvledger", f"{score.hit_rate:.1%}"),
         ("prefix hit rate round-robin", f"{score.baseline_hit_rate:.1%}"),
+    ]
+    if ceiling is not None:
+        # The same recorded requests, from SQL: kvledger's prefix hits, round-robin over the fleet's measured
+        # capacity, and the oracle's bound (docs/audit.md, "Ceiling").
+        rows += [
+            (f"prefix hit rate / TTFT saved, {name} (recorded)",
+             f"{ceiling[policy]['prefix_hit_rate'] or 0:.1%} / {ceiling[policy]['ttft_saving_ms'] / 1000:.1f} s")
+            for policy, name in (("achieved", "kvledger"), ("round_robin", "round-robin"), ("oracle", "oracle ceiling"))
+        ]
+    rows += [
         (f"stale-hint rate at {horizon_ms:g} ms", _rate(quality["stale_hints"], quality["hints"], "hints")),
         (f"lost-credit rate at {horizon_ms:g} ms", _rate(quality["lost_credit"], quality["credited"], "credited decisions")),
     ]
@@ -537,13 +551,17 @@ def _audit_quality_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the would-be hints of shadow decisions (decide.shadow), per settings, worker and tier")
     judged.add_argument("--inflight", dest="judged", action="store_const", const="inflight",
                         help="in-flight credit per target: confirmed, lost credit with and without it")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also the prefix hit rate and TTFT saving of kvledger's routing, round-robin and an "
+                             "oracle on the same recorded requests and fleet capacity (docs/audit.md, \"Ceiling\")")
     _json_flag(parser)
 
 
 def _audit_quality(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     from store.commands import audit_quality
 
-    return audit_quality(loaded.settings, args.horizon_ms, args.by, args.decisions, args.json, args.judged)
+    return audit_quality(loaded.settings, args.horizon_ms, args.by, args.decisions, args.json, args.judged,
+                         ceiling=args.ceiling)
 
 
 @attrs.frozen
