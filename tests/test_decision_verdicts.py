@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import uuid
 
@@ -35,7 +36,7 @@ from quality_reference import reference_verdicts
 from store import database, tables
 from store.changes import VERDICT_COLUMNS
 from store.verdicts import judge_into
-from store_harness import RunningStore, checkpoint, store_settings
+from store_harness import RunningStore, StoreProcess, checkpoint, store_settings
 
 pytestmark = pytest.mark.service
 
@@ -79,23 +80,75 @@ async def clean_streams(js) -> None:
         await js.delete_stream(name.config.name)
 
 
-async def run_workload(nats_url: str, db_url: str, steps) -> int:
+class LiveStore:
+    """store in this process for the whole workload (the fold judges what comes in time)."""
+
+    def __init__(self, nats_url: str, db_url: str) -> None:
+        self.running = RunningStore(store_settings(nats_url, db_url, quality_horizons_ms=list(LIVE_HORIZONS_MS)))
+
+    async def __aenter__(self) -> LiveStore:
+        await self.running.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.running.__aexit__(*exc_info)
+
+    async def until(self, condition, what: str) -> None:
+        await self.running.until(condition, what)
+
+    async def after_step(self, index: int) -> None:
+        pass
+
+
+class KilledStore:
+    """`kvledger store` as a child process, SIGKILLed and started again after each of `kill_after` steps."""
+
+    def __init__(self, nats_url: str, db_url: str, log_path, kill_after: set[int]) -> None:
+        self.args = (nats_url, db_url, log_path)
+        self.kill_after = kill_after
+        self.kills = 0
+        self.process: StoreProcess | None = None
+
+    def _start(self) -> None:
+        horizons = ",".join(f"{h:g}" for h in LIVE_HORIZONS_MS)
+        self.process = StoreProcess(*self.args, environment={"KVLEDGER_STORE_QUALITY_HORIZONS_MS": horizons})
+
+    async def __aenter__(self) -> KilledStore:
+        self._start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.process.stop()
+
+    async def until(self, condition, what: str) -> None:
+        await wait_until(lambda: asyncio.to_thread(condition), DEADLINE_S, what, interval=0.05)
+
+    async def after_step(self, index: int) -> None:
+        if index in self.kill_after:
+            await asyncio.sleep(0.05 * (index % 4))  # mid-transaction, now and then
+            self.process.kill()
+            self.kills += 1
+            self._start()
+
+
+async def run_workload(nats_url: str, db_url: str, steps, store=None) -> int:
     """The steps published and asked, store and decide running; returns the number of decisions."""
     stream = Stream()
     epochs = {worker: 0 for worker in WORKERS}
     decisions = 0
     base = stored([1])  # every worker known from the start, so decide ranks them all
+    store = store or LiveStore(nats_url, db_url)
     async with await nats.connect(nats_url) as nc:
         js = nc.jetstream()
         await clean_streams(js)
         settings = decide_settings(nats_url)
         await ensure_stream(js, events_stream(settings.stream))
         await publish(js, [at(stream.batch(worker, base), time.time()) for worker in WORKERS])
-        async with RunningStore(store_settings(nats_url, db_url, quality_horizons_ms=list(LIVE_HORIZONS_MS))) as running, \
-                DecideService(settings) as decide:
+        async with store as running, DecideService(settings) as decide:
             await decide.wait_ready(DEADLINE_S)
-            for (kind, worker, value, tier), wait_ms, skew in steps:
+            for index, ((kind, worker, value, tier), wait_ms, skew) in enumerate(steps):
                 await asyncio.sleep(wait_ms / 1000)
+                await running.after_step(index)
                 if kind == "decide":
                     ask = [{"request_id": f"r{decisions}", "target": worker.name, "block_size": 4,
                             "local_hashes": [str(h) for h in local_hashes(list(range(1, value + 1)))]}]
@@ -119,7 +172,6 @@ async def run_workload(nats_url: str, db_url: str, steps) -> int:
             last = stream.batch(WORKERS[0], stored([1]), epoch=epochs[WORKERS[0]])
             await publish(js, [at(last, time.time() + 5.0)])
             await running.until(lambda: checkpoint(db_url) >= last[1], "every event in SQL")
-            await running.until(lambda: checkpoint(db_url, "decisions") >= decisions, "every decision in SQL")
             await running.until(lambda: pending(db_url) == 0, "every verdict written")
     return decisions
 
@@ -176,17 +228,45 @@ def test_verdicts_equal_the_sql_judgement_of_the_whole_ledger(nats_server, reque
             await running.until(lambda: later_judged() == decisions and pending(db_url) == 0, "the later horizon judged")
 
     asyncio.run(backfill())
+    judged_by = assert_verdicts_are_the_sql_judgement(db_url, decisions, (*LIVE_HORIZONS_MS, LATER_HORIZON_MS))
+    assert set(judged_by[LATER_HORIZON_MS]) == {"sql"}
+    assert "fold" in [judge for horizon in LIVE_HORIZONS_MS for judge in judged_by[horizon]]  # judged live
+
+
+def assert_verdicts_are_the_sql_judgement(db_url: str, decisions: int, horizons) -> dict[float, list[str]]:
+    """One verdict per decision and horizon, equal to the SQL judge's and the former statement's; who judged each."""
+    judged_by = {}
     with database.opened(db_url) as engine, engine.connect() as connection:
-        judged_by = []
-        for horizon_ms in (*LIVE_HORIZONS_MS, LATER_HORIZON_MS):
+        for horizon_ms in horizons:
             stored_rows = stored_verdicts(connection, horizon_ms)
             assert len(stored_rows) == decisions, f"one verdict per decision at {horizon_ms} ms"
             assert without_judge(stored_rows) == without_judge(sql_verdicts(connection, horizon_ms))
             assert reference_verdicts(connection, horizon_ms / 1000) == {
                 row[0]: (row[3], row[5], row[6], row[7], row[8], row[10], row[11]) for row in stored_rows}
-            judged_by += [row[-1] for row in stored_rows]
-        later_rows = stored_verdicts(connection, LATER_HORIZON_MS)
-        assert {row[-1] for row in later_rows} == {"sql"}
-        assert "fold" in judged_by  # the events fold judged what it could, live
+            judged_by[horizon_ms] = [row[-1] for row in stored_rows]
         total = connection.execute(sa.select(sa.func.count()).select_from(tables.decision_verdicts)).scalar_one()
-        assert total == decisions * (len(LIVE_HORIZONS_MS) + 1)
+        assert total == decisions * len(horizons)
+    return judged_by
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_verdicts_are_written_once_across_kill_9_of_store(nats_server, request, tmp_path, kind) -> None:
+    # A fixed random workload; store SIGKILLed four times while events and decisions flow. What a
+    # killed transaction held is rolled back with its events; the restarted store's fold no longer
+    # holds what it waited on, so the SQL judge settles it: never twice, never missing.
+    chooser = random.Random(42)
+    steps = []
+    kinds = ["store", "store", "remove", "decide", "decide", "clear", "restart"]
+    for _ in range(48):
+        kind = chooser.choice(kinds)
+        worker = chooser.choice(WORKERS)
+        tier = chooser.choice([Tier.DEVICE, Tier.HOST])
+        value = {"store": chooser.randint(1, 10), "remove": [chooser.randint(1, 10)], "decide": chooser.randint(1, 12),
+                 "clear": None, "restart": None}[kind]
+        steps.append(((kind, worker, value, tier if kind in ("store", "remove") else None), chooser.randint(0, 40),
+                      chooser.uniform(-0.02, 0.01)))
+    db_url = fresh_database(request, kind, tmp_path)
+    store = KilledStore(nats_server.url, db_url, tmp_path / "store.log", kill_after={8, 19, 30, 41})
+    decisions = asyncio.run(run_workload(nats_server.url, db_url, steps, store))
+    assert store.kills == 4
+    assert_verdicts_are_the_sql_judgement(db_url, decisions, LIVE_HORIZONS_MS)
