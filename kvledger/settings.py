@@ -319,9 +319,9 @@ class StoreSettings:
         rule=_at_least(1),
     )
     quality_horizon_s: float = _setting(
-        0.5, "Horizon of the decision-quality metrics, in seconds of stream time: a decision counts as stale when "
-        "its chosen source no longer holds the transferred blocks just before the first event ingested this long "
-        "after it (`kvledger audit quality` takes any horizon).", rule=_positive(),
+        0.5, "Horizon of the decision-quality metrics, in seconds of stream time: they count the verdicts at the "
+        "configured horizon (store.quality_horizons_ms) closest to it, and the demo shows that one.",
+        rule=_positive(),
     )
     quality_horizons_ms: tuple[float, ...] = _setting(
         (500.0,), "Horizons, in milliseconds of stream time, at which store judges every decision once and keeps "
@@ -330,8 +330,9 @@ class StoreSettings:
         "an audit at another horizon judges in SQL.", rule=_horizons(),
     )
     quality_max_pending: int = _setting(
-        100000, "Decisions the quality metrics keep waiting for their horizon; beyond this, new ones are counted "
-        "as not judged (kvledger_store_decision_quality_unjudged{reason=\"too_many_pending\"}).", rule=_at_least(1),
+        100000, "Decisions the events fold keeps waiting for their horizon, per horizon; beyond this, new ones are "
+        "left to the SQL judge (kvledger_store_decision_quality_unjudged{reason=\"too_many_pending\"}).",
+        rule=_at_least(1),
     )
     http_port: int = _setting(
         9102, "Port of store's metrics and health endpoint (0 = any free port).", rule=_PORT

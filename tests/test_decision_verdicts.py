@@ -100,6 +100,30 @@ class LiveStore:
         pass
 
 
+class ShardedStore:
+    """Two store shards (store.shard 0/2 and 1/2) in this process: no fold holds the whole inventory, so the
+    SQL judge settles every decision once both shards are past its horizon seq."""
+
+    def __init__(self, nats_url: str, db_url: str) -> None:
+        self.shards = [RunningStore(store_settings(nats_url, db_url, quality_horizons_ms=list(LIVE_HORIZONS_MS),
+                                                   shard=f"{index}/2")) for index in range(2)]
+
+    async def __aenter__(self) -> ShardedStore:
+        for shard in self.shards:
+            await shard.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        for shard in self.shards:
+            await shard.__aexit__(*exc_info)
+
+    async def until(self, condition, what: str) -> None:
+        await self.shards[0].until(condition, what)
+
+    async def after_step(self, index: int) -> None:
+        pass
+
+
 class KilledStore:
     """`kvledger store` as a child process, SIGKILLed and started again after each of `kill_after` steps."""
 
@@ -270,3 +294,21 @@ def test_verdicts_are_written_once_across_kill_9_of_store(nats_server, request, 
     decisions = asyncio.run(run_workload(nats_server.url, db_url, steps, store))
     assert store.kills == 4
     assert_verdicts_are_the_sql_judgement(db_url, decisions, LIVE_HORIZONS_MS)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_sharded_stores_leave_every_verdict_to_the_sql_judge_once_all_shards_are_past_it(
+        nats_server, request, tmp_path, kind) -> None:
+    chooser = random.Random(7)
+    steps = []
+    for _ in range(30):
+        kind_of_step = chooser.choice(["store", "store", "remove", "decide", "decide", "clear"])
+        worker = chooser.choice(WORKERS)
+        value = {"store": chooser.randint(1, 10), "remove": [chooser.randint(1, 10)], "decide": chooser.randint(1, 12),
+                 "clear": None}[kind_of_step]
+        tier = Tier.DEVICE if kind_of_step in ("store", "remove") else None
+        steps.append(((kind_of_step, worker, value, tier), chooser.randint(0, 30), 0.0))
+    db_url = fresh_database(request, kind, tmp_path)
+    decisions = asyncio.run(run_workload(nats_server.url, db_url, steps, ShardedStore(nats_server.url, db_url)))
+    judged_by = assert_verdicts_are_the_sql_judgement(db_url, decisions, LIVE_HORIZONS_MS)
+    assert {judge for judges in judged_by.values() for judge in judges} == {"sql"}
