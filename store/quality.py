@@ -207,7 +207,9 @@ class QualityTracker:
         self.stream_seq = 0
         self._due: list[tuple[float, int, _Pending]] = []  # heap by deadline
         self._order = itertools.count()
-        self._watchers: dict[WatchKey, list[tuple[_Pending, _Role, int]]] = collections.defaultdict(list)
+        # (worker, sequence hash) -> waiting decision -> its (role, position)s on that block; by decision, so a
+        # hot block many decisions rely on drops one of them in one step
+        self._watchers: dict[WatchKey, dict[_Pending, list[tuple[_Role, int]]]] = {}
         # (ingest ts, stream seq, stays ended) of recently applied batches that ended stays: looked
         # through only for a decision that comes after them (`_replay_recent`)
         self._recent: collections.deque[tuple[float, int, list[StayEnd]]] = collections.deque()
@@ -262,7 +264,15 @@ class QualityTracker:
         for role in pending.watched():
             worker = role.worker
             for position, sequence_hash in enumerate(role.hashes):
-                watchers[worker, sequence_hash].append((pending, role, position))
+                key = (worker, sequence_hash)
+                by_decision = watchers.get(key)
+                if by_decision is None:
+                    by_decision = watchers[key] = {}
+                entries = by_decision.get(pending)
+                if entries is None:
+                    by_decision[pending] = [(role, position)]
+                else:
+                    entries.append((role, position))
         if pending.watched() and self._recent and self._recent[-1][1] > pending.inventory_seq:
             self._replay_recent(pending)
         heapq.heappush(self._due, (deadline, next(self._order), pending))
@@ -271,10 +281,10 @@ class QualityTracker:
 
     def _replay_recent(self, pending: _Pending) -> None:
         """Stays the events projector ended after the decision's inventory seq, before the decision arrived."""
-        roles = {}
+        roles: dict[WatchKey, dict[_Pending, list[tuple[_Role, int]]]] = {}
         for role in pending.watched():
             for position, sequence_hash in enumerate(role.hashes):
-                roles.setdefault((role.worker, sequence_hash), []).append((pending, role, position))
+                roles.setdefault((role.worker, sequence_hash), {}).setdefault(pending, []).append((role, position))
         for ts, seq, ends in self._recent:
             if seq > pending.inventory_seq:
                 for end in ends:
@@ -365,29 +375,29 @@ class QualityTracker:
     def _unwatch(self, pending: _Pending) -> None:
         watchers = self._watchers
         for role in pending.watched():
-            for sequence_hash in set(role.hashes):
-                key = (role.worker, sequence_hash)
-                found = watchers.get(key)
-                if found is not None:
-                    kept = [entry for entry in found if entry[0] is not pending]
-                    if kept:
-                        watchers[key] = kept
-                    else:
-                        del watchers[key]
+            worker = role.worker
+            for sequence_hash in role.hashes:
+                key = (worker, sequence_hash)
+                by_decision = watchers.get(key)
+                if by_decision is not None and by_decision.pop(pending, None) is not None and not by_decision:
+                    del watchers[key]
 
 
-def _note_end(found: Sequence[tuple[_Pending, _Role, int]], end: StayEnd, stream_seq: int, ts: float) -> None:
+def _note_end(found: dict[_Pending, list[tuple[_Role, int]]], end: StayEnd, stream_seq: int, ts: float) -> None:
     """A stay of a watched block ended at `stream_seq`: the last end per block, the first of a stay open at
     the decision's inventory seq (SQL's `last_removed_ts` and `first_removed_ts`)."""
     tier, stored_seq = end[1], end[3]
-    for pending, role, position in found:
-        if stream_seq <= pending.inventory_seq or tier not in role.tiers:
+    for pending, entries in found.items():
+        if stream_seq <= pending.inventory_seq:
             continue
-        last = role.last_removed[position]
-        if last is None or ts > last:
-            role.last_removed[position] = ts
-        if stored_seq <= pending.inventory_seq and (role.first_removed is None or ts < role.first_removed):
-            role.first_removed = ts
+        for role, position in entries:
+            if tier not in role.tiers:
+                continue
+            last = role.last_removed[position]
+            if last is None or ts > last:
+                role.last_removed[position] = ts
+            if stored_seq <= pending.inventory_seq and (role.first_removed is None or ts < role.first_removed):
+                role.first_removed = ts
 
 
 def _gone(role: _Role | None, holds: Callable[[WorkerId, Provenance, Tier, int], bool]) -> list[int]:
