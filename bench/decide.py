@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parity-sample", type=int, default=100, help="answers checked against the reference")
     parser.add_argument("--gpu-profile", action="store_true", help="print where one cuda pass spends its host time")
     parser.add_argument("--only", help="comma-separated paths to time (single, batched, untargeted, values, ranking, "
-                        "reuse_off, recorded, recorded_python, shadow); default all")
+                        "reuse_off, recorded, recorded_str, recorded_python, shadow, shadow_again); default all")
     parser.add_argument("--dirty-chunk", type=int, default=16, help="event batches applied between device updates")
     args = parser.parse_args(argv)
 
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
           f"mean {candidates:.1f} candidates and {overlapping:.1f} workers in overlaps per answer")
 
     from decide.cpu import rank_batch
-    from decide.recorder import request_texts
+    from decide.recorder import request_header_texts, request_texts
     from decide.shadow import ShadowDecisions
     from kvledger.decision_codec import request_header
     from kvledger.settings import enabled_reuse
@@ -526,17 +526,24 @@ def main(argv: list[str] | None = None) -> int:
     reuse_off = ReuseSettings()
     shadow = ShadowDecisions(enabled_reuse(reuse_off))
 
-    def recorded(batch: list[ReuseRequest], shadows: ShadowDecisions | None, requests: str | None) -> list[bytes]:
+    def recorded(batch: list[ReuseRequest], shadows: str | None, requests: str | None) -> list[bytes]:
         """What the service computes per batch with reuse off: the answers and relied-on prefixes, each
-        record's request header (`requests`: "batch" as the service writes them, "python" one at a time as
-        `request_header` does; None: not at all) and, with `shadows`, each record's shadow header."""
-        texts = cpu.answer_texts(batch, reuse_off)
+        record's request header (`requests`: "batch" as the service writes them, one buffer for the
+        records' frames; "str" the same as a str each, as the service took them before; "python" one at
+        a time as `request_header` does; None: not at all) and, with `shadows`, each record's shadow
+        header ("live": read off the live ranking, as the service does; "again": the batch ranked again)."""
+        if shadows == "live":
+            texts, _ = shadow.answer_with_live(cpu, batch, reuse_off, inflight=False)
+        else:
+            texts = cpu.answer_texts(batch, reuse_off)
         if requests == "batch":
+            request_header_texts(batch, texts.arrays)
+        elif requests == "str":
             request_texts(batch, texts.arrays)
         elif requests == "python":
             [request_header(q) for q in batch]
-        if shadows is not None:
-            shadows.answer(cpu, batch)
+        if shadows == "again":
+            shadow.answer(cpu, batch, texts)
         return texts.answers
 
     paths = {
@@ -562,15 +569,22 @@ def main(argv: list[str] | None = None) -> int:
                       f"{args.workers} workers",
                       lambda: time_batches(lambda qs: recorded(qs, None, None), queries, args.batch, args.rounds)),
         "recorded": (f"cpu, batches of {args.batch}, reuse off: the same, plus each record's request header "
-                     f"(decide.recorder.request_texts, one compiled call a batch), {args.workers} workers",
+                     f"(decide.recorder.request_header_texts, one compiled call a batch, one buffer), {args.workers} workers",
                      lambda: time_batches(lambda qs: recorded(qs, None, "batch"), queries, args.batch, args.rounds)),
+        "recorded_str": (f"cpu, batches of {args.batch}, reuse off: the same, the request headers as a str each "
+                         f"(decide.recorder.request_texts), {args.workers} workers",
+                         lambda: time_batches(lambda qs: recorded(qs, None, "str"), queries, args.batch, args.rounds)),
         "recorded_python": (f"cpu, batches of {args.batch}, reuse off: the same, the request headers written one "
                             f"at a time (decision_codec.request_header), {args.workers} workers",
                             lambda: time_batches(lambda qs: recorded(qs, None, "python"), queries, args.batch,
                                                  args.rounds)),
         "shadow": (f"cpu, batches of {args.batch}, reuse off with decide.shadow: request headers, plus each record's "
-                   f"shadow header (the batch ranked again with reuse on), {args.workers} workers",
-                   lambda: time_batches(lambda qs: recorded(qs, shadow, "batch"), queries, args.batch, args.rounds)),
+                   f"shadow header (read off the live ranking in the same call), {args.workers} workers",
+                   lambda: time_batches(lambda qs: recorded(qs, "live", "batch"), queries, args.batch, args.rounds)),
+        "shadow_again": (f"cpu, batches of {args.batch}, reuse off with decide.shadow: the same, the batch ranked "
+                         f"again with reuse on (where the shadow cannot share the live ranking), {args.workers} workers",
+                         lambda: time_batches(lambda qs: recorded(qs, "again", "batch"), queries, args.batch,
+                                              args.rounds)),
     }
     if with_dynamo:
         dynamo_path = (f"Dynamo RadixTree.find_matches, single, in its own process (one core), {args.workers} "
@@ -626,9 +640,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{len(paired)} rounds' costs ({paired[0]:.1%} – {paired[-1]:.1%}; medians {off['per_s']:,.0f}/s "
                   f"-> {on['per_s']:,.0f}/s)")
 
-    cost_line("each record's request header (one compiled call a batch)", "reuse_off", "recorded")
+    cost_line("each record's request header (one compiled call a batch, one buffer)", "reuse_off", "recorded")
+    cost_line("each record's request header as a str each (request_texts)", "reuse_off", "recorded_str")
     cost_line("each record's request header written one at a time (request_header)", "reuse_off", "recorded_python")
-    cost_line("decide.shadow (with the request headers)", "recorded", "shadow")
+    cost_line("decide.shadow, read off the live ranking (with the request headers)", "recorded", "shadow")
+    cost_line("decide.shadow, ranked again (with the request headers)", "recorded", "shadow_again")
     if "batched" not in runs or "single" not in runs:
         return 0 if not mismatches else 1
     batched = median_run(runs["batched"])

@@ -30,7 +30,7 @@ from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from kvledger.decision_codec import (
-    REQUEST_FIELDS, RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, SHADOW_HEADER, RequestError, error_reply,
+    REQUEST_FIELDS, RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, RequestError, error_reply,
     record_ack_subject,
 )
 from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
@@ -70,8 +70,8 @@ from decide.media import (
 )
 from decide.metrics import DecideMetrics
 from decide.ranked import AnswerTexts
-from decide.recorder import DecisionRecorder, Record, request_texts
-from decide.shadow import ShadowDecisions, shadow_reuse
+from decide.recorder import DecisionRecorder, RecordBatch, Texts, compile_record_kernels, request_header_texts
+from decide.shadow import ShadowDecisions, ShadowTexts, compile_shadow_kernels, shadow_reuse
 from decide.startup import StartupError, seconds_since_process_start, settle_subscriptions
 from decide.stream_loss import (
     CHECK_ERRORS, MSG_ID_HEADER, NO_POSITION, StreamRegression, stream_regression, trusted_snapshot,
@@ -260,6 +260,9 @@ class DecideService(AsyncLifetime):
         """
         started = time.perf_counter()
         await asyncio.to_thread(compile_kernels, self.settings.reuse)
+        await asyncio.to_thread(compile_record_kernels)
+        if self.shadow is not None:
+            await asyncio.to_thread(compile_shadow_kernels, self.settings.reuse, self.shadow.reuse)
         self.backend, self.backend_line = choose_backend(self.settings.decide.backend, self.index)
         log.info("decide: %s", self.backend_line)
         # Every answer's reason at 0 from the start, so a dashboard's rate() sees the first of each.
@@ -410,9 +413,18 @@ class DecideService(AsyncLifetime):
 
     def decide_many(self, requests: Sequence[ReuseRequest]) -> AnswerTexts:
         """Rank requests with the chosen backend and record the metrics."""
+        return self._decide_many(requests)[0]
+
+    def _decide_many(self, requests: Sequence[ReuseRequest]) -> tuple[AnswerTexts, ShadowTexts | None]:
+        """The live answers, with the metrics recorded, and with `decide.shadow` the shadow's part of the records."""
         assert self.backend is not None, "answering starts after start() chose the backend"
         started = time.perf_counter()
-        if self.inflight.ledger.ttl_s or any(request.fallback is not None for request in requests):
+        inflight = bool(self.inflight.ledger.ttl_s or any(request.fallback is not None for request in requests))
+        both = (self.shadow.answer_with_live(self.backend, requests, self.settings.reuse, inflight=inflight,
+                                             clock=self._clock) if self.shadow is not None else None)
+        if both is not None:
+            answers, shadows = both
+        elif inflight:
             answers = self.inflight.answer(self.backend, requests, self.settings.reuse, clock=self._clock)
         else:
             answers = self.backend.answer_texts(requests, self.settings.reuse, clock=self._clock)
@@ -424,7 +436,11 @@ class DecideService(AsyncLifetime):
             self.metrics.decisions.labels(name, reason).inc(number)
             if reason == Reason.BUDGET_EXHAUSTED:
                 self.metrics.budget_exhausted.inc(number)
-        return answers
+        if both is None and self.shadow is not None:
+            shadows = self.shadow.answer(self.backend, requests, answers, clock=self._clock)
+        elif both is None:
+            shadows = None
+        return answers, shadows
 
     def refuse(self, error: RequestError) -> dict:
         """Count a refused request; its error reply."""
@@ -444,30 +460,25 @@ class DecideService(AsyncLifetime):
             else:
                 valid.append((position, item))
         # Answers go from the ranked arrays straight to JSON, the same bytes that are recorded.
-        records = []
         if valid:
             requests = [request for _, request in valid]
-            answers = self.decide_many(requests)
-            shadows, shadow_relied = (self.shadow.answer(self.backend, requests, clock=self._clock)
-                                      if self.shadow is not None else ((), ()))
+            answers, shadows = self._decide_many(requests)
+            relied = shadows.relied_prefixes if shadows is not None else answers.relied_prefixes
             # Each record carries its request, for a what-if replay (one compiled call for the batch).
-            asked = (request_texts(requests, answers.arrays) if self.settings.decide.record_requests
-                     else [""] * len(requests))
-            for number, ((position, request), payload, relied) in enumerate(
-                zip(valid, answers.answers, answers.relied_prefixes)
-            ):
+            asked = (request_header_texts(requests, answers.arrays) if self.settings.decide.record_requests
+                     else None)
+            for (position, _), payload in zip(valid, answers.answers):
                 parts[position] = payload
-                headers = None
-                if shadows:
-                    headers = {SHADOW_HEADER: shadows[number]}
-                    # Both are prefixes of the request's sequence hashes: the longer holds the other.
-                    relied = max(relied, shadow_relied[number], key=len)
-                records.append(Record(request.request_id, payload, relied, ack_to[position] if ack_to else None,
-                                      headers, asked[number]))
-        await self._record(records)
+            arrays = answers.arrays
+            await self._record(RecordBatch(
+                [request.request_id for request in requests], answers.answers, relied, asked,
+                shadows.headers if shadows is not None else None,
+                [ack_to[position] for position, _ in valid] if ack_to else None,
+                Texts(arrays.ids, arrays.id_bounds) if arrays is not None else None,
+            ))
         return EncodedAnswers(tuple(parts), frozenset(refused))
 
-    async def _record(self, records: list[Record]) -> None:
+    async def _record(self, records: RecordBatch) -> None:
         """Append answers to KV_DECISIONS and wait for the acks, so a client's answer is on record."""
         assert self._recorder is not None
         await self._recorder.record(records)
