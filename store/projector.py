@@ -257,6 +257,44 @@ async def _wait_out_failure(error: Exception, stream: str, metrics: StoreMetrics
     await backoff.wait(stop)
 
 
+class DecisionsHold:
+    """Keeps the events fold from passing a decision's horizon before the decision reaches it.
+
+    While store catches up on a backlog, its events projector runs far ahead of its decisions
+    projector, and every decision would arrive after its horizon had passed in the fold, left to
+    the SQL judge at many times the fold's cost. So the fold waits before an event ingested later
+    than the newest committed decision plus the shortest horizon, while the decisions stream
+    still has records for store. A decisions projector that makes no progress for STALL_S is not
+    waited for (its decisions go to the SQL judge), so a broken decisions stream never stops events.
+    """
+
+    STALL_S = 2.0
+
+    def __init__(self, decisions: RowProjector, shortest_horizon_s: float) -> None:
+        self.decisions = decisions
+        self.shortest_horizon_s = shortest_horizon_s
+        self._stalled_at: float | None = None  # decisions' newest ts when it last stalled us
+
+    def holds(self, ingest_ts: float) -> bool:
+        decisions = self.decisions
+        if decisions.caught_up or not decisions.ready:
+            return False
+        newest = decisions.last_decided_ts
+        if newest is not None and ingest_ts < newest + self.shortest_horizon_s:
+            return False
+        return self._stalled_at is None or self._stalled_at != newest
+
+    async def wait(self, ingest_ts: float) -> None:
+        started = time.monotonic()
+        while self.holds(ingest_ts):
+            if time.monotonic() - started > self.STALL_S:
+                self._stalled_at = self.decisions.last_decided_ts
+                log.info("the decisions projector made no progress for %.0f s: events no longer wait for it "
+                         "(its late decisions are judged in SQL)", self.STALL_S)
+                return
+            await asyncio.sleep(0.005)
+
+
 class EventsProjector:
     """KV_EVENTS → fold → event_log, block_residency, workers, uncertain_periods, checkpoint.
 
@@ -271,6 +309,7 @@ class EventsProjector:
         self.engine = engine
         self.metrics = metrics
         self.quality = quality  # told about every applied batch, to judge decisions at their horizon
+        self.hold: DecisionsHold | None = None  # set by StoreService beside a decisions projector
         self.stream = settings.stream.events_stream
         self.shard = parse_shard(settings.store.shard)
         self.durable = self.shard.durable(EVENTS_DURABLE)
@@ -398,6 +437,8 @@ class EventsProjector:
                         continue
                     settling, verdicts, open_before = (), (), None
                     if quality is not None:
+                        if self.hold is not None and self.hold.holds(batch.ingest_ts):
+                            await self.hold.wait(batch.ingest_ts)
                         if batch.events:
                             # Judged on the fold as of the seq before the first event written at or
                             # after their horizon (the SQL judge's horizon seq: a batch without
@@ -672,6 +713,10 @@ class RowProjector:
     already_recorded: Callable[[sa.Connection, list[TableRow]], set[int]] | None = None
     ready: bool = False
     cursor: StreamCursor | None = None
+    # What the events projector's hold reads (DecisionsHold): the newest decision committed, and whether
+    # the stream had nothing more for this projector at its last fetch.
+    last_decided_ts: float | None = None
+    caught_up: bool = False
 
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
         backoff = Backoff()
@@ -705,11 +750,13 @@ class RowProjector:
             try:
                 messages = await fetch(subscription, self.batch_size, FETCH_TIMEOUT_S)
             except TimeoutError:  # nats-py raises its own and asyncio's; both are this
+                self.caught_up = True
                 await watch.idle(last_stream_seq)
                 continue
             watch.delivered()
             if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                 continue
+            self.caught_up = False
             seqs = await _refuse_skips(watch, messages, last_stream_seq, self.metrics, self.stream)
             last_stream_seq = seqs[-1]
             rows: list[TableRow] = []
@@ -734,8 +781,13 @@ class RowProjector:
                 self.metrics.checkpoint.labels(self.stream).set(checkpoint)
                 if self.committed is not None:
                     self.committed(rows)
-            self.metrics.pending.labels(self.stream).set(messages[-1].metadata.num_pending)
+                decided = [row["decided_ts"] for table, row in rows if table is tables.decisions]
+                if decided:
+                    self.last_decided_ts = max(decided + [self.last_decided_ts or decided[0]])
+            pending = messages[-1].metadata.num_pending
+            self.metrics.pending.labels(self.stream).set(pending)
             await messages[-1].ack()
+            self.caught_up = pending == 0
 
     def _write(self, rows: list[TableRow], checkpoint: int) -> list[TableRow]:
         """Write `rows` (less those SQL already holds) and the checkpoint in one transaction; return what was written."""
@@ -792,6 +844,8 @@ class StoreService:
             self.engine, self.metrics, batch, self.quality.decisions_committed if self.quality else None,
             decision_identities, recorded_decisions,
         )  # fmt: skip
+        if self.quality is not None:
+            self.events.hold = DecisionsHold(self.decisions, min(self.horizons_ms) / 1000)
         self.dead_letters = RowProjector(
             "dead_letters", dead_letters_stream(settings.stream).name, DEAD_LETTERS_DURABLE,
             ingest_dead_letter_row, self.engine, self.metrics, batch,

@@ -214,6 +214,9 @@ class QualityTracker:
         # through only for a decision that comes after them (`_replay_recent`)
         self._recent: collections.deque[tuple[float, int, list[StayEnd]]] = collections.deque()
         self._covered_after = 0  # every batch past this seq that ended stays is in _recent
+        # the same ends by watched key, oldest first: a late decision looks up its own blocks' ends
+        # rather than reading every recent batch (a store catching up takes every decision late)
+        self._recent_by_key: dict[WatchKey, collections.deque[tuple[int, float, StayEnd]]] = {}
 
     @property
     def waiting(self) -> int:
@@ -285,12 +288,11 @@ class QualityTracker:
         for role in pending.watched():
             for position, sequence_hash in enumerate(role.hashes):
                 roles.setdefault((role.worker, sequence_hash), {}).setdefault(pending, []).append((role, position))
-        for ts, seq, ends in self._recent:
-            if seq > pending.inventory_seq:
-                for end in ends:
-                    found = roles.get((end[0], end[2]))
-                    if found is not None:
-                        _note_end(found, end, seq, ts)
+        by_key = self._recent_by_key
+        for key, found in roles.items():
+            for seq, ts, end in by_key.get(key, ()):
+                if seq > pending.inventory_seq:
+                    _note_end(found, end, seq, ts)
 
     # the events side
 
@@ -304,6 +306,7 @@ class QualityTracker:
         self._due.clear()
         self._watchers.clear()
         self._recent.clear()
+        self._recent_by_key.clear()
         self.stream_ts = ingest_ts
         self.stream_seq = self._covered_after = stream_seq
 
@@ -358,6 +361,13 @@ class QualityTracker:
             ends = _stay_ends(facts, open_before)
             if ends:
                 self._recent.append((ingest_ts, stream_seq, ends))
+                by_key = self._recent_by_key
+                for end in ends:
+                    key = (end[0], end[2])
+                    kept = by_key.get(key)
+                    if kept is None:
+                        kept = by_key[key] = collections.deque()
+                    kept.append((stream_seq, ingest_ts, end))
                 watchers = self._watchers
                 if watchers:
                     for end in ends:
@@ -368,9 +378,17 @@ class QualityTracker:
             self._forget_before(self.stream_ts - max(self.horizons_ms) / 1000 - _REMEMBER_EXTRA_S)
 
     def _forget_before(self, ts: float) -> None:
-        recent = self._recent
+        recent, by_key = self._recent, self._recent_by_key
         while recent and recent[0][0] < ts:
-            self._covered_after = recent.popleft()[1]
+            _, seq, ends = recent.popleft()
+            self._covered_after = seq
+            for end in ends:  # each key's oldest entries are this batch's
+                key = (end[0], end[2])
+                kept = by_key.get(key)
+                if kept:
+                    kept.popleft()
+                    if not kept:
+                        del by_key[key]
 
     def _unwatch(self, pending: _Pending) -> None:
         watchers = self._watchers
