@@ -342,6 +342,13 @@ class StoreSettings:
         rule=_non_empty(),
     )
 
+    @property
+    def metrics_horizon_ms(self) -> float:
+        """The configured verdict horizon closest to quality_horizon_s (itself when none is configured): the one
+        the metrics count and the demo shows."""
+        wanted = self.quality_horizon_s * 1000
+        return min(self.quality_horizons_ms, key=lambda h: (abs(h - wanted), h)) if self.quality_horizons_ms else wanted
+
     @staticmethod
     def shard_problem(text: str) -> str | None:
         """What is wrong with a "K/N" shard value (None: nothing); store.sharding parses it with this rule."""

@@ -835,7 +835,7 @@ class StoreService:
         # shards (sharded, the SQL judge settles every decision once all shards are past it).
         self.quality = QualityTracker(
             self.metrics.quality, self.horizons_ms, settings.store.quality_max_pending,
-            settings.store.quality_horizon_s,
+            settings.store.metrics_horizon_ms,
         ) if parse_shard(settings.store.shard).single and self.horizons_ms else None
         self.events = EventsProjector(settings, self.engine, self.metrics, self.quality)
         batch = settings.store.batch_size

@@ -193,15 +193,12 @@ class QualityTracker:
     `put_back`, and `after_event` (the stays the batch ended)."""
 
     def __init__(self, metrics: QualityMetrics, horizons_ms: Sequence[float], max_pending: int,
-                 metrics_horizon_s: float | None = None) -> None:
+                 metrics_horizon_ms: float | None = None) -> None:
         self.metrics = metrics
         self.horizons_ms = tuple(horizons_ms)
-        # The metrics follow one horizon: the configured one closest to store.quality_horizon_s.
-        if metrics_horizon_s is not None and self.horizons_ms:
-            wanted = metrics_horizon_s * 1000
-            self.metrics_horizon_ms = min(self.horizons_ms, key=lambda h: (abs(h - wanted), h))
-        else:
-            self.metrics_horizon_ms = self.horizons_ms[0] if self.horizons_ms else None
+        # The metrics follow one horizon (StoreSettings.metrics_horizon_ms; by default the first).
+        self.metrics_horizon_ms = metrics_horizon_ms if metrics_horizon_ms is not None else (
+            self.horizons_ms[0] if self.horizons_ms else None)
         self.max_pending = max_pending
         self.stream_ts: float | None = None  # the highest ingest time of the events applied
         self.stream_seq = 0

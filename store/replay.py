@@ -51,6 +51,7 @@ from store import tables
 from store.pruning import DECISIONS_PRUNED, pruned_through
 from store.quality import judge
 from store.tables import to_signed
+from store.verdicts import first_seq_at_or_after
 
 # Each recorded decision in the window with its request, and its horizon seq as the quality
 # audit computes it (the seq just before the first event ingested at or after decided_ts +
@@ -427,7 +428,7 @@ def read_window(connection: sa.Connection, *, horizon_s: float, from_ts: float =
         rows = run(connection, REPLAY_DECISIONS, **window)
         if rows:
             times = connection.execute(sa.text(REPLAY_INGEST_TIMES.sql.rstrip(";"))).all()
-            found = _horizon_seqs(times, [row["decided_ts"] + horizon_s for row in rows], ingest_ts=lambda t: t)
+            found = first_seq_at_or_after(times, [row["decided_ts"] + horizon_s for row in rows])
             for row, horizon in zip(rows, found):
                 row["horizon_seq"] = horizon
     unreplayable = run(connection, UNREPLAYABLE, **window)[0]["decisions"]
@@ -558,20 +559,10 @@ class _FoldView:
         return self.fold.holds(worker, provenance, tier, sequence_hash)
 
 
-def _horizon_seqs(batches: Sequence[tuple[int, EventBatch]], thresholds: Sequence[float],
-                  ingest_ts=lambda batch: batch.ingest_ts) -> list[int | None]:
+def _horizon_seqs(batches: Sequence[tuple[int, EventBatch]], thresholds: Sequence[float]) -> list[int | None]:
     """`replay_requests`' horizon seq on the stream: the seq before the first event ingested at or after each
     threshold (decided_ts + horizon), None while none has come that late."""
-    seqs, latest, running = [], [], -math.inf
-    for seq, batch in batches:  # ingest times need not rise with the seq: the first at or after a time is found
-        running = max(running, ingest_ts(batch))  # on their running maximum, which does
-        seqs.append(seq)
-        latest.append(running)
-    found = []
-    for threshold in thresholds:
-        position = bisect.bisect_left(latest, threshold)
-        found.append(seqs[position] - 1 if position < len(seqs) else None)
-    return found
+    return first_seq_at_or_after(((seq, batch.ingest_ts) for seq, batch in batches), thresholds)
 
 
 async def read_streams(

@@ -133,6 +133,24 @@ def horizon_ms_of(horizon_s: float) -> float:
     return round(horizon_s * 1000, 6)
 
 
+def first_seq_at_or_after(seqs_and_times: Iterable[tuple[int, float]], thresholds: Sequence[float]) -> list[int | None]:
+    """For each threshold, the seq before the first (seq, ingest time) in seq order ingested at or after it (None:
+    none yet). Ingest times need not rise with the seq; their running maximum does, so one pass and a bisection
+    per threshold find it."""
+    seqs, running_max = [], []
+    highest = float("-inf")
+    for seq, ingest_ts in seqs_and_times:
+        if ingest_ts > highest:
+            highest = ingest_ts
+        seqs.append(seq)
+        running_max.append(highest)
+    found: list[int | None] = []
+    for threshold in thresholds:
+        at = bisect.bisect_left(running_max, threshold)
+        found.append(seqs[at] - 1 if at < len(seqs) else None)
+    return found
+
+
 def horizon_seqs(connection: sa.Connection, deadlines: Sequence[float]) -> list[int | None]:
     """Each deadline's horizon seq: the seq before the first event ingested at or after it (None: none yet).
 
@@ -146,18 +164,7 @@ def horizon_seqs(connection: sa.Connection, deadlines: Sequence[float]) -> list[
         sa.select(e.stream_seq, e.ingest_ts).where(e.event_idx == 0, e.ingest_ts >= min(deadlines))
         .order_by(e.stream_seq)
     ).all()
-    seqs, running_max = [], []
-    highest = float("-inf")
-    for seq, ingest_ts in rows:
-        if ingest_ts > highest:
-            highest = ingest_ts
-        seqs.append(seq)
-        running_max.append(highest)
-    found: list[int | None] = []
-    for deadline in deadlines:
-        at = bisect.bisect_left(running_max, deadline)
-        found.append(seqs[at] - 1 if at < len(seqs) else None)
-    return found
+    return first_seq_at_or_after(rows, deadlines)
 
 
 def _fill_work(connection: sa.Connection, work: Iterable[tuple[int, float, int]]) -> None:
@@ -274,10 +281,7 @@ class VerdictSweeper:
         while not stop.is_set():
             try:
                 judged = await asyncio.to_thread(sweep_once, self.engine)
-            except sa.exc.OperationalError as error:  # a busy or restarting database: the next round retries
-                log.warning("judging pending decisions in SQL failed (%s); retrying", error)
-                judged = 0
-            except sa.exc.DBAPIError as error:
+            except sa.exc.DBAPIError as error:  # a busy or restarting database: the next round retries
                 log.warning("judging pending decisions in SQL failed (%s); retrying", error)
                 judged = 0
             if judged and self.metrics is not None:

@@ -26,7 +26,7 @@ class Feed:
     def __init__(self) -> None:
         self.fold = InventoryFold()
         self.metrics = StoreMetrics()
-        self.tracker = QualityTracker(self.metrics.quality, [HORIZON_S * 1000], 1000, HORIZON_S)
+        self.tracker = QualityTracker(self.metrics.quality, [HORIZON_S * 1000], 1000, HORIZON_S * 1000)
         self.verdicts: list[tuple] = []
         self.seq = 0
         self.engine_seqs: dict[WorkerId, int] = {}

@@ -308,9 +308,7 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
 
     counts = ledger_counts(settings.db.url)
     # The verdicts store wrote as it folded (store.quality_horizons_ms), at the metrics' horizon if judged.
-    horizons = settings.store.quality_horizons_ms
-    wanted = settings.store.quality_horizon_s * 1000
-    horizon_ms = min(horizons, key=lambda h: (abs(h - wanted), h)) if horizons else wanted
+    horizon_ms = settings.store.metrics_horizon_ms
     console.print(f"[dim]reading the verdicts of {counts['decisions']} decisions at {horizon_ms:g} ms...[/]")
     quality = quality_totals(settings.db.url, horizon_ms / 1000)
     shadow = shadow_totals(settings.db.url, horizon_ms / 1000)
