@@ -64,11 +64,12 @@ def engine_alone(url: str, sweep, placed: bool) -> tuple[float, float]:
         started = time.perf_counter()
         window = reference.read_window(connection, horizon_s=0.5, horizons_in_sql=False)
         workers = reference.workers_of(connection)
-        columns = reference.stay_columns(connection, window.first_seq, window.last_seq)
+        stays = reference.stays_of(connection, window.first_seq, window.last_seq)
         read = time.perf_counter() - started
     engine.dispose()
     started = time.perf_counter()
-    timeline = StayTimeline.of_columns(workers, *columns)
+    timeline = StayTimeline.of_stays(workers, stays.placements, stays.placement, stays.sequence_hash,
+                                     stays.stored_seq, stays.removed_seq, stays.conflict_since)
     fast._answered(window.decisions, sweep, placed, timeline, lambda decision: decision.horizon_seq)
     return read, time.perf_counter() - started
 

@@ -336,8 +336,15 @@ def judge_outcomes(items, seqs, sequence, offsets, source, tier, source_from, so
 def merge_intervals(keys: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, ...]:
     """Per key, the union of its intervals [start, end) as disjoint, non-touching ones, sorted by (key, start):
     held at a seq when some interval covers it, however many stays overlap there."""
-    return _merged(np.lexsort((starts, keys)), keys.astype(np.int64), starts.astype(np.int64),
-                   ends.astype(np.int64))
+    keys, starts, ends = keys.astype(np.int64), starts.astype(np.int64), ends.astype(np.int64)
+    if not keys.size:
+        return keys, starts, ends
+    low, high = int(starts.min()), int(starts.max())
+    if int(keys.min()) >= 0 and (int(keys.max()) + 1) * (high - low + 1) < 2**63:
+        order = np.argsort(keys * (high - low + 1) + (starts - low))  # one int64 sort, not lexsort's two passes
+    else:
+        order = np.lexsort((starts, keys))
+    return _merged(order, keys, starts, ends)
 
 
 @_compiled
@@ -472,6 +479,38 @@ class StayTimeline:
         kept = stay_plane >= 0
         hashes = np.array(sequence_hash, dtype=np.int64).reshape(count).view(np.uint64)
         return cls(workers, stay_worker[kept], stay_plane[kept], hashes[kept], start[kept], end[kept])
+
+    @classmethod
+    def of_stays(cls, workers: Sequence[tuple[WorkerId, int]], placements: Sequence[tuple[str, int, str, str]],
+                 placement: np.ndarray, sequence_hash: np.ndarray, stored_seq: np.ndarray, removed_seq: np.ndarray,
+                 conflict_since: np.ndarray) -> StayTimeline:
+        """As `of_columns`, from arrays (`store.replay.Stays`): per placement (publisher, dp_rank, provenance,
+        tier), and per stay its placement (an index), sequence hash (signed), stored seq, removed seq and
+        conflict_since (int64 max where none): the same timeline without a Python object per stay."""
+        workers = list(workers)
+        item_of = {(worker.publisher, worker.dp_rank): item for item, (worker, _first) in enumerate(workers)}
+        plane_of = {(p.value, t.value): plane for (p, t), plane in _PLANE_OF.items()}
+        worker_of_placement = np.zeros(max(len(placements), 1), dtype=np.int64)
+        plane_of_placement = np.full(max(len(placements), 1), -1, dtype=np.int64)
+        for item, (publisher, dp_rank, provenance, tier) in enumerate(placements):
+            key = (publisher, dp_rank)
+            if key not in item_of:  # a stay of a worker never listed: never present
+                item_of[key] = len(workers)
+                workers.append((WorkerId(*key), FOREVER))
+            worker_of_placement[item] = item_of[key]
+            plane_of_placement[item] = plane_of.get((provenance, tier), -1)
+        placement = np.asarray(placement, dtype=np.int64)
+        stay_plane = plane_of_placement[placement]
+        end = np.asarray(removed_seq, dtype=np.int64)
+        retained = stay_plane == _PLANE_OF[(Provenance.RETAINED, Tier.DEVICE)]
+        if retained.any():
+            end = np.where(retained, np.minimum(end, conflict_since), end)
+        kept = stay_plane >= 0
+        if not kept.all():
+            placement, stay_plane, end = placement[kept], stay_plane[kept], end[kept]
+            sequence_hash, stored_seq = sequence_hash[kept], stored_seq[kept]
+        return cls(workers, worker_of_placement[placement], stay_plane,
+                   np.asarray(sequence_hash, dtype=np.int64).view(np.uint64), stored_seq, end)
 
     def slot(self, worker: WorkerId) -> int | None:
         return self._slot.get(worker)

@@ -29,10 +29,12 @@ import bisect
 import collections
 import math
 import struct
+import warnings
 from collections.abc import Iterable, Sequence
 
 import attrs
 import msgspec
+import numpy as np
 import sqlalchemy as sa
 from nats.js import JetStreamContext
 
@@ -450,6 +452,175 @@ def stay_columns(connection: sa.Connection, first_seq: int, last_seq: int) -> tu
     rows = result.cursor.fetchall()  # the driver's tuples: a Row each costs a third again
     result.close()
     return tuple(list(column) for column in zip(*rows)) if rows else tuple([] for _ in range(8))
+
+
+NEVER = np.iinfo(np.int64).max  # a removed_seq or conflict_since that never came
+_LOCAL_TIERS = ("device", "host", "disk")
+
+
+@attrs.frozen
+class Stays:
+    """`replay_stays`' rows as arrays, one item per stay, read without a Python object per row (`stays_of`)."""
+
+    placements: tuple[tuple[str, int, str, str], ...]  # (publisher, dp_rank, provenance, tier) per placement
+    placement: np.ndarray  # int64, an index into `placements`
+    sequence_hash: np.ndarray  # int64, as SQL keeps it (signed)
+    stored_seq: np.ndarray  # int64
+    removed_seq: np.ndarray  # int64, NEVER while held
+    conflict_since: np.ndarray  # int64, NEVER where none
+
+    def __len__(self) -> int:
+        return self.placement.size
+
+
+def stays_of(connection: sa.Connection, first_seq: int, last_seq: int) -> Stays:
+    """`replay_stays`' rows (every stay on a local tier open at some seq of [first_seq, last_seq]) as `Stays`.
+
+    The `block_residency` view joins every stay to its placement and its removal run a row at a time, and a
+    driver's row costs a Python tuple and an int per column. Here `placements`, `block_stays` and
+    `block_removals` are read apiece, their integer columns in bulk (SQLite: one `group_concat` text per column,
+    parsed by numpy, the stays read off `ix_stays_sequence_hash`, whose entries carry the table's key; PostgreSQL:
+    `COPY … (FORMAT binary)` read as one numpy record array), and each stay is matched to its removal run (same
+    placement and stored seq, first_slot <= slot <= last_slot) by a binary search in numpy. A conflict_since is
+    read for retained placements only: it ends nothing else (kvledger/precedence.py, rule 1)."""
+    rows = connection.exec_driver_sql(
+        "SELECT placement_id, publisher, dp_rank, provenance, tier FROM placements ORDER BY placement_id").all()
+    rows = [row for row in rows if row[4] in _LOCAL_TIERS]
+    placements = tuple((publisher, dp_rank, provenance, tier) for _, publisher, dp_rank, provenance, tier in rows)
+    ids = np.array([row[0] for row in rows], dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    if not rows:
+        return Stays(placements, empty, empty, empty, empty, empty)
+    local = f"placement_id IN ({', '.join(str(int(value)) for value in ids)}) AND stored_seq <= {int(last_seq)}"
+    removals = ("placement_id", "stored_seq", "first_slot", "last_slot", "removed_seq")
+    if connection.dialect.name == "postgresql":
+        pid, hashes, stored, slot = _copied(connection, "block_stays", ("placement_id", "sequence_hash", "stored_seq",
+                                                                        "slot"), local)
+        r_pid, r_stored, r_first, r_last, r_removed = _copied(connection, "block_removals", removals, local)
+    else:
+        # Off `ix_stays_sequence_hash`, whose entries carry every column read but the two rarely set (below), and
+        # unfiltered: SQLite spends more per row testing a WHERE than numpy does.
+        pid, hashes, stored, slot = _concatenated(connection, "block_stays INDEXED BY ix_stays_sequence_hash",
+                                                  ("placement_id", "sequence_hash", "stored_seq", "slot"))
+        r_pid, r_stored, r_first, r_last, r_removed = _concatenated(connection, "block_removals", removals)
+        wanted = np.isin(pid, ids) & (stored <= int(last_seq))
+        pid, hashes, stored, slot = pid[wanted], hashes[wanted], stored[wanted], slot[wanted]
+        wanted = np.isin(r_pid, ids) & (r_stored <= int(last_seq))
+        r_pid, r_stored, r_first, r_last, r_removed = (column[wanted] for column in
+                                                       (r_pid, r_stored, r_first, r_last, r_removed))
+    # The stays an unresolved parent keeps out of the index, and retained stays' conflicts: rare, NULL otherwise.
+    retained = {int(pid) for pid, row in zip(ids, rows) if row[3] == Provenance.RETAINED.value}
+    flagged = connection.exec_driver_sql(
+        "SELECT placement_id, stored_seq, slot, unresolved, conflict_since FROM block_stays "
+        f"WHERE {local} AND (unresolved OR conflict_since IS NOT NULL)").all()
+    u_pid, u_stored, u_slot = (np.array([row[part] for row in flagged if row[3]], dtype=np.int64) for part in range(3))
+    conflicts = [row for row in flagged if row[4] is not None and row[0] in retained]
+    c_pid, c_stored, c_slot, c_since = (np.array([row[part] for row in conflicts], dtype=np.int64)
+                                        for part in (0, 1, 2, 4))
+    # Each stay's key (placement, stored seq, slot) as one int64 that orders as the triple does.
+    stay_key, removal_key, conflict_key, unresolved_key = _stay_keys(
+        (pid, stored, slot), (r_pid, r_stored, r_first), (c_pid, c_stored, c_slot), (u_pid, u_stored, u_slot))
+    removed = np.full(pid.size, NEVER, dtype=np.int64)
+    if r_pid.size:
+        order = np.argsort(removal_key, kind="stable")
+        removal_key, r_first, r_last, r_removed = (removal_key[order], r_first[order], r_last[order],
+                                                   r_removed[order])
+        run = np.searchsorted(removal_key, stay_key, "right") - 1  # the last run starting at or before the slot
+        found = run >= 0
+        run = np.maximum(run, 0)
+        same = found & (removal_key[run] - r_first[run] == stay_key - slot) & (r_last[run] >= slot)
+        removed[same] = r_removed[run[same]]
+    conflict = np.full(pid.size, NEVER, dtype=np.int64)
+    kept = removed > int(first_seq)
+    if c_pid.size or u_pid.size:
+        order = np.argsort(stay_key, kind="stable")
+        ordered = stay_key[order]
+        if c_pid.size:
+            at = order[np.minimum(np.searchsorted(ordered, conflict_key), order.size - 1)]
+            matched = stay_key[at] == conflict_key
+            conflict[at[matched]] = c_since[matched]
+        if u_pid.size:
+            at = order[np.minimum(np.searchsorted(ordered, unresolved_key), order.size - 1)]
+            kept[at[stay_key[at] == unresolved_key]] = False
+    placement = np.searchsorted(ids, pid[kept])
+    return Stays(placements, placement, hashes[kept], stored[kept], removed[kept], conflict[kept])
+
+
+def _stay_keys(*triples: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:
+    """(placement, stored seq, slot) triples of several tables as int64 keys that order and compare as the
+    triples do, the slot (never negative: a block's place in its event) the last digit, so that a key less its
+    slot is its pair's own."""
+    values = [np.concatenate([triple[part] for triple in triples]) for part in range(3)]
+    if not values[0].size:
+        return tuple(np.zeros(0, np.int64) for _ in triples)
+    placement_span = int(values[0].max()) - int(values[0].min()) + 1
+    seq_span = int(values[1].max()) - int(values[1].min()) + 1
+    slot_span = int(values[2].max()) + 1
+    if placement_span * seq_span * slot_span < 2**62:
+        combined = ((values[0] - int(values[0].min())) * seq_span + (values[1] - int(values[1].min()))) * slot_span \
+            + values[2]
+    else:  # too wide for one int64: the pairs ranked first (np.unique sorts them), then the slots beside them
+        pairs = np.unique(np.stack([values[0], values[1]], axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+        combined = pairs.astype(np.int64) * slot_span + values[2]
+    bounds = np.cumsum([0, *(triple[0].size for triple in triples)])
+    return tuple(combined[bounds[item]:bounds[item + 1]] for item in range(len(triples)))
+
+
+# A group_concat text may not pass SQLite's length limit (10^9 bytes by default, 20 bytes or fewer a value): past
+# this many stays the hash space is read in ranges.
+_ROWS_PER_TEXT = 20_000_000
+
+
+def _concatenated(connection: sa.Connection, table: str, columns: Sequence[str]) -> list[np.ndarray]:
+    """SQLite: integer columns (none NULL) of every row of `table` (block_stays or block_removals), as int64
+    arrays: one `group_concat` text per column, which numpy parses without a Python int per value (per range of
+    sequence hashes where a text could pass SQLite's length limit)."""
+    raw = connection.connection.driver_connection
+    aggregated = ", ".join(f"group_concat({column})" for column in columns)
+    ranges = [""]
+    if "sequence_hash" in columns:
+        total = raw.execute(f"SELECT COUNT(*) FROM {table.split()[0]}").fetchone()[0]
+        parts = -(-total // _ROWS_PER_TEXT)
+        if parts > 1:
+            step = 2**64 // parts
+            bounds = [-(2**63) + step * part for part in range(parts)] + [2**63]
+            ranges = [f" WHERE sequence_hash >= {low}" + (f" AND sequence_hash < {high}" if high < 2**63 else "")
+                      for low, high in zip(bounds, bounds[1:])]
+    texts = []
+    for where in ranges:
+        texts += raw.execute(f"SELECT COUNT(*), {aggregated} FROM {table}{where}").fetchall()
+    texts = [row for row in texts if row[0]]
+    count = sum(row[0] for row in texts)
+    return [_parsed(",".join(row[item + 1] for row in texts), count) for item in range(len(columns))]
+
+
+def _parsed(text: str, count: int) -> np.ndarray:
+    if not count:
+        return np.zeros(0, dtype=np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        values = np.fromstring(text, dtype=np.int64, sep=",")
+    if values.size != count:
+        raise ValueError(f"read {values.size} of {count} values")
+    return values
+
+
+def _copied(connection: sa.Connection, table: str, columns: Sequence[str], where: str) -> list[np.ndarray]:
+    """PostgreSQL: integer columns (none NULL) of `table`'s rows matching `where`, as int64 arrays, by one
+    `COPY … TO STDOUT (FORMAT binary)` read as a numpy record array."""
+    selected = ", ".join(f"{column}::bigint" for column in columns)
+    data = bytearray()
+    with connection.connection.driver_connection.cursor() as cursor:
+        with cursor.copy(f"COPY (SELECT {selected} FROM {table} WHERE {where}) TO STDOUT (FORMAT binary)") as copy:
+            for block in copy:
+                data += block
+    # A 19-byte header, then per row its field count (int16) and per field its length (int32) and value; -1 ends.
+    fields = [("count", ">i2")]
+    for item in range(len(columns)):
+        fields += [(f"length{item}", ">i4"), (f"value{item}", ">i8")]
+    record = np.dtype(fields)
+    rows = np.frombuffer(data, dtype=record, count=(len(data) - 21) // record.itemsize, offset=19)
+    return [rows[f"value{item}"].astype(np.int64) for item in range(len(columns))]
 
 
 def workers_of(connection: sa.Connection) -> list[tuple[WorkerId, int]]:

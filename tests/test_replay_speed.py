@@ -75,6 +75,16 @@ def test_a_demo_ledger_gives_the_reference_report_to_the_last_float(db_url, tmp_
                 got = fast.replay(connection, sweep, horizon_s=horizon_s, placed=placed)
                 assert got == expected, (placed, horizon_s)
                 assert got.replayed == decisions
+        # The stays read in bulk (store.replay.stays_of) are `replay_stays`' rows, every column.
+        window = reference.read_window(connection, horizon_s=0.5, horizons_in_sql=False)
+        stays = reference.stays_of(connection, window.first_seq, window.last_seq)
+        rows = reference.stay_columns(connection, window.first_seq, window.last_seq)
+        never = reference.NEVER
+        assert sorted(zip(*rows[:6], (never if seq is None else seq for seq in rows[6]),
+                          (never if seq is None else seq for seq in rows[7]))) == sorted(zip(
+            *zip(*(stays.placements[item] for item in stays.placement.tolist())),
+            stays.sequence_hash.tolist(), stays.stored_seq.tolist(), stays.removed_seq.tolist(),
+            stays.conflict_since.tolist())) and len(stays) > 1000
         # Some settings change what the demo decided, so the comparison covers chosen transfers and their verdicts.
         placed_report = fast.replay(connection, sweep, horizon_s=0.5, placed=True)
         assert placed_report.settings[1].changed > 0 and placed_report.settings[1].judged_hints > 0

@@ -44,6 +44,9 @@ def arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the requests and the timeline come from: SQL (db.url), the KV_DECISIONS and "
                              "KV_EVENTS streams (nats.url), or auto: SQL while it holds the window, else the streams")
     parser.add_argument("--decisions", action="store_true", help="also list every decision that changes, per settings")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also the window's ceiling from SQL (store/ceiling.py): the prefix hit rate and TTFT "
+                             "saving an oracle, round-robin and kvledger's routing reached on the same requests")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -97,14 +100,19 @@ def run(args: argparse.Namespace, loaded: LoadedSettings) -> int:
                   file=sys.stderr)
             return 2
     rows = [report.recorded.row(), *(tally.row() for tally in report.settings)]
+    ceiling_rows, ceiling_refused = None, None
+    if getattr(args, "ceiling", False):
+        ceiling_rows, ceiling_refused = _ceiling(settings, from_ts, to_ts)
     if args.json:
         print(json.dumps({
             "source": report.source, **({"sql_refused": refusal} if refusal else {}), "horizon_ms": args.horizon_ms,
             "replayed": report.replayed, "unreplayable": report.unreplayable, "truncated": report.truncated,
             "rows": rows,
             **({"changes": {tally.name: tally.changes for tally in report.settings}} if args.decisions else {}),
+            **({"ceiling": ceiling_rows} if ceiling_rows is not None else {}),
+            **({"ceiling_refused": ceiling_refused} if ceiling_refused is not None else {}),
         }, indent=2))
-        return 0
+        return 1 if ceiling_refused is not None else 0
     where = "from SQL over the recorded timeline" if report.source == "sql" else \
         f"from {settings.stream.decisions_stream} over {settings.stream.events_stream} folded" + \
         (f" (SQL no longer holds the window: {refusal})" if refusal else "")
@@ -118,7 +126,33 @@ def run(args: argparse.Namespace, loaded: LoadedSettings) -> int:
         for tally in report.settings:
             print(f"\n{tally.name}: {tally.changed} decisions change")
             print_table(tally.changes, ("request_id", "recorded", "replayed"))
+    if ceiling_rows is not None:
+        from store.commands import _CEILING_COLUMNS
+
+        print("\nceiling of the same window (store/ceiling.py; docs/audit.md, \"Ceiling\"): "
+              "the configured [reuse] settings, capacity as held")
+        print_table(ceiling_rows, _CEILING_COLUMNS)
+    if ceiling_refused is not None:
+        print(f"kvledger replay --ceiling: {ceiling_refused}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _ceiling(settings, from_ts: float, to_ts: float) -> tuple[list[dict] | None, str | None]:
+    """The window's ceiling rows (oracle, round_robin, achieved) from SQL, or why SQL cannot give them."""
+    from store import database
+    from store.ceiling import ceiling
+    from store.replay import ReplayRefused
+
+    engine = database.create_engine(settings.db.url)
+    try:
+        database.require_current(engine, settings.db.url)
+        with engine.connect() as connection:
+            return ceiling(connection, settings.reuse, from_ts=from_ts, to_ts=to_ts).rows(), None
+    except (database.SchemaError, ReplayRefused) as error:
+        return None, str(error)
+    finally:
+        engine.dispose()
 
 
 async def _from_streams(settings, sweep: list, options: dict):
@@ -142,15 +176,17 @@ async def _from_streams(settings, sweep: list, options: dict):
 def replay(connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
            from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False):
     """`store.replay.replay`'s report, from SQL, answered by decide's kernels in a batch per inventory seq."""
-    from store.replay import read_window, report_of, stay_columns, workers_of
+    from store.replay import read_window, report_of, stays_of, workers_of
 
     window = read_window(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts, horizons_in_sql=False)
     judged = []
     if window.decisions:  # an empty window loads no kernel and reads no stay
         from decide.whatif import StayTimeline
 
-        timeline = StayTimeline.of_columns(workers_of(connection),
-                                           *stay_columns(connection, window.first_seq, window.last_seq))
+        stays = stays_of(connection, window.first_seq, window.last_seq)
+        timeline = StayTimeline.of_stays(workers_of(connection), stays.placements, stays.placement,
+                                         stays.sequence_hash, stays.stored_seq, stays.removed_seq,
+                                         stays.conflict_since)
         judged = _answered(window.decisions, settings, placed, timeline, lambda decision: decision.horizon_seq)
     return report_of((from_ts, to_ts), horizon_s, "sql", window.decisions, judged, window.unreplayable, settings)
 
