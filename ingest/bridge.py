@@ -1,7 +1,8 @@
 """The ingest service: every engine stream → canonical batches → JetStream, losing nothing.
 
 One `EngineStream` task per (publisher, dp_rank, provenance). Each resumes from the last
-(epoch, seq) JetStream holds for its subject, replays what the engine still buffers from
+(epoch, seq) JetStream holds for its subject, checks by content that the engine is the
+incarnation it followed (`ingest/incarnation.py`), replays what the engine still buffers from
 there, then follows the SUB socket, probing the replay socket whenever it is idle so a
 lost last message is noticed too. All publishing goes through one ordered publisher.
 Each stream remembers where JetStream stored what it acknowledged; on every connection to
@@ -26,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from ingest.endpoints import StreamSource
+from ingest.incarnation import Incarnation, is_restart_marker, judge, same_engine_batch
 from ingest.metrics import IngestMetrics
 from ingest.publisher import JetStreamPublisher, Queued, StreamCheckIncomplete
 from ingest.replay import ReplayClient
@@ -78,6 +80,8 @@ class EngineStream:
         self.subscriber: EngineSubscriber | None = None
         self.positions = AckedPositions()  # where JetStream stored what it acknowledged, for the stream check
         self._letters: list[Queued] = []  # dead letters the live batch being built caused, sent before it
+        self._resumed_from: EventBatch | None = None  # the last batch KV_EVENTS held for us at start
+        self.incarnation_check_s: float | None = None  # how long the last reconnection's check took
 
     @property
     def name(self) -> str:
@@ -88,7 +92,7 @@ class EngineStream:
         if self.tracker is None:
             # Only the first start reads the position back: after a stream failure the tracker
             # is ahead of JetStream (batches may still wait in the publisher) and stays.
-            epoch, next_seq = await self._bridge.resume_position(self.source)
+            epoch, next_seq, self._resumed_from = await self._bridge.resume_from(self.source)
             fetch = self._fetch if self.replay is not None else None
             self.tracker = SequenceTracker(epoch, next_seq, fetch)
         log.info(
@@ -98,8 +102,9 @@ class EngineStream:
             self.subscriber = subscriber
             await subscriber.connected.wait()
             # Replay after the handshake: whatever was sent before the SUB joined (or
-            # while ingest was down) comes from the engine's buffer, in order.
-            await self._publish(await self.tracker.catch_up())
+            # while ingest was down) comes from the engine's buffer, in order, once the
+            # engine is known to be the one followed before.
+            await self._publish(await self._reconnected())
             self.ready.set()
             log.info("%s: ready", self.name)
             while True:
@@ -118,6 +123,68 @@ class EngineStream:
 
     async def _fetch(self, start: int) -> list[tuple[int, bytes]]:
         return await self.replay.fetch(start)
+
+    async def _reconnected(self) -> list[Emit]:
+        """What the engine buffers past the last seq published, once its batch at that seq shows
+        it is the same incarnation; a new epoch from seq 0 if it restarted (ingest/incarnation.py).
+
+        The check asks the replay socket to start one seq earlier than catching up would, so
+        a continuation costs one batch more on the replay it needed anyway.
+        """
+        tracker = self.tracker
+        last = tracker.next_seq - 1
+        if self.replay is None or last < 0:
+            return await tracker.catch_up()  # nothing published to compare with (or no replay to ask)
+        started = time.perf_counter()
+        replies, complete = await self.replay.fetch_complete(last)
+        tracker.counters.incarnation_checks += 1
+        verdict = judge(last, replies, complete, lambda payload: self._same_as_published(last, payload))
+        self.incarnation_check_s = time.perf_counter() - started
+        if verdict.incarnation is Incarnation.CONTINUATION:
+            return tracker.accept_replayed(replies)
+        if verdict.incarnation is Incarnation.UNVERIFIED:
+            log.warning(
+                "%s: cannot tell a restart from a continuation at epoch %d seq %d (%s): going on behind a "
+                "Gap(replay_incomplete), the worker uncertain", self.name, tracker.epoch, last, verdict.why,
+            )
+            tracker.unverified(verdict.first)
+            return tracker.accept_replayed(replies)
+        old_epoch = tracker.epoch
+        gap = tracker.restarted()
+        log.warning(
+            "%s: the engine restarted while ingest was away (%s): epoch %d from seq 0, Gap(publisher_restart)",
+            self.name, verdict.why, tracker.epoch,
+        )
+        emits = await tracker.catch_up()
+        if not emits:
+            # The new engine has published nothing yet, and its cache is empty now: say so now,
+            # not with its first batch, or the old inventory stands until then.
+            await self._publish_restart_marker(old_epoch, gap)
+        return emits
+
+    def _same_as_published(self, seq: int, payload: bytes) -> bool | None:
+        """Whether the engine's batch at `seq` (current epoch) is the one published: by its bytes
+        while this process remembers them, else by the canonical batch KV_EVENTS held at start."""
+        emitted = self.tracker.emitted_matches(seq, payload)
+        if emitted is not None:
+            return emitted
+        record = self._resumed_from
+        if record is None or (record.epoch, record.seq) != (self.tracker.epoch, seq):
+            return None
+        return same_engine_batch(record, payload, engine=self.source.engine, max_bytes=self._max_batch_bytes)
+
+    async def _publish_restart_marker(self, epoch: int, gap: Gap) -> None:
+        """A batch of its own at the old epoch's next seq whose only event is the restart `gap`
+        (`is_restart_marker`): it clears the old inventory; ingest resumes after it at the new epoch."""
+        seq = gap.expected_seq
+        batch = EventBatch(self.source.worker, epoch, seq, 0.0, time.time(), self.source.provenance, (gap,))
+        metrics = self._bridge.metrics
+        metrics.events.inc_each((_kind_of(gap),))
+        metrics.gaps.labels(gap.reason.value).inc()
+        self.positions.note_gaps(epoch, seq, (gap,))
+        await self._bridge.publisher.publish(
+            self._subject, encode_batch(batch), batch.msg_id, None, self.positions, epoch, seq,
+        )
 
     def _next_in_order(self, frames: list[bytes]) -> Emit | None:
         seq = well_framed_seq(frames)
@@ -432,13 +499,23 @@ class Bridge(AsyncLifetime):
 
     async def resume_position(self, source: StreamSource) -> tuple[int, int]:
         """(epoch, next seq) after the last batch JetStream holds for this stream; (0, 0) if none."""
+        epoch, next_seq, _ = await self.resume_from(source)
+        return epoch, next_seq
+
+    async def resume_from(self, source: StreamSource) -> tuple[int, int, EventBatch | None]:
+        """`resume_position`, and the last batch itself, to check the engine against (None if none).
+
+        After a restart marker the next epoch starts at seq 0, with nothing of it to check.
+        """
         subject = events_subject(source.worker, source.provenance)
         try:
             message = await self._reader.jetstream().get_last_msg(self.settings.stream.events_stream, subject)
         except nats.js.errors.NotFoundError:
-            return 0, 0
+            return 0, 0, None
         last = decode_batch(message.data)
-        return last.epoch, last.seq + 1
+        if is_restart_marker(last):
+            return last.epoch + 1, 0, None
+        return last.epoch, last.seq + 1, last
 
     async def dead_letter(
         self, source: StreamSource, reason: str, frames: list[bytes], emit: Emit | None = None,

@@ -22,6 +22,11 @@ class ReplayClient:
 
     async def fetch(self, start_seq: int) -> list[tuple[int, bytes]]:
         """Every (seq, payload) the engine buffers from `start_seq` on, in order; partial on timeout."""
+        replies, _ = await self.fetch_complete(start_seq)
+        return replies
+
+    async def fetch_complete(self, start_seq: int) -> tuple[list[tuple[int, bytes]], bool]:
+        """`fetch`, and whether the end marker came: an empty answer then says the engine has nothing from there."""
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -35,7 +40,7 @@ class ReplayClient:
                 remaining = deadline - loop.time()
                 if remaining <= 0 or not await sock.poll(remaining * 1000):
                     self.incomplete_replays += 1
-                    return replies
+                    return replies, False
                 frames = await sock.recv_multipart()
                 try:
                     reply = split_replay_frames(frames)
@@ -43,7 +48,7 @@ class ReplayClient:
                     self.malformed_replies += 1
                     continue
                 if reply.seq is None:
-                    return replies
+                    return replies, True
                 replies.append((reply.seq, reply.payload))
                 # A long replay is progress, not a hang: each reply extends the deadline.
                 deadline = loop.time() + self._timeout

@@ -36,6 +36,8 @@ class TrackerCounters:
     replays: int = 0
     replayed_batches: int = 0
     restarts: int = 0
+    incarnation_checks: int = 0  # reconnections whose engine was checked by content (ingest/incarnation.py)
+    unverified_incarnations: int = 0  # checks that could tell neither continuation nor restart: a Gap
 
 
 class SequenceTracker:
@@ -56,6 +58,36 @@ class SequenceTracker:
         if self._fetch is None:
             return []
         return self._accept_replayed(await self._replay(self.next_seq))
+
+    def accept_replayed(self, replies: list[tuple[int, bytes]]) -> list[Emit]:
+        """`catch_up` with a replay already fetched (the incarnation check's, which starts one seq earlier)."""
+        self.counters.replays += 1
+        self.counters.replayed_batches += len(replies)
+        return self._accept_replayed(replies)
+
+    def emitted_matches(self, seq: int, payload: bytes) -> bool | None:
+        """Whether `seq` of this epoch was emitted with these bytes; None if it is not among the recent ones."""
+        digest = self._recent.get(seq)
+        return None if digest is None else digest == _digest(payload)
+
+    def restarted(self) -> Gap:
+        """The engine was found to have restarted before its next batch: a new epoch from seq 0,
+        which begins with the returned `Gap(publisher_restart)`."""
+        self.counters.restarts += 1
+        gap = Gap(self.next_seq, 0, GapReason.PUBLISHER_RESTART)
+        self._pending_gaps.append(gap)
+        self.epoch += 1
+        self.next_seq = 0
+        self._recent.clear()
+        return gap
+
+    def unverified(self, first: int | None) -> None:
+        """Continuity from the last seq emitted could not be established (the engine no longer
+        buffers it): go on in this epoch from `first`, behind a `Gap(replay_incomplete)` from
+        that last seq, which makes the worker uncertain."""
+        self.counters.unverified_incarnations += 1
+        last = self.next_seq - 1
+        self._gap(GapReason.REPLAY_INCOMPLETE, last, max(self.next_seq, first if first is not None else 0))
 
     def next_in_order(self, seq: int, payload: bytes) -> Emit | None:
         """The common case without a coroutine: the expected seq is emitted; anything else is None

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
+import os
 import socket
+import sys
+import time
+import types
 from collections.abc import Callable
+from pathlib import Path
 
 import nats
 import nats.errors
 import nats.js.errors
+import zmq
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvledger.sim.vllm import VllmBlockStored
@@ -110,3 +117,96 @@ async def http_get(port: int, path: str) -> tuple[int, str]:
     writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")
     return int(head.split()[1]), body.decode()
+
+
+# --- vLLM's own publisher, as tests/golden/record_vllm.py loads it out of the wheel -----------
+
+VLLM_WHEELS = Path.home() / ".cache" / "kvledger" / "wheels"  # or KVLEDGER_TEST_VLLM_WHEEL=PATH
+
+
+def vllm_wheel() -> Path | None:
+    """The vLLM wheel the golden recorder pins, where a test can find it without the network."""
+    named = os.environ.get("KVLEDGER_TEST_VLLM_WHEEL")
+    if named:
+        return Path(named)
+    version = _golden_recorder("record_vllm").VERSION
+    return next(iter(sorted(VLLM_WHEELS.glob(f"vllm-{version}-*.whl"))), None)
+
+
+def _golden_recorder(name: str) -> types.ModuleType:
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "golden" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def load_vllm_kv_events(wheel: Path) -> types.ModuleType:
+    """vLLM's `vllm/distributed/kv_events.py`, executed from the wheel as the golden recorder does;
+    its stand-in `vllm.*` modules are taken out of `sys.modules` again afterwards."""
+    before = set(sys.modules)
+    try:
+        return _golden_recorder("record_vllm").load_kv_events(wheel)
+    finally:
+        for name in set(sys.modules) - before:
+            if name == "vllm" or name.startswith("vllm."):
+                del sys.modules[name]
+
+
+class VllmEngine:
+    """One vLLM engine rank publishing through vLLM's own `ZmqEventPublisher` (PUB bound, ROUTER replay).
+
+    `restart()` shuts that publisher down and starts a new one on the same ports: a new
+    incarnation, counting from seq 0 with an empty replay buffer, as a restarted engine.
+    """
+
+    def __init__(self, kv: types.ModuleType, pub_endpoint: str, replay_endpoint: str, *, buffer_steps: int = 10_000) -> None:
+        self._kv = kv
+        self.pub_endpoint, self.replay_endpoint = pub_endpoint, replay_endpoint
+        self._buffer_steps = buffer_steps
+        self._publisher = None
+        self.next_seq = 0
+
+    def start(self) -> None:
+        port = self.pub_endpoint.rpartition(":")[2]
+        replay_port = self.replay_endpoint.rpartition(":")[2]
+        for attempt in range(50):  # the old incarnation's sockets close in ZMQ's I/O thread
+            try:
+                self._publisher = self._kv.ZmqEventPublisher(
+                    0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}",
+                    buffer_steps=self._buffer_steps, topic="kv-events",
+                )
+                break
+            except zmq.ZMQError:
+                if attempt == 49:
+                    raise
+                time.sleep(0.05)
+        self.next_seq = 0
+
+    def stop(self) -> None:
+        if self._publisher is not None:
+            self._publisher.shutdown()
+            self._publisher = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def store(self, block: int, parent: int | None, block_size: int = 4) -> object:
+        return self._kv.BlockStored(
+            block_hashes=[block], parent_block_hash=parent, token_ids=[block % 50000] * block_size,
+            block_size=block_size, lora_id=None, medium="GPU", lora_name=None,
+        )
+
+    def remove(self, block: int) -> object:
+        return self._kv.BlockRemoved(block_hashes=[block], medium="GPU")
+
+    async def publish(self, events: list[object], ts: float) -> int:
+        """Publish one batch through vLLM's queue and thread; returns its seq once it is sent and buffered."""
+        seq = self.next_seq
+        self.next_seq += 1
+        self._publisher.publish(self._kv.KVEventBatch(ts=ts, events=list(events)))
+        buffer = self._publisher._buffer  # vLLM's own replay buffer: the batch is sent once it is there
+        await wait_until(lambda: buffer and buffer[-1][0] == seq, 5.0, f"vLLM to send seq {seq}", interval=0.002)
+        return seq
