@@ -36,12 +36,12 @@ from kvledger.runtime.metrics import MetricSet
 from store import tables
 
 NATIVE = Provenance.NATIVE
-WatchKey = tuple[WorkerId, int]  # (worker, sequence hash)
 # A stay's end as the tracker sees it: (worker, tier, sequence hash, stored seq).
 StayEnd = tuple[WorkerId, Tier, int, int]
 # How long, in stream time beyond the horizon, removals are remembered for decisions that
 # reach store after the events projector has already passed their inventory seq.
 _REMEMBER_EXTRA_S = 1.0
+_TWO_TO_64 = 1 << 64
 
 
 class QualityMetrics:
@@ -96,17 +96,13 @@ def judge(
 
 
 
-@attrs.define(eq=False, slots=True)
+@attrs.define(eq=False, slots=True, frozen=True)
 class _Role:
-    """The blocks one decision relies on one worker for, and what happened to their stays in its window."""
+    """The blocks one decision relies on one worker for, on which tiers."""
 
     worker: WorkerId
     tiers: tuple[Tier, ...]
     hashes: tuple[int, ...]
-    # per block, the last end of one of its stays after the inventory seq (None: none)
-    last_removed: list = attrs.field(factory=list)
-    # the first end of a stay that was open at the inventory seq (the first eviction)
-    first_removed: float | None = None
 
 
 @attrs.define(eq=False, slots=True)
@@ -123,15 +119,11 @@ class _Pending:
     inflight: _Role | None
     with_metrics: bool  # the metrics' horizon
 
-    def watched(self) -> tuple[_Role, ...]:
-        return tuple(role for role in (self.source, self.target, self.shadow) if role is not None and role.hashes)
 
-
-def _role(rows: dict, worker: WorkerId | None, tiers: tuple[Tier, ...], watch: bool) -> _Role | None:
+def _role(rows: dict, worker: WorkerId | None, tiers: tuple[Tier, ...]) -> _Role | None:
     if worker is None:
         return None
-    hashes = tuple(h for _, h in sorted(rows))
-    return _Role(worker, tiers, hashes, [None] * len(hashes) if watch else [])
+    return _Role(worker, tiers, tuple(h for _, h in sorted(rows)))
 
 
 def _stay_ends(facts: Sequence[object], open_before: dict | None) -> list[StayEnd]:
@@ -204,16 +196,15 @@ class QualityTracker:
         self.stream_seq = 0
         self._due: list[tuple[float, int, _Pending]] = []  # heap by deadline
         self._order = itertools.count()
-        # (worker, sequence hash) -> waiting decision -> its (role, position)s on that block; by decision, so a
-        # hot block many decisions rely on drops one of them in one step
-        self._watchers: dict[WatchKey, dict[_Pending, list[tuple[_Role, int]]]] = {}
-        # (ingest ts, stream seq, stays ended) of recently applied batches that ended stays: looked
-        # through only for a decision that comes after them (`_replay_recent`)
+        # (ingest ts, stream seq, stays ended) of recently applied batches that ended stays, oldest first: what
+        # to forget when they pass out of every horizon
         self._recent: collections.deque[tuple[float, int, list[StayEnd]]] = collections.deque()
         self._covered_after = 0  # every batch past this seq that ended stays is in _recent
-        # the same ends by watched key, oldest first: a late decision looks up its own blocks' ends
-        # rather than reading every recent batch (a store catching up takes every decision late)
-        self._recent_by_key: dict[WatchKey, collections.deque[tuple[int, float, StayEnd]]] = {}
+        # The same ends by worker, then sequence hash, oldest first, as (stream seq, ingest ts, tier, stored seq):
+        # a decision looks up its own blocks' ends when it is judged. Nothing is registered per decision (a
+        # decision relies on tens of blocks and most see no end within its horizon), and a worker is hashed once
+        # per role rather than once per block.
+        self._recent_ends: dict[WorkerId, dict[int, collections.deque[tuple[int, float, Tier, int]]]] = {}
 
     @property
     def waiting(self) -> int:
@@ -226,11 +217,14 @@ class QualityTracker:
             return
         decisions: dict[int, dict] = {}
         blocks: dict[tuple[int, str], list[tuple[int, int]]] = collections.defaultdict(list)
+        decisions_table, blocks_table = tables.decisions, tables.decision_blocks
         for table, row in rows:
-            if table is tables.decisions:
+            if table is blocks_table:  # (tens per decision: `tables.to_unsigned` inline)
+                sequence_hash = row["sequence_hash"]
+                blocks[row["stream_seq"], row["role"]].append(
+                    (row["position"], sequence_hash if sequence_hash >= 0 else sequence_hash + _TWO_TO_64))
+            elif table is decisions_table:
                 decisions[row["stream_seq"]] = row
-            elif table is tables.decision_blocks:
-                blocks[row["stream_seq"], row["role"]].append((row["position"], tables.to_unsigned(row["sequence_hash"])))
         for seq, row in decisions.items():
             for horizon_ms in self.horizons_ms:
                 self._take(row, blocks, horizon_ms)
@@ -254,42 +248,15 @@ class QualityTracker:
         shadow_rows, inflight_rows = blocks.get((seq, "shadow_source"), ()), blocks.get((seq, "inflight"), ())
         pending = _Pending(
             seq, row["decided_ts"], deadline, horizon_ms, row["inventory_seq"], row["reason"],
-            _role(source_rows, source, (Tier(row["chosen_tier"]),), True) if source_rows else None,
-            _role(target_rows, target, LOCAL_TIERS, True) if target_rows else None,
-            _role(shadow_rows, shadow, (Tier(row["shadow_tier"]),), True) if shadow_rows else None,
-            _role(inflight_rows, target, LOCAL_TIERS, False) if inflight_rows else None,
+            _role(source_rows, source, (Tier(row["chosen_tier"]),)) if source_rows else None,
+            _role(target_rows, target, LOCAL_TIERS) if target_rows else None,
+            _role(shadow_rows, shadow, (Tier(row["shadow_tier"]),)) if shadow_rows else None,
+            _role(inflight_rows, target, LOCAL_TIERS) if inflight_rows else None,
             horizon_ms == self.metrics_horizon_ms,
         )
-        watchers = self._watchers
-        for role in pending.watched():
-            worker = role.worker
-            for position, sequence_hash in enumerate(role.hashes):
-                key = (worker, sequence_hash)
-                by_decision = watchers.get(key)
-                if by_decision is None:
-                    by_decision = watchers[key] = {}
-                entries = by_decision.get(pending)
-                if entries is None:
-                    by_decision[pending] = [(role, position)]
-                else:
-                    entries.append((role, position))
-        if pending.watched() and self._recent and self._recent[-1][1] > pending.inventory_seq:
-            self._replay_recent(pending)
         heapq.heappush(self._due, (deadline, next(self._order), pending))
         if pending.with_metrics:
             self.metrics.watched.inc()
-
-    def _replay_recent(self, pending: _Pending) -> None:
-        """Stays the events projector ended after the decision's inventory seq, before the decision arrived."""
-        roles: dict[WatchKey, dict[_Pending, list[tuple[_Role, int]]]] = {}
-        for role in pending.watched():
-            for position, sequence_hash in enumerate(role.hashes):
-                roles.setdefault((role.worker, sequence_hash), {}).setdefault(pending, []).append((role, position))
-        by_key = self._recent_by_key
-        for key, found in roles.items():
-            for seq, ts, end in by_key.get(key, ()):
-                if seq > pending.inventory_seq:
-                    _note_end(found, end, seq, ts)
 
     # the events side
 
@@ -301,9 +268,8 @@ class QualityTracker:
             if pending.with_metrics:
                 self.metrics.unjudged.labels("late").inc()
         self._due.clear()
-        self._watchers.clear()
         self._recent.clear()
-        self._recent_by_key.clear()
+        self._recent_ends.clear()
         self.stream_ts = ingest_ts
         self.stream_seq = self._covered_after = stream_seq
 
@@ -312,7 +278,14 @@ class QualityTracker:
         settled = []
         queue = self._due
         while queue and queue[0][0] <= ingest_ts:
-            settled.append(heapq.heappop(queue)[2])
+            pending = heapq.heappop(queue)[2]
+            if pending.inventory_seq < self._covered_after:
+                # Stays it relies on may have ended after its inventory seq among the ends forgotten since it
+                # came (decide lagged more than the margin behind the stream): the SQL judge settles it.
+                if pending.with_metrics:
+                    self.metrics.unjudged.labels("before_remembered").inc()
+                continue
+            settled.append(pending)
         return settled
 
     def put_back(self, pendings: Sequence[_Pending]) -> None:
@@ -322,14 +295,13 @@ class QualityTracker:
 
     def judge(self, pendings: Sequence[_Pending], fold: InventoryFold, horizon_seq: int) -> list[tuple]:
         """The verdict rows of `pendings` on the fold as of `horizon_seq` (the seq before the settling batch)."""
-        holds = fold.holds_in_any_group
-        return [_verdict(pending, holds, horizon_seq) for pending in pendings]
+        ends = self._recent_ends
+        return [_verdict(pending, fold, ends, horizon_seq) for pending in pendings]
 
     def settled(self, pendings: Sequence[_Pending], rows: Sequence[tuple]) -> None:
         """`pendings`' verdicts are in the transaction: stop watching them, and count them in the metrics."""
         metrics = self.metrics
         for pending, row in zip(pendings, rows):
-            self._unwatch(pending)
             if not pending.with_metrics:
                 continue
             stale, lost = row[3], row[8]
@@ -358,94 +330,104 @@ class QualityTracker:
             ends = _stay_ends(facts, open_before)
             if ends:
                 self._recent.append((ingest_ts, stream_seq, ends))
-                by_key = self._recent_by_key
-                for end in ends:
-                    key = (end[0], end[2])
-                    kept = by_key.get(key)
+                by_worker = self._recent_ends
+                for worker, tier, sequence_hash, stored_seq in ends:
+                    by_hash = by_worker.get(worker)
+                    if by_hash is None:
+                        by_hash = by_worker[worker] = {}
+                    kept = by_hash.get(sequence_hash)
                     if kept is None:
-                        kept = by_key[key] = collections.deque()
-                    kept.append((stream_seq, ingest_ts, end))
-                watchers = self._watchers
-                if watchers:
-                    for end in ends:
-                        found = watchers.get((end[0], end[2]))
-                        if found:
-                            _note_end(found, end, stream_seq, ingest_ts)
+                        kept = by_hash[sequence_hash] = collections.deque()
+                    kept.append((stream_seq, ingest_ts, tier, stored_seq))
         if self.horizons_ms:
             self._forget_before(self.stream_ts - max(self.horizons_ms) / 1000 - _REMEMBER_EXTRA_S)
 
     def _forget_before(self, ts: float) -> None:
-        recent, by_key = self._recent, self._recent_by_key
+        recent, by_worker = self._recent, self._recent_ends
         while recent and recent[0][0] < ts:
             _, seq, ends = recent.popleft()
             self._covered_after = seq
-            for end in ends:  # each key's oldest entries are this batch's
-                key = (end[0], end[2])
-                kept = by_key.get(key)
-                if kept:
-                    kept.popleft()
-                    if not kept:
-                        del by_key[key]
-
-    def _unwatch(self, pending: _Pending) -> None:
-        watchers = self._watchers
-        for role in pending.watched():
-            worker = role.worker
-            for sequence_hash in role.hashes:
-                key = (worker, sequence_hash)
-                by_decision = watchers.get(key)
-                if by_decision is not None and by_decision.pop(pending, None) is not None and not by_decision:
-                    del watchers[key]
+            for worker, _, sequence_hash, _ in ends:  # each key's oldest entries are this batch's
+                by_hash = by_worker[worker]
+                kept = by_hash[sequence_hash]
+                kept.popleft()
+                if not kept:
+                    del by_hash[sequence_hash]
+                    if not by_hash:
+                        del by_worker[worker]
 
 
-def _note_end(found: dict[_Pending, list[tuple[_Role, int]]], end: StayEnd, stream_seq: int, ts: float) -> None:
-    """A stay of a watched block ended at `stream_seq`: the last end per block, the first of a stay open at
-    the decision's inventory seq (SQL's `last_removed_ts` and `first_removed_ts`)."""
-    tier, stored_seq = end[1], end[3]
-    for pending, entries in found.items():
-        if stream_seq <= pending.inventory_seq:
-            continue
-        for role, position in entries:
-            if tier not in role.tiers:
-                continue
-            last = role.last_removed[position]
-            if last is None or ts > last:
-                role.last_removed[position] = ts
-            if stored_seq <= pending.inventory_seq and (role.first_removed is None or ts < role.first_removed):
-                role.first_removed = ts
-
-
-def _gone(role: _Role | None, holds: Callable[[WorkerId, Provenance, Tier, int], bool]) -> list[int]:
-    if role is None:
+def _held_counts(fold: InventoryFold, worker: WorkerId, tiers: tuple[Tier, ...]) -> list[dict]:
+    """The worker's native record counts by sequence hash, one dict per (tier, KV-cache group) of `tiers`: a
+    block is held while one of them counts it (`InventoryFold.holds_in_any_group`, the worker looked up once)."""
+    state = fold.worker_state(worker)
+    if state is None:
         return []
-    worker, tiers = role.worker, role.tiers
-    return [position for position, h in enumerate(role.hashes)
-            if not any(holds(worker, NATIVE, tier, h) for tier in tiers)]
+    held = state.by_provenance[NATIVE].held
+    return [counts for tier in tiers for counts in (held.get(tier) or {}).values() if counts]
+
+
+def _gone(role: _Role, fold: InventoryFold) -> list[int]:
+    """The positions of the role's blocks its worker no longer holds on any of its tiers. (The fold drops a
+    count when it reaches 0, so a hash it counts is held.)"""
+    counts, hashes = _held_counts(fold, role.worker, role.tiers), role.hashes
+    if not counts:
+        return list(range(len(hashes)))
+    if len(counts) == 1:
+        only = counts[0]
+        return [position for position, h in enumerate(hashes) if h not in only]
+    if len(counts) == 2:
+        first, second = counts
+        return [position for position, h in enumerate(hashes) if h not in first and h not in second]
+    return [position for position, h in enumerate(hashes) if not any(h in c for c in counts)]
 
 
 def _after_ms(ts: float | None, decided_ts: float) -> float | None:
     return None if ts is None else (ts - decided_ts) * 1000
 
 
-def _judged(role: _Role | None, gone: list[int], decided_ts: float) -> tuple:
-    """(verdict, blocks, gone, gone_after_ms, first_eviction_ms) of one role, as the SQL judge computes them."""
+def _judged(role: _Role | None, fold: InventoryFold, ends: dict, inventory_seq: int, decided_ts: float,
+            first_wanted: bool = True) -> tuple:
+    """(verdict, blocks, gone, gone_after_ms, first_eviction_ms) of one role, as the SQL judge computes them:
+    gone_after_ms from the earliest of the gone blocks' last stay ends after the inventory seq, first_eviction_ms
+    from the first end of a stay open at the inventory seq (any of the role's blocks, where `first_wanted`)."""
     if role is None or not role.hashes:
         return None, 0, 0, None, None
-    removed = [role.last_removed[position] for position in gone if role.last_removed[position] is not None]
-    return (int(bool(gone)), len(role.hashes), len(gone), _after_ms(min(removed) if removed else None, decided_ts),
-            _after_ms(role.first_removed, decided_ts))
+    gone = _gone(role, fold)
+    gone_after = first = None
+    by_hash = ends.get(role.worker)
+    if by_hash:
+        hashes, tiers = role.hashes, role.tiers
+        gone_positions = set(gone)
+        for position in (range(len(hashes)) if first_wanted else gone):
+            kept = by_hash.get(hashes[position])
+            if not kept:
+                continue
+            last = None
+            for seq, ts, tier, stored_seq in kept:
+                if seq <= inventory_seq or tier not in tiers:
+                    continue
+                if last is None or ts > last:
+                    last = ts
+                if stored_seq <= inventory_seq and (first is None or ts < first):
+                    first = ts
+            if last is not None and position in gone_positions and (gone_after is None or last < gone_after):
+                gone_after = last
+    return (int(bool(gone)), len(role.hashes), len(gone), _after_ms(gone_after, decided_ts),
+            _after_ms(first, decided_ts))
 
 
-def _verdict(pending: _Pending, holds, horizon_seq: int) -> tuple:
-    decided_ts = pending.decided_ts
+def _verdict(pending: _Pending, fold: InventoryFold, ends: dict, horizon_seq: int) -> tuple:
+    decided_ts, inventory_seq = pending.decided_ts, pending.inventory_seq
     stale, source_blocks, source_gone, source_after, first_eviction = _judged(
-        pending.source, _gone(pending.source, holds), decided_ts)
-    lost, target_blocks, target_gone, target_after, _ = _judged(pending.target, _gone(pending.target, holds), decided_ts)
+        pending.source, fold, ends, inventory_seq, decided_ts)
+    lost, target_blocks, target_gone, target_after, _ = _judged(
+        pending.target, fold, ends, inventory_seq, decided_ts, first_wanted=False)
     shadow_stale, shadow_blocks, shadow_gone, shadow_after, shadow_first = _judged(
-        pending.shadow, _gone(pending.shadow, holds), decided_ts)
+        pending.shadow, fold, ends, inventory_seq, decided_ts)
     inflight = pending.inflight
     inflight_blocks = len(inflight.hashes) if inflight is not None else 0
-    inflight_gone = len(_gone(inflight, holds))
+    inflight_gone = len(_gone(inflight, fold)) if inflight is not None else 0
     return (
         pending.stream_seq, pending.horizon_ms, horizon_seq, stale, source_blocks, source_gone, source_after,
         first_eviction, lost, target_blocks, target_gone, target_after, shadow_stale, shadow_blocks, shadow_gone,
