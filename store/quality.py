@@ -42,6 +42,7 @@ StayEnd = tuple[WorkerId, Tier, int, int]
 # reach store after the events projector has already passed their inventory seq.
 _REMEMBER_EXTRA_S = 1.0
 _TWO_TO_64 = 1 << 64
+_ONE_TIER = {tier.value: (tier,) for tier in Tier}  # a decision row's tier name → its role's tiers
 
 
 class QualityMetrics:
@@ -118,6 +119,7 @@ class _Pending:
     shadow: _Role | None
     inflight: _Role | None
     with_metrics: bool  # the metrics' horizon
+    order: int = 0  # its place in the tracker's queues
 
 
 def _role(rows: dict, worker: WorkerId | None, tiers: tuple[Tier, ...]) -> _Role | None:
@@ -200,11 +202,17 @@ class QualityTracker:
         # to forget when they pass out of every horizon
         self._recent: collections.deque[tuple[float, int, list[StayEnd]]] = collections.deque()
         self._covered_after = 0  # every batch past this seq that ended stays is in _recent
-        # The same ends by worker, then sequence hash, oldest first, as (stream seq, ingest ts, tier, stored seq):
-        # a decision looks up its own blocks' ends when it is judged. Nothing is registered per decision (a
-        # decision relies on tens of blocks and most see no end within its horizon), and a worker is hashed once
-        # per role rather than once per block.
-        self._recent_ends: dict[WorkerId, dict[int, collections.deque[tuple[int, float, Tier, int]]]] = {}
+        # The inventory seqs of the decisions waiting, least first (a heap; a judged one's entry goes when it
+        # reaches the top): no end after the least is forgotten while its decision waits.
+        self._waiting_seqs: list[tuple[int, int]] = []
+        self._judged: set[int] = set()  # entries of _waiting_seqs whose decision was judged
+        # The same ends by sequence hash, oldest first, as (stream seq, ingest ts, worker, tier, stored seq): a
+        # decision looks up its own blocks' ends when it is judged. Nothing is registered per decision (a decision
+        # relies on tens of blocks and most see no end within its horizon), and the key is the bare hash (an int
+        # hashes in C; a WorkerId is a Python call), the worker compared only on the few ends found.
+        self._recent_ends: dict[int, collections.deque[tuple[int, float, WorkerId, Tier, int]]] = {}
+        # Workers and tiers as decision rows name them, made once (a WorkerId validates its fields)
+        self._workers: dict[tuple[str, int], WorkerId] = {}
 
     @property
     def waiting(self) -> int:
@@ -241,22 +249,33 @@ class QualityTracker:
             self.metrics.unjudged.labels("too_many_pending").inc()
             return
         seq = row["stream_seq"]
-        target = WorkerId(row["target_publisher"], row["target_dp_rank"]) if row["target_publisher"] is not None else None
-        source = WorkerId(row["chosen_source"], row["chosen_dp_rank"]) if row["chosen_source"] is not None else None
-        shadow = WorkerId(row["shadow_source"], row["shadow_dp_rank"]) if row.get("shadow_source") is not None else None
+        target = self._worker(row["target_publisher"], row["target_dp_rank"])
+        source = self._worker(row["chosen_source"], row["chosen_dp_rank"])
+        shadow = self._worker(row.get("shadow_source"), row.get("shadow_dp_rank"))
         source_rows, target_rows = blocks.get((seq, "source"), ()), blocks.get((seq, "target"), ())
         shadow_rows, inflight_rows = blocks.get((seq, "shadow_source"), ()), blocks.get((seq, "inflight"), ())
         pending = _Pending(
             seq, row["decided_ts"], deadline, horizon_ms, row["inventory_seq"], row["reason"],
-            _role(source_rows, source, (Tier(row["chosen_tier"]),)) if source_rows else None,
+            _role(source_rows, source, _ONE_TIER[row["chosen_tier"]]) if source_rows else None,
             _role(target_rows, target, LOCAL_TIERS) if target_rows else None,
-            _role(shadow_rows, shadow, (Tier(row["shadow_tier"]),)) if shadow_rows else None,
+            _role(shadow_rows, shadow, _ONE_TIER[row["shadow_tier"]]) if shadow_rows else None,
             _role(inflight_rows, target, LOCAL_TIERS) if inflight_rows else None,
             horizon_ms == self.metrics_horizon_ms,
         )
-        heapq.heappush(self._due, (deadline, next(self._order), pending))
+        order = next(self._order)
+        pending.order = order
+        heapq.heappush(self._due, (deadline, order, pending))
+        heapq.heappush(self._waiting_seqs, (pending.inventory_seq, order))
         if pending.with_metrics:
             self.metrics.watched.inc()
+
+    def _worker(self, publisher: str | None, dp_rank: int | None) -> WorkerId | None:
+        if publisher is None:
+            return None
+        worker = self._workers.get((publisher, dp_rank))
+        if worker is None:
+            worker = self._workers[publisher, dp_rank] = WorkerId(publisher, dp_rank)
+        return worker
 
     # the events side
 
@@ -268,6 +287,8 @@ class QualityTracker:
             if pending.with_metrics:
                 self.metrics.unjudged.labels("late").inc()
         self._due.clear()
+        self._waiting_seqs.clear()
+        self._judged.clear()
         self._recent.clear()
         self._recent_ends.clear()
         self.stream_ts = ingest_ts
@@ -278,20 +299,13 @@ class QualityTracker:
         settled = []
         queue = self._due
         while queue and queue[0][0] <= ingest_ts:
-            pending = heapq.heappop(queue)[2]
-            if pending.inventory_seq < self._covered_after:
-                # Stays it relies on may have ended after its inventory seq among the ends forgotten since it
-                # came (decide lagged more than the margin behind the stream): the SQL judge settles it.
-                if pending.with_metrics:
-                    self.metrics.unjudged.labels("before_remembered").inc()
-                continue
-            settled.append(pending)
+            settled.append(heapq.heappop(queue)[2])
         return settled
 
     def put_back(self, pendings: Sequence[_Pending]) -> None:
         """Decisions `due` gave for a batch that is not written after all: they wait for the next."""
         for pending in pendings:
-            heapq.heappush(self._due, (pending.deadline, next(self._order), pending))
+            heapq.heappush(self._due, (pending.deadline, pending.order, pending))
 
     def judge(self, pendings: Sequence[_Pending], fold: InventoryFold, horizon_seq: int) -> list[tuple]:
         """The verdict rows of `pendings` on the fold as of `horizon_seq` (the seq before the settling batch)."""
@@ -301,7 +315,9 @@ class QualityTracker:
     def settled(self, pendings: Sequence[_Pending], rows: Sequence[tuple]) -> None:
         """`pendings`' verdicts are in the transaction: stop watching them, and count them in the metrics."""
         metrics = self.metrics
+        judged = self._judged
         for pending, row in zip(pendings, rows):
+            judged.add(pending.order)
             if not pending.with_metrics:
                 continue
             stale, lost = row[3], row[8]
@@ -330,31 +346,30 @@ class QualityTracker:
             ends = _stay_ends(facts, open_before)
             if ends:
                 self._recent.append((ingest_ts, stream_seq, ends))
-                by_worker = self._recent_ends
+                by_hash = self._recent_ends
                 for worker, tier, sequence_hash, stored_seq in ends:
-                    by_hash = by_worker.get(worker)
-                    if by_hash is None:
-                        by_hash = by_worker[worker] = {}
                     kept = by_hash.get(sequence_hash)
                     if kept is None:
                         kept = by_hash[sequence_hash] = collections.deque()
-                    kept.append((stream_seq, ingest_ts, tier, stored_seq))
+                    kept.append((stream_seq, ingest_ts, worker, tier, stored_seq))
         if self.horizons_ms:
             self._forget_before(self.stream_ts - max(self.horizons_ms) / 1000 - _REMEMBER_EXTRA_S)
 
     def _forget_before(self, ts: float) -> None:
-        recent, by_worker = self._recent, self._recent_ends
-        while recent and recent[0][0] < ts:
+        """Forget the ends of batches ingested before `ts`, but none after a waiting decision's inventory seq."""
+        waiting, judged = self._waiting_seqs, self._judged
+        while waiting and waiting[0][1] in judged:
+            judged.discard(heapq.heappop(waiting)[1])
+        least_waiting = waiting[0][0] if waiting else None
+        recent, by_hash = self._recent, self._recent_ends
+        while recent and recent[0][0] < ts and (least_waiting is None or recent[0][1] <= least_waiting):
             _, seq, ends = recent.popleft()
             self._covered_after = seq
-            for worker, _, sequence_hash, _ in ends:  # each key's oldest entries are this batch's
-                by_hash = by_worker[worker]
+            for _, _, sequence_hash, _ in ends:  # each hash's oldest entries are this batch's
                 kept = by_hash[sequence_hash]
                 kept.popleft()
                 if not kept:
                     del by_hash[sequence_hash]
-                    if not by_hash:
-                        del by_worker[worker]
 
 
 def _held_counts(fold: InventoryFold, worker: WorkerId, tiers: tuple[Tier, ...]) -> list[dict]:
@@ -395,17 +410,16 @@ def _judged(role: _Role | None, fold: InventoryFold, ends: dict, inventory_seq: 
         return None, 0, 0, None, None
     gone = _gone(role, fold)
     gone_after = first = None
-    by_hash = ends.get(role.worker)
-    if by_hash:
-        hashes, tiers = role.hashes, role.tiers
+    if ends:
+        hashes, tiers, worker = role.hashes, role.tiers, role.worker
         gone_positions = set(gone)
         for position in (range(len(hashes)) if first_wanted else gone):
-            kept = by_hash.get(hashes[position])
+            kept = ends.get(hashes[position])
             if not kept:
                 continue
             last = None
-            for seq, ts, tier, stored_seq in kept:
-                if seq <= inventory_seq or tier not in tiers:
+            for seq, ts, ended_worker, tier, stored_seq in kept:
+                if seq <= inventory_seq or tier not in tiers or ended_worker != worker:
                     continue
                 if last is None or ts > last:
                     last = ts

@@ -29,6 +29,7 @@ def test_decision_loop_runs_at_a_tiny_size(nats_source) -> None:
     figures = size["sqlite"]
     projection = figures["projection"]
     assert projection["judging_off_s"] > 0 and projection["judging_on_s"] > 0 and projection["bulk_load_s"] > 0
+    assert projection["judging_off_cpu_s"] > 0 and projection["judging_on_cpu_s"] > 0 and projection["turns"] == 2
     # Every decision judged once at the horizon (the closing batch settles the last ones), some of them hints.
     verdicts = figures["verdicts"]
     assert verdicts["verdicts"] == DECISIONS == verdicts["by_fold"] + verdicts["by_sql"]
