@@ -12,6 +12,11 @@ fold's `holds` for the (worker, sequence hash) pairs the batch touched, so every
 (retained conflicts, reference counting, restarts, groups) is inherited rather than
 re-implemented.
 
+A worker whose engine ingest cannot reach (a liveness record, kvledger.events.Reachability)
+is not credited: it is promoted, its native bits cleared, and they are set again from the
+fold's records when it is reachable again (after which ingest's incarnation check has said
+whether they still stand). Answers list it among the uncertain workers meanwhile.
+
 The lookup table is open addressing with linear probing over numpy arrays, probed by
 `decide.kernels.probe` and mirrored on the device with the same probe sequence; changes
 since the device last synced are kept as dirty table slots and dirty rows.
@@ -23,7 +28,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvledger.events import Cleared, EventBatch, GapReason, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.events import (
+    Cleared, EventBatch, GapReason, Provenance, Reachability, Removed, Stored, Tier, WorkerId, is_liveness,
+)
 from kvledger.fold import (
     BlockRecord,
     BlockRemovedFact,
@@ -31,6 +38,7 @@ from kvledger.fold import (
     Fact,
     InventoryClearedFact,
     InventoryFold,
+    ReachabilityFact,
     RetainedConflictFact,
     UncertaintyFact,
 )
@@ -137,6 +145,8 @@ class InventoryIndex:
         self._index_all_records(self.fold.iter_records())
         for worker in self.fold.workers():
             self._take_plain(worker)
+        for worker in self.fold.unreachable_workers():
+            self._follow_reachability(worker)
 
     # --- following the fold ------------------------------------------------------------
 
@@ -162,7 +172,25 @@ class InventoryIndex:
         # names as they were (answers read them per batch, and listing them sorts every worker).
         if any(type(fact) is UncertaintyFact for fact in facts):
             self._uncertain_cache = None
+        if is_liveness(batch) and any(type(fact) is ReachabilityFact and fact.provenance is NATIVE for fact in facts):
+            self._uncertain_cache = None
+            self._follow_reachability(batch.worker)
         return facts
+
+    def _follow_reachability(self, worker: WorkerId) -> None:
+        """Withdraw an unreachable worker's native bits, or set them again from its records once it is back."""
+        slot = self._slot_of_worker[worker]
+        if self.fold.is_unreachable(worker):
+            # Its records go to the fold, where they wait, unindexed, for its return.
+            self._promote(slot)
+            for position in (NATIVE_DEVICE, NATIVE_HOST, NATIVE_DISK):
+                for sequence_hash in self._hashes_with_bit(slot, position):
+                    self._set_bit(slot, sequence_hash, position, False)
+            return
+        for record in list(self.fold.iter_worker_records(worker)):
+            position = _CLASS_OF.get((record.provenance, record.tier))
+            if position is not None and record.provenance is NATIVE and record.indexable:
+                self._refresh(slot, record.sequence_hash, position)
 
     def _note_worker(self, worker: WorkerId, stream_seq: int) -> None:
         self.inventory_seq = max(self.inventory_seq, stream_seq)
@@ -268,6 +296,9 @@ class InventoryIndex:
             position = _CLASS_OF[(NATIVE, event.tier)]
             self._set_bits(slot, sequences[gone], position, False)
             return True
+        if kind is Reachability:
+            self.fold.apply_event(worker, NATIVE, event, stream_seq, facts)  # `apply` follows what it changed
+            return True
         if kind is Cleared:
             if event.tier is not None and self.fold.is_uncertain(worker):
                 return False  # whether the clear ends the uncertainty depends on the other tiers' records
@@ -349,8 +380,8 @@ class InventoryIndex:
     def _take_plain(self, worker: WorkerId) -> None:
         """Hold a restored worker's records in `compact` when they are all plain (their bits stay as they are)."""
         slot = self._slot_of_worker[worker]
-        if slot >= MAX_SLOTS:
-            return
+        if slot >= MAX_SLOTS or self.fold.is_unreachable(worker):
+            return  # (an unreachable worker's records wait in the fold for its return)
         tiers_groups = self.fold.worker_state(worker).position(NATIVE).groups.get("tiers", {})
         if any(groups != [0] for groups in tiers_groups.values()):
             return  # another group stored on a tier (and may have left it): its rule is the fold's to apply
@@ -390,7 +421,10 @@ class InventoryIndex:
 
     def _refresh(self, slot: int, sequence_hash: int, position: int) -> None:
         provenance, tier = CLASSES[position]
-        wanted = self.fold.holds(self.workers[slot], provenance, tier, sequence_hash)
+        worker = self.workers[slot]
+        wanted = self.fold.holds(worker, provenance, tier, sequence_hash)
+        if wanted and provenance is NATIVE and self.fold.is_unreachable(worker):
+            wanted = False  # not credited while its engine is unreachable (`_follow_reachability`)
         self._set_bit(slot, sequence_hash, position, wanted)
 
     def _set_bit(self, slot: int, sequence_hash: int, position: int, wanted: bool, row: int | None = None) -> None:
@@ -479,9 +513,17 @@ class InventoryIndex:
         return len(self.workers)
 
     def uncertain_names(self) -> tuple[str, ...]:
+        """Workers whose inventory answers cannot vouch for: uncertain ones, and unreachable ones (not credited)."""
         if self._uncertain_cache is None:
-            self._uncertain_cache = tuple(worker.name for worker in self.fold.uncertain_workers())
+            fold = self.fold
+            self._uncertain_cache = tuple(
+                worker.name for worker in fold.workers() if fold.is_uncertain(worker) or fold.is_unreachable(worker)
+            )
         return self._uncertain_cache
+
+    def unreachable_names(self) -> tuple[str, ...]:
+        """Workers whose engine ingest cannot reach: excluded from credit and from candidates."""
+        return tuple(worker.name for worker in self.fold.unreachable_workers())
 
     # --- rows and the hash table ---------------------------------------------------------
 

@@ -4,7 +4,9 @@ One `EngineStream` task per (publisher, dp_rank, provenance). Each resumes from 
 (epoch, seq) JetStream holds for its subject, checks by content that the engine is the
 incarnation it followed (`ingest/incarnation.py`), replays what the engine still buffers from
 there, then follows the SUB socket, probing the replay socket whenever it is idle so a
-lost last message is noticed too. All publishing goes through one ordered publisher.
+lost last message is noticed too. An engine that stops answering becomes an `unreachable`
+worker, and reachable again when it answers (`ingest/liveness.py`), its incarnation checked
+then. All publishing goes through one ordered publisher.
 Each stream remembers where JetStream stored what it acknowledged; on every connection to
 NATS, before the first write after a quiet spell and every `ingest.stream_check_interval_s`,
 the publisher pauses between writes while the streams check that KV_EVENTS still holds it,
@@ -14,6 +16,7 @@ and puts what it lost back in front (`ingest/stream_loss.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -28,6 +31,7 @@ import zmq.asyncio
 
 from ingest.endpoints import StreamSource
 from ingest.incarnation import Incarnation, is_restart_marker, judge, same_engine_batch
+from ingest.liveness import BATCH_ARRIVED, DISCONNECTED, NEVER_CONNECTED, EngineWatch, heartbeat_ms, liveness_batch
 from ingest.metrics import IngestMetrics
 from ingest.publisher import JetStreamPublisher, Queued, StreamCheckIncomplete
 from ingest.replay import ReplayClient
@@ -36,8 +40,8 @@ from ingest.stream_loss import AckedPositions, LostBatch, Position, plan_repair
 from ingest.subscriber import EngineSubscriber
 from ingest.wire import EngineBatch, WireError, decode_payload, split_publisher_frames, well_framed_seq
 from kvledger.events import (
-    DeadLetter, EventBatch, Gap, GapReason, Provenance, decode_batch, encode_batch,
-    encode_dead_letter, events_subject,
+    DeadLetter, EventBatch, Gap, GapReason, Provenance, Reachability, decode_batch, encode_batch,
+    encode_dead_letter, events_subject, liveness_subject,
 )
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.http import HttpFront, health_routes
@@ -66,7 +70,7 @@ class EngineStream:
 
     def __init__(
         self, source: StreamSource, bridge: Bridge, context: zmq.asyncio.Context, *, replay_timeout_s: float,
-        max_batch_bytes: int, publish_window: int = 256,
+        max_batch_bytes: int, publish_window: int = 256, engine_timeout_s: float = 2.0,
     ) -> None:
         self.source = source
         self._bridge = bridge
@@ -82,6 +86,12 @@ class EngineStream:
         self._letters: list[Queued] = []  # dead letters the live batch being built caused, sent before it
         self._resumed_from: EventBatch | None = None  # the last batch KV_EVENTS held for us at start
         self.incarnation_check_s: float | None = None  # how long the last reconnection's check took
+        self.engine_timeout_s = engine_timeout_s
+        # What KV_EVENTS last said of the engine (read back at the first start: ingest may have
+        # stopped while it was unreachable), and when ingest published that it was gone.
+        self.reachable: bool | None = None
+        self.unreachable_published_at: float | None = None  # wall clock
+        self._reachable_again = asyncio.Event()
 
     @property
     def name(self) -> str:
@@ -95,11 +105,19 @@ class EngineStream:
             epoch, next_seq, self._resumed_from = await self._bridge.resume_from(self.source)
             fetch = self._fetch if self.replay is not None else None
             self.tracker = SequenceTracker(epoch, next_seq, fetch)
+            self.reachable = await self._bridge.logged_reachability(self.source)
         log.info(
             "%s: following %s from epoch %d seq %d", self.name, self.source.pub_url, self.tracker.epoch, self.tracker.next_seq,
         )
-        async with EngineSubscriber(self.source.pub_url, self._context) as subscriber:
+        subscriber_heartbeat = heartbeat_ms(self.engine_timeout_s)
+        async with EngineSubscriber(self.source.pub_url, self._context, heartbeat_ms=subscriber_heartbeat) as subscriber:
             self.subscriber = subscriber
+            watch = EngineWatch(subscriber, self.replay, self.engine_timeout_s)
+            # An engine that is not there when ingest starts is as unreachable as one that left.
+            if self.reachable is not False:
+                await self._silence_ends(watch, NEVER_CONNECTED)
+            while self.reachable is False and not await self._answers_again(watch):
+                pass
             await subscriber.connected.wait()
             # Replay after the handshake: whatever was sent before the SUB joined (or
             # while ingest was down) comes from the engine's buffer, in order, once the
@@ -107,19 +125,108 @@ class EngineStream:
             await self._publish(await self._reconnected())
             self.ready.set()
             log.info("%s: ready", self.name)
-            while True:
-                burst = await subscriber.recv_burst(IDLE_PROBE_S, self._burst_limit)
-                if not burst:
+            # Silence is watched beside the stream, so a replay or a publish in flight when the engine
+            # went does not hold back saying so.
+            watchdog = asyncio.create_task(self._watch_for_silence(watch), name=f"liveness-{self.name}")
+            try:
+                await self._follow(subscriber, watch)
+            finally:
+                await cancel_and_wait([watchdog])
+
+    async def _follow(self, subscriber: EngineSubscriber, watch: EngineWatch) -> None:
+        while True:
+            # While the engine is unreachable, `_answers_again` does the waiting (for a reconnect or a reply).
+            burst = await subscriber.recv_burst(IDLE_PROBE_S if self.reachable is not False else 0.01, self._burst_limit)
+            if not burst:
+                if self.reachable is False:
+                    if await self._answers_again(watch):
+                        # Published unreachable, and it answers again: the incarnation check says
+                        # whether what it held still stands (ingest/incarnation.py).
+                        await self._publish(await self._reconnected())
+                else:
                     await self._publish(await self.tracker.catch_up())
-                for frames in burst:
-                    emit = self._next_in_order(frames)
-                    if emit is not None:
-                        await self._publish_one(emit)
-                    else:  # bad framing, a gap, a duplicate or a restart: the full rules
-                        await self._publish(await self._on_frames(frames))
-                # Nothing above waits while ZMQ has data: yield, so the publisher reads acks and
-                # tops up its window between bursts instead of once the buffer is full.
-                await asyncio.sleep(0)
+                await self._dead_letter_replies()
+            elif self.reachable is False:
+                await self._publish_reachability(True, BATCH_ARRIVED, time.time())
+            for frames in burst:
+                emit = self._next_in_order(frames)
+                if emit is not None:
+                    await self._publish_one(emit)
+                else:  # bad framing, a gap, a duplicate or a restart: the full rules
+                    await self._publish(await self._on_frames(frames))
+            # Nothing above waits while ZMQ has data: yield, so the publisher reads acks and
+            # tops up its window between bursts instead of once the buffer is full.
+            await asyncio.sleep(0)
+
+    async def _watch_for_silence(self, watch: EngineWatch) -> None:
+        """Publish the engine unreachable once its SUB connection has been down, and its replay socket
+        silent, for `engine_timeout_s` (ingest/liveness.py); the stream itself publishes its return."""
+        subscriber = watch.subscriber
+        while True:
+            await subscriber.dropped.wait()
+            if self.reachable is False:
+                await self._reachable_again.wait()
+                continue
+            if await self._silence_ends(watch, DISCONNECTED) and not subscriber.connected.is_set():
+                # Its replay socket answered while its PUB is down: look again in a while.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(subscriber.connected.wait(), IDLE_PROBE_S)
+
+    async def _silence_ends(self, watch: EngineWatch, reason: str) -> bool:
+        """Whether the engine answers within `engine_timeout_s` of falling silent; if not, it is
+        published unreachable. A silence already past the timeout gets half of it to end."""
+        since, since_wall = watch.silent_since()
+        why = await watch.answers_by(since + self.engine_timeout_s, least_s=self.engine_timeout_s / 2)
+        if why is not None:
+            return True
+        if self.reachable is not False:
+            await self._publish_reachability(False, reason, since_wall)
+        return False
+
+    async def _answers_again(self, watch: EngineWatch) -> bool:
+        """Whether an engine published unreachable answers within a probe's time; if so it is published
+        reachable (said in KV_EVENTS before anything else of it), except an engine without a replay
+        socket: nothing can vouch for what it holds but its first batch (`_follow`)."""
+        why = await watch.answers_by(asyncio.get_running_loop().time() + IDLE_PROBE_S, least_s=IDLE_PROBE_S)
+        await self._dead_letter_replies()
+        if why is None:
+            return False
+        if self.replay is None:
+            log.warning("%s: the engine's PUB is back (%s); reachable again with its first batch", self.name, why)
+            return True
+        await self._publish_reachability(True, why, time.time())
+        return True
+
+    async def _publish_reachability(self, reachable: bool, reason: str, since_ts: float) -> None:
+        """Say in KV_EVENTS that the engine is gone or back (a liveness record, `Reachability`)."""
+        tracker = self.tracker
+        batch, msg_id = liveness_batch(self.source, tracker.epoch, tracker.next_seq, reachable, reason, since_ts)
+        metrics = self._bridge.metrics
+        metrics.events.labels(_kind_of(batch.events[0])).inc()
+        worker = self.source.worker.publisher
+        if reachable:
+            metrics.reachable_again.labels(worker).inc()
+            log.warning("%s: the engine answers again (%s): reachable", self.name, reason)
+        else:
+            metrics.unreachable.labels(worker).inc()
+            self.unreachable_published_at = batch.ingest_ts
+            log.warning(
+                "%s: the engine has not answered for %.1f s (%s): unreachable, not credited until it answers",
+                self.name, batch.ingest_ts - since_ts, reason,
+            )
+        self.reachable = reachable
+        if reachable:
+            self._reachable_again.set()
+        else:
+            self._reachable_again.clear()
+        await self._bridge.publisher.publish(batch.subject, encode_batch(batch), msg_id)
+
+    async def _dead_letter_replies(self) -> None:
+        """Dead-letter the replay replies that could not be read (the batches they stood for are Gaps)."""
+        if self.replay is None:
+            return
+        for reason, frames in self.replay.take_malformed():
+            await self._bridge.dead_letter(self.source, reason, frames)
 
     async def _fetch(self, start: int) -> list[tuple[int, bytes]]:
         return await self.replay.fetch(start)
@@ -137,6 +244,7 @@ class EngineStream:
             return await tracker.catch_up()  # nothing published to compare with (or no replay to ask)
         started = time.perf_counter()
         replies, complete = await self.replay.fetch_complete(last)
+        await self._dead_letter_replies()
         tracker.counters.incarnation_checks += 1
         verdict = judge(last, replies, complete, lambda payload: self._same_as_published(last, payload))
         self.incarnation_check_s = time.perf_counter() - started
@@ -373,6 +481,7 @@ class Bridge(AsyncLifetime):
             EngineStream(
                 source, self, self._context, replay_timeout_s=settings.ingest.replay_timeout_s,
                 max_batch_bytes=settings.ingest.max_batch_bytes, publish_window=settings.ingest.publish_window,
+                engine_timeout_s=settings.ingest.engine_timeout_s,
             )
             for source in sources
         ]
@@ -496,6 +605,16 @@ class Bridge(AsyncLifetime):
     def _stream_went_back(self) -> None:
         for stream in self.streams:
             stream.positions.stream_went_back()
+
+    async def logged_reachability(self, source: StreamSource) -> bool | None:
+        """What the last liveness record in KV_EVENTS says of the stream's engine (None: none was ever published)."""
+        subject = liveness_subject(source.worker, source.provenance)
+        try:
+            message = await self._reader.jetstream().get_last_msg(self.settings.stream.events_stream, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        event = decode_batch(message.data).events[0]
+        return event.reachable if type(event) is Reachability else None
 
     async def resume_position(self, source: StreamSource) -> tuple[int, int]:
         """(epoch, next seq) after the last batch JetStream holds for this stream; (0, 0) if none."""

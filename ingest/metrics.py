@@ -42,6 +42,14 @@ class IngestMetrics(MetricSet):
         self.stream_lost = self.counter(
             "kvledger_ingest_stream_lost_batches",
             "acknowledged batches KV_EVENTS lost that no engine buffered any more (published as Gap stream_lost)")
+        self.unreachable = self.counter(
+            "kvledger_ingest_engines_unreachable",
+            "times an engine was published unreachable (silent for ingest.engine_timeout_s)", ["publisher"])
+        self.reachable_again = self.counter(
+            "kvledger_ingest_engines_reachable_again", "times an unreachable engine was published reachable again",
+            ["publisher"])
+        self.gauge("kvledger_ingest_unreachable_streams", "engine streams whose engine KV_EVENTS says is unreachable",
+                   read=lambda: sum(stream.reachable is False for stream in self.streams))
         # What the engine streams count themselves (their sequence trackers and replay clients).
         for name, help_text, counter in (
             ("kvledger_ingest_replays", "replay requests sent to engines", "replays"),
@@ -52,8 +60,11 @@ class IngestMetrics(MetricSet):
             self.counter(name, help_text, read=functools.partial(self._trackers, counter))
         for name, help_text, counter in (
             ("kvledger_ingest_replays_incomplete", "replays that timed out before the end marker", "incomplete_replays"),
-            ("kvledger_ingest_replay_malformed_replies", "replay replies with unreadable framing, skipped",
+            ("kvledger_ingest_replay_malformed_replies", "replay replies with unreadable framing, dead-lettered",
              "malformed_replies"),
+            ("kvledger_ingest_replay_probes", "liveness probes sent to replay sockets", "probes"),
+            ("kvledger_ingest_replay_probes_unanswered", "liveness probes no replay socket answered in time",
+             "unanswered_probes"),
         ):
             self.counter(name, help_text, read=functools.partial(self._replays, counter))
         self.publish_latency = self.histogram(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import zmq
 import zmq.asyncio
@@ -27,7 +28,12 @@ class EngineSubscriber:
         self._context = context
         self._heartbeat_ms = heartbeat_ms
         self.connected = asyncio.Event()  # handshake done, not since disconnected
+        self.dropped = asyncio.Event()  # disconnected, not since reconnected
         self.handshakes = 0
+        # When the connection last dropped (loop time and wall clock; None while connected or
+        # before the first handshake): where an engine's silence is counted from (ingest/liveness.py).
+        self.disconnected_at: float | None = None
+        self.disconnected_wall: float | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._monitor_task: asyncio.Task | None = None
@@ -38,7 +44,8 @@ class EngineSubscriber:
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        # ZMTP heartbeats notice a publisher that vanished without closing its connection.
+        # ZMTP heartbeats notice a publisher that vanished without closing its connection, or
+        # froze (SIGSTOP): its ZMQ I/O thread stops answering them too.
         sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_ms * 3)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -97,10 +104,15 @@ class EngineSubscriber:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshakes += 1
+                self.disconnected_at = self.disconnected_wall = None
+                self.dropped.clear()
                 self.connected.set()
                 log.info("subscribed to %s (handshake %d)", self.endpoint, self.handshakes)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
+                if self.disconnected_at is None:
+                    self.disconnected_at, self.disconnected_wall = asyncio.get_running_loop().time(), time.time()
                 self.connected.clear()
+                self.dropped.set()
 
 
 def _frames_nowait(sock: zmq.Socket) -> list[bytes]:

@@ -15,12 +15,17 @@ import msgspec
 
 # Version 2 added each block's group and ownership, cache-spec metadata, and a Cleared's
 # tier; version-1 records still read (their events are group 0, no ownership, clear all).
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# Version 3 added the `Reachability` event. Only a liveness record is written as version 3:
+# engine batches stay version 2, so a reader from before it still reads every engine batch
+# and refuses only the liveness records, naming the version.
+SCHEMA_VERSION = 3
+ENGINE_BATCH_VERSION = 2
+READABLE_VERSIONS = (1, 2, 3)
 U64_MAX = (1 << 64) - 1
 
 EVENTS_SUBJECT_PREFIX = "kv.ev"
 DEAD_LETTER_SUBJECT_PREFIX = "kv.dlq"
+LIVENESS_SUBJECT_SUFFIX = "liveness"
 
 
 class Tier(enum.Enum):
@@ -174,7 +179,21 @@ class Gap(msgspec.Struct, array_like=True, tag="G", frozen=True, gc=False):
     reason: GapReason
 
 
-Event = Union[Stored, Removed, Cleared, Gap]
+class Reachability(msgspec.Struct, array_like=True, tag="L", frozen=True, gc=False):
+    """Whether ingest can reach the engine behind one stream of a worker: synthesised by ingest.
+
+    Always the only event of its batch (a liveness record, `is_liveness`), which sits outside
+    the engine's sequence: it neither advances nor checks the worker's (epoch, seq).
+    `since_ts` is when the change began: for an unreachable engine, when its SUB connection
+    dropped (or ingest first failed to reach it); for a reachable one, when it answered again.
+    """
+
+    reachable: bool
+    reason: str
+    since_ts: float
+
+
+Event = Union[Stored, Removed, Cleared, Gap, Reachability]
 
 
 @attrs.frozen
@@ -191,11 +210,15 @@ class EventBatch:
 
     @property
     def subject(self) -> str:
-        """`kv.ev.<publisher>.<dp_rank>`; a retained endpoint's batches add `.retained`.
+        """`kv.ev.<publisher>.<dp_rank>`; a retained endpoint's batches add `.retained`, a liveness
+        record `.liveness` after that.
 
         Each stream of a worker keeps its own subject so ingest can read its last
-        (epoch, seq) back with one "last message on subject" lookup.
+        (epoch, seq) back with one "last message on subject" lookup; liveness records have their
+        own so that lookup never finds one, and ingest reads the last one back the same way.
         """
+        if is_liveness(self):
+            return liveness_subject(self.worker, self.provenance)
         return events_subject(self.worker, self.provenance)
 
     @property
@@ -218,6 +241,17 @@ def events_subject(worker: WorkerId, provenance: Provenance) -> str:
     return f"{worker.events_subject}.retained"
 
 
+def liveness_subject(worker: WorkerId, provenance: Provenance) -> str:
+    """The KV_EVENTS subject of one stream's liveness records (`Reachability`)."""
+    return f"{events_subject(worker, provenance)}.{LIVENESS_SUBJECT_SUFFIX}"
+
+
+def is_liveness(batch: EventBatch) -> bool:
+    """A record ingest published to say whether the engine is reachable (its one event a `Reachability`)."""
+    events = batch.events
+    return len(events) == 1 and type(events[0]) is Reachability
+
+
 # --- the record codec -----------------------------------------------------------------
 # msgspec validates the record layout in C (hash ranges included) and builds the events
 # themselves: validation once, where bytes enter.
@@ -232,7 +266,7 @@ class _RecordWire(msgspec.Struct, frozen=True):
     engine_ts: float
     ingest_ts: float
     provenance: Provenance
-    events: tuple[Union[Stored, Removed, Cleared, Gap], ...]
+    events: tuple[Union[Stored, Removed, Cleared, Gap, Reachability], ...]
 
 
 class _VersionOnly(msgspec.Struct):
@@ -248,7 +282,7 @@ def encode_batch(batch: EventBatch) -> bytes:
     """Encode a batch as the versioned msgpack record stored in KV_EVENTS."""
     return _encoder.encode(
         _RecordWire(
-            SCHEMA_VERSION, batch.worker.publisher, batch.worker.dp_rank, batch.epoch, batch.seq,
+            SCHEMA_VERSION if is_liveness(batch) else ENGINE_BATCH_VERSION, batch.worker.publisher, batch.worker.dp_rank, batch.epoch, batch.seq,
             batch.engine_ts, batch.ingest_ts, batch.provenance, batch.events,
         )
     )
@@ -308,7 +342,7 @@ class DeadLetter(msgspec.Struct, frozen=True):
     frames: tuple[bytes, ...]
     ingest_ts: float
     endpoint: str = ""
-    v: int = SCHEMA_VERSION
+    v: int = ENGINE_BATCH_VERSION
 
 
 _dead_letter_decoder = msgspec.msgpack.Decoder(DeadLetter)

@@ -20,6 +20,7 @@ from kvledger.events import (
     Gap,
     GapReason,
     Provenance,
+    Reachability,
     Removed,
     Stored,
     Tier,
@@ -142,9 +143,25 @@ class UncertaintyFact(msgspec.Struct, frozen=True, gc=False):
     stream_seq: int
 
 
+class ReachabilityFact(msgspec.Struct, frozen=True, gc=False):
+    """ingest lost (or found again) the engine behind one provenance of a worker.
+
+    `since_ts` is the event's (when the change began); the inventory is kept either way:
+    an unreachable worker is not credited, and when it is back ingest's incarnation check
+    says whether its inventory still stands (a continuation) or was emptied (a restart Gap).
+    """
+
+    worker: WorkerId
+    provenance: Provenance
+    reachable: bool
+    reason: str
+    since_ts: float
+    stream_seq: int
+
+
 Fact = (
     BlockStoredFact | BlockRemovedFact | BlockReferencedFact | InventoryClearedFact | RetainedConflictFact
-    | UncertaintyFact
+    | UncertaintyFact | ReachabilityFact
 )
 
 
@@ -221,6 +238,11 @@ class _ProvenanceState:
     epoch: int | None = None
     seq: int | None = None
     uncertain_since: int | None = None
+    # The stream seq of the liveness record that said the engine is unreachable (None: reachable),
+    # with that record's reason and since_ts; snapshots and SQL keep them (`_groups_state`).
+    unreachable_since: int | None = None
+    unreachable_reason: str = ""
+    unreachable_ts: float = 0.0
     # [first, end) seq ranges of the current epoch the fold skipped over, oldest first, so a
     # late batch can be told from a repeated one; not carried by snapshots or the SQL state.
     holes: list[tuple[int, int]] = attrs.field(factory=list)
@@ -251,6 +273,11 @@ class WorkerState:
     @property
     def uncertain(self) -> bool:
         return any(state.uncertain_since is not None for state in self.by_provenance.values())
+
+    @property
+    def unreachable(self) -> bool:
+        """ingest cannot reach the worker's engine (its native stream): decide does not credit it."""
+        return self.by_provenance[NATIVE].unreachable_since is not None
 
     @property
     def epoch(self) -> int | None:
@@ -324,6 +351,10 @@ class InventoryFold:
             state = self._workers[batch.worker] = WorkerState(batch.worker)
         own = state.by_provenance[batch.provenance]
         facts: list[Fact] = []
+        events = batch.events
+        if len(events) == 1 and type(events[0]) is Reachability:
+            # A liveness record sits outside the engine's sequence (kvledger.events.Reachability).
+            return facts, True
         if batch.epoch == own.epoch:
             if batch.seq <= own.seq:
                 self._not_after_last(state, own, batch, stream_seq, facts)
@@ -361,6 +392,8 @@ class InventoryFold:
             self._remove(state, provenance, event, stream_seq, facts)
         elif kind is Cleared:
             self._clear(state, provenance, RemovalCause.CLEARED, stream_seq, facts, event.tier)
+        elif kind is Reachability:
+            self._reachability(state, provenance, event, stream_seq, facts)
         else:
             self._gap(state, provenance, event, stream_seq, facts)
 
@@ -645,7 +678,10 @@ class InventoryFold:
             _remember_hole(own, 0, own.unseen_below)
         # A restarted engine may run another configuration; a cleared one keeps its groups.
         kinds = own.group_kinds if cause is RemovalCause.CLEARED else {}
-        fresh = _ProvenanceState(epoch=own.epoch, seq=own.seq, holes=own.holes, group_kinds=kinds)
+        fresh = _ProvenanceState(
+            epoch=own.epoch, seq=own.seq, holes=own.holes, group_kinds=kinds, unreachable_since=own.unreachable_since,
+            unreachable_reason=own.unreachable_reason, unreachable_ts=own.unreachable_ts,
+        )
         state.by_provenance[provenance] = fresh
         facts.append(InventoryClearedFact(state.worker, provenance, cause, stream_seq, blocks))
         if own.uncertain_since is not None:
@@ -660,6 +696,19 @@ class InventoryFold:
         if own.uncertain_since is None:
             own.uncertain_since = stream_seq
             facts.append(UncertaintyFact(state.worker, provenance, True, event.reason.value, stream_seq))
+
+    def _reachability(
+        self, state: WorkerState, provenance: Provenance, event: Reachability, stream_seq: int, facts: list[Fact],
+    ) -> None:
+        """The engine became unreachable or reachable again; a repeated announcement changes nothing."""
+        own = state.by_provenance[provenance]
+        if (own.unreachable_since is None) == event.reachable:
+            return
+        if event.reachable:
+            own.unreachable_since, own.unreachable_reason, own.unreachable_ts = None, "", 0.0
+        else:
+            own.unreachable_since, own.unreachable_reason, own.unreachable_ts = stream_seq, event.reason, event.since_ts
+        facts.append(ReachabilityFact(state.worker, provenance, event.reachable, event.reason, event.since_ts, stream_seq))
 
     def _hole(
         self, state: WorkerState, own: _ProvenanceState, expected: int, batch: EventBatch, stream_seq: int,
@@ -767,6 +816,14 @@ class InventoryFold:
         by_provenance = state.by_provenance
         return [_holds(by_provenance[provenance], tier, sequence_hash) for provenance, tier in classes]
 
+    def is_unreachable(self, worker: WorkerId) -> bool:
+        state = self._workers.get(worker)
+        return state is not None and state.unreachable
+
+    def unreachable_workers(self) -> list[WorkerId]:
+        """Workers whose engine ingest cannot reach (native stream), in worker order."""
+        return [worker for worker in self.workers() if self._workers[worker].unreachable]
+
     def is_uncertain(self, worker: WorkerId) -> bool:
         state = self._workers.get(worker)
         return state is not None and state.uncertain
@@ -842,11 +899,18 @@ def _fill_hole(own: _ProvenanceState, seq: int) -> bool:
 
 
 def _groups_state(own: _ProvenanceState) -> dict[str, dict]:
-    """What one provenance knows of its KV-cache groups beyond its records, JSON-ready (for restores)."""
-    return {
+    """What one provenance knows of its KV-cache groups beyond its records, JSON-ready (for restores).
+
+    An unreachable engine's liveness rides along under "unreachable": snapshots and the SQL
+    workers row already carry this dict, and a reader from before liveness ignores the key.
+    """
+    state = {
         "kinds": {str(group): kind for group, kind in sorted(own.group_kinds.items())},
         "tiers": {tier.value: sorted(groups) for tier, groups in own.tier_groups.items() if groups},
     }
+    if own.unreachable_since is not None:
+        state["unreachable"] = {"since": own.unreachable_since, "reason": own.unreachable_reason, "ts": own.unreachable_ts}
+    return state
 
 
 def _restore_groups(own: _ProvenanceState, state: dict[str, dict]) -> None:
@@ -855,6 +919,10 @@ def _restore_groups(own: _ProvenanceState, state: dict[str, dict]) -> None:
     for tier_name, groups in state.get("tiers", {}).items():
         own.tier_groups[Tier(tier_name)].update(groups)
     own.rules.clear()
+    unreachable = state.get("unreachable")
+    if unreachable:
+        own.unreachable_since = unreachable["since"]
+        own.unreachable_reason, own.unreachable_ts = unreachable["reason"], unreachable["ts"]
 
 
 def _worker_order(worker: WorkerId) -> tuple[str, int]:

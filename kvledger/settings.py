@@ -279,6 +279,11 @@ class IngestSettings:
         10000, "Batches buffered while NATS is away before reading from ZMQ stops.", rule=_at_least(1)
     )
     replay_timeout_s: float = _setting(2.0, "Seconds to wait for an engine replay reply.", rule=_positive())
+    engine_timeout_s: float = _setting(
+        2.0, "Seconds an engine may stay silent once its SUB connection dropped (its replay socket not answering "
+        "either) before its worker is published as unreachable; the SUB's ZMTP heartbeat is a quarter of it.",
+        rule=_positive(),
+    )
     max_batch_bytes: int = _setting(16777216, "Largest engine payload accepted, in bytes.", rule=_at_least(1))
     stream_check_interval_s: float = _setting(
         5.0, "Seconds between checks that KV_EVENTS still holds every batch it acknowledged (also checked on every "
@@ -434,6 +439,19 @@ class DecideSettings:
     record_requests: bool = _setting(
         True, "Record each request (its local hashes, block size, target, fallback) with its answer in "
         "KV_DECISIONS, which `kvledger replay` re-answers; off saves about a third of the batched rate.",
+    )
+    grpc_listen: str | None = _setting(
+        None, "host:port of decide's gRPC front, serving SGLang's KVIndexer and llm-d's IndexerService from the "
+        "index (docs/routers.md); unset = off.", rule=_Rule(lambda value: "must not be empty" if value == "" else None),
+    )
+    grpc_routers: str | None = _setting(
+        None, "A TOML file for the gRPC front: the SGLang workers' router-facing addresses and llm-d's models "
+        "(tokenizer file, block size, pods) (docs/routers.md); unset = no addresses, no llm-d models.",
+        rule=_Rule(lambda value: "must not be empty" if value == "" else None),
+    )
+    grpc_max_message_bytes: int = _setting(
+        4 * 1024 * 1024, "Largest gRPC request decide's gRPC front reads, in bytes (both routers' servers default "
+        "to 4 MiB).", rule=_at_least(1),
     )
 
 

@@ -111,6 +111,19 @@ ORDER BY stream_seq;""",
     ("request_id",),
 )
 
+# A decision saw the inventory as of its inventory_seq: the workers unreachable then were not credited.
+DECISION_UNREACHABLE_WORKERS = Query(
+    "decision_unreachable_workers",
+    "The workers a decision did not credit because their engine was unreachable at its inventory seq",
+    """SELECT d.stream_seq, d.request_id, d.inventory_seq, u.publisher, u.dp_rank, u.since_seq, u.since_ts, u.reason
+FROM decisions d
+JOIN unreachable_periods u
+  ON u.provenance = 'native' AND u.since_seq <= d.inventory_seq AND (u.until_seq IS NULL OR u.until_seq > d.inventory_seq)
+WHERE d.request_id = :request_id
+ORDER BY d.stream_seq, u.publisher, u.dp_rank;""",
+    ("request_id",),
+)
+
 GAPS = Query(
     "gaps",
     "Sequence gaps ingest recorded, per worker",
@@ -132,14 +145,28 @@ ORDER BY publisher, dp_rank, since_seq;""",
     (),
 )
 
+UNREACHABLE_PERIODS = Query(
+    "unreachable_periods",
+    "Periods during which ingest could not reach a worker's engine (from its liveness record until it answered again)",
+    """SELECT publisher, dp_rank, provenance, since_seq, since_ts, reason,
+       until_seq, until_ts, CASE WHEN until_seq IS NULL THEN 'still unreachable' ELSE 'reachable again' END AS state
+FROM unreachable_periods
+ORDER BY publisher, dp_rank, since_seq;""",
+    (),
+)
+
 WORKERS = Query(
     "workers",
-    "Every worker: epoch, last engine seq, uncertainty, stream seqs seen",
-    """SELECT publisher, dp_rank, epoch, engine_seq, uncertain_since,
-       retained_epoch, retained_engine_seq, retained_uncertain_since,
-       first_stream_seq, last_stream_seq, last_ingest_ts
-FROM workers
-ORDER BY publisher, dp_rank;""",
+    "Every worker: epoch, last engine seq, uncertainty, reachability, stream seqs seen",
+    """SELECT w.publisher, w.dp_rank, w.epoch, w.engine_seq, w.uncertain_since,
+       CASE WHEN w.unreachable_since IS NULL THEN 'reachable' ELSE 'unreachable' END AS reachability,
+       w.unreachable_since, u.since_ts AS unreachable_since_ts, u.reason AS unreachable_reason,
+       w.retained_epoch, w.retained_engine_seq, w.retained_uncertain_since, w.retained_unreachable_since,
+       w.first_stream_seq, w.last_stream_seq, w.last_ingest_ts
+FROM workers w
+LEFT JOIN unreachable_periods u
+  ON u.publisher = w.publisher AND u.dp_rank = w.dp_rank AND u.provenance = 'native' AND u.since_seq = w.unreachable_since
+ORDER BY w.publisher, w.dp_rank;""",
     (),
 )
 
@@ -375,8 +402,8 @@ ORDER BY e.publisher, e.dp_rank, e.provenance, e.epoch, e.engine_seq;""",
 )
 
 QUERIES: tuple[Query, ...] = (
-    SEQ_AT_TIME, INVENTORY_AT_SEQ, INVENTORY_SUMMARY_AT_SEQ, BLOCK_HISTORY, DECISION, GAPS,
-    UNCERTAIN_PERIODS, WORKERS, DEAD_LETTERS, CHECKPOINTS, DECISION_QUALITY, DECISION_QUALITY_SUMMARY,
+    SEQ_AT_TIME, INVENTORY_AT_SEQ, INVENTORY_SUMMARY_AT_SEQ, BLOCK_HISTORY, DECISION, DECISION_UNREACHABLE_WORKERS, GAPS,
+    UNCERTAIN_PERIODS, UNREACHABLE_PERIODS, WORKERS, DEAD_LETTERS, CHECKPOINTS, DECISION_QUALITY, DECISION_QUALITY_SUMMARY,
     SHADOW_QUALITY, SHADOW_QUALITY_SUMMARY, INFLIGHT_QUALITY_SUMMARY, STREAM_LOSSES, ONLY_IN_SQL,
 )  # fmt: skip
 
@@ -451,10 +478,15 @@ class Audit:
     def decision(self, request_id: str) -> list[dict]:
         """Each recording of the decision, with its candidates and the target's inventory at its seq."""
         found = []
+        unreachable = run(self.connection, DECISION_UNREACHABLE_WORKERS, request_id=request_id)
         for row in run(self.connection, DECISION, request_id=request_id):
             row = dict(row)
             for column in ("uncertain_workers", "candidates", "worker_overlaps"):
                 row[column] = json.loads(row[column])
+            row["unreachable_workers"] = [
+                WorkerId(found["publisher"], found["dp_rank"]).name
+                for found in unreachable if found["stream_seq"] == row["stream_seq"]
+            ]
             try:
                 row["target_inventory"] = (
                     self.inventory_summary(WorkerId.parse(row["target"]), row["inventory_seq"]) if row["target"] else []
@@ -469,6 +501,9 @@ class Audit:
 
     def uncertain_periods(self, worker: WorkerId | None = None) -> list[dict]:
         return _for_worker(run(self.connection, UNCERTAIN_PERIODS), worker)
+
+    def unreachable_periods(self, worker: WorkerId | None = None) -> list[dict]:
+        return _for_worker(run(self.connection, UNREACHABLE_PERIODS), worker)
 
     def workers(self) -> list[dict]:
         return run(self.connection, WORKERS)

@@ -18,7 +18,7 @@ from itertools import repeat
 
 import attrs
 
-from kvledger.events import Cleared, EventBatch, Gap, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.events import Cleared, EventBatch, Gap, Provenance, Reachability, Removed, Stored, Tier, WorkerId
 from kvledger.fold import (
     BlockKey,
     BlockReferencedFact,
@@ -27,6 +27,7 @@ from kvledger.fold import (
     Fact,
     InventoryClearedFact,
     InventoryFold,
+    ReachabilityFact,
     RetainedConflictFact,
     UncertaintyFact,
 )
@@ -60,12 +61,14 @@ VERDICT_COLUMNS = (
     "inflight_blocks", "inflight_gone", "judged_by",
 )  # fmt: skip
 UNCERTAIN_COLUMNS = ("publisher", "dp_rank", "provenance", "since_seq", "since_ts", "reason", "until_seq", "until_ts", "resolved_by")
+UNREACHABLE_COLUMNS = ("publisher", "dp_rank", "provenance", "since_seq", "since_ts", "reason", "until_seq", "until_ts")
 DEAD_LETTER_COLUMNS = (
     "source", "stream_seq", "subject", "publisher", "dp_rank", "endpoint", "reason", "frames", "raw", "ingest_ts", "recorded_ts",
 )  # fmt: skip
 WORKER_COLUMNS = (
     "publisher", "dp_rank", "epoch", "engine_seq", "uncertain_since", "retained_epoch", "retained_engine_seq",
     "retained_uncertain_since", "first_stream_seq", "last_stream_seq", "last_ingest_ts", "counters", "kv_cache_groups",
+    "unreachable_since", "retained_unreachable_since",
 )  # fmt: skip
 
 
@@ -131,6 +134,10 @@ class ChangeSet:
     new_uncertain: dict[tuple, list[list]] = attrs.field(factory=dict)
     # (until_seq, until_ts, resolved_by, publisher, dp_rank, provenance)
     resolved_uncertain: list[tuple] = attrs.field(factory=list)
+    # unreachable_periods opened in this transaction (rows of UNREACHABLE_COLUMNS, oldest first), and
+    # (until_seq, until_ts, publisher, dp_rank, provenance) ending one opened before it
+    new_unreachable: list[list] = attrs.field(factory=list)
+    reached_again: list[tuple] = attrs.field(factory=list)
     # worker -> (first stream seq in this transaction, last stream seq, its ingest ts)
     workers: dict[WorkerId, tuple[int, int, float]] = attrs.field(factory=dict)
     worker_rows: list[tuple] = attrs.field(factory=list)
@@ -205,9 +212,12 @@ class ChangeBuilder:
             elif kind is Cleared:
                 row = ("cleared", None if event.tier is None else event.tier.value, 0, None, None, None)
                 place = (None, None)
-            else:
-                assert kind is Gap
+            elif kind is Gap:
                 row = ("gap", None, 0, event.reason.value, event.expected_seq, event.received_seq)
+                place = (None, None)
+            else:
+                assert kind is Reachability
+                row = ("reachable" if event.reachable else "unreachable", None, 0, None, None, None)
                 place = (None, None)
             changes.event_rows.append((stream_seq, idx, *head[2:], *row, *tail, *place))
         if facts:
@@ -294,6 +304,16 @@ class ChangeBuilder:
                     self._conflicts[row] = stream_seq
                 else:
                     changes.conflicts.append((stream_seq, key[2], key[0], key[1]))
+            elif kind is ReachabilityFact:
+                period = (fact.worker.publisher, fact.worker.dp_rank, fact.provenance.value)
+                if not fact.reachable:
+                    changes.new_unreachable.append([*period, stream_seq, fact.since_ts, fact.reason, None, None])
+                else:
+                    opened = [row for row in changes.new_unreachable if tuple(row[:3]) == period and row[6] is None]
+                    if opened:
+                        opened[-1][6], opened[-1][7] = stream_seq, fact.since_ts
+                    else:
+                        changes.reached_again.append((stream_seq, fact.since_ts, *period))
             else:
                 assert kind is UncertaintyFact
                 period = (fact.worker.publisher, fact.worker.dp_rank, fact.provenance.value)
@@ -324,6 +344,7 @@ class ChangeBuilder:
                 retained.epoch, retained.seq, retained.uncertain_since,
                 first, last, ingest_ts, json.dumps(dict(state.counters), sort_keys=True),
                 json.dumps({"native": native.groups, "retained": retained.groups}, sort_keys=True),
+                _unreachable_since(native), _unreachable_since(retained),
             ))  # fmt: skip
         changes.checkpoint_counters = json.dumps(dict(fold.counters), sort_keys=True)
         changes.removals = removal_runs(changes.removals)
@@ -361,6 +382,12 @@ class ChangeBuilder:
                 stays.refs.pop(row, None)
             else:
                 stays.refs[row] = refs
+
+
+def _unreachable_since(position) -> int | None:
+    """The stream seq since which the provenance's engine is unreachable (kept in its groups state by the fold)."""
+    unreachable = position.groups.get("unreachable")
+    return None if not unreachable else unreachable["since"]
 
 
 def removal_runs(ends: list[tuple]) -> list[tuple]:

@@ -196,7 +196,7 @@ def audit_decision(settings: Settings, request_id: str, as_json: bool) -> int:
         for row in [] if as_json else found:
             print(f"decision {row['request_id']} (KV_DECISIONS seq {row['stream_seq']})")
             for key in ("inventory_seq", "target", "credited_blocks", "baseline_blocks", "reason", "backend",
-                        "settings_digest", "uncertain_workers"):  # fmt: skip
+                        "settings_digest", "uncertain_workers", "unreachable_workers"):  # fmt: skip
                 print(f"  {key}: {_display(row[key])}")
             chosen = row["chosen_source"]
             print(f"  chosen: {chosen}/{row['chosen_dp_rank']} {row['chosen_tier']}" if chosen else "  chosen: none")
@@ -219,13 +219,16 @@ def audit_gaps(settings: Settings, worker: str | None, as_json: bool) -> int:
     try:
         who = WorkerId.parse(worker) if worker else None
         gaps, periods = audit.gaps(who), audit.uncertain_periods(who)
+        unreachable = audit.unreachable_periods(who)
         if as_json:
-            _emit({"gaps": gaps, "uncertain_periods": periods}, True)
+            _emit({"gaps": gaps, "uncertain_periods": periods, "unreachable_periods": unreachable}, True)
         else:
             print("gaps:")
             print_table(gaps)
             print("uncertain periods:")
             print_table(periods)
+            print("unreachable periods:")
+            print_table(unreachable)
     finally:
         connection.close()
         engine.dispose()

@@ -52,7 +52,7 @@ from store.jetstream import (
     ConsumerWatch, SkippedMessagesError, StreamRegressedError, bind_consumer, connect, fetch, stream_seq,
 )
 from store.recorder import PlacementIds, last_ingest_ts, load_fold, read_checkpoint
-from store.transactions import SQL_CHECKPOINT
+from store.transactions import CheckpointMoved, CheckpointRow
 from store.writer import RecorderProcess, WriterError, encode_changes
 from store.planner_statistics import PlannerStatistics
 from store.pruning import HistoryPruner
@@ -74,7 +74,7 @@ WRITES_AHEAD = 8
 
 # Errors after which the database state is unknown: roll back, rebuild, retry. (Not
 # OSError: TimeoutError is one, and a slow fetch is no reason to distrust the fold.)
-DATABASE_ERRORS = (sa.exc.SQLAlchemyError, psycopg.Error, sqlite3.Error, WriterError)
+DATABASE_ERRORS = (sa.exc.SQLAlchemyError, psycopg.Error, sqlite3.Error, WriterError, CheckpointMoved)
 NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError)
 
 
@@ -286,13 +286,21 @@ class DecisionsHold:
 
     async def wait(self, ingest_ts: float) -> None:
         started = time.monotonic()
-        while self.holds(ingest_ts):
-            if time.monotonic() - started > self.STALL_S:
+        progressed = self.decisions.progressed
+        while True:
+            progressed.clear()  # before the look, so progress made after it wakes the wait below
+            if not self.holds(ingest_ts):
+                return
+            waited = time.monotonic() - started
+            if waited > self.STALL_S:
                 self._stalled_at = self.decisions.last_decided_ts
                 log.info("the decisions projector made no progress for %.0f s: events no longer wait for it "
                          "(its late decisions are judged in SQL)", self.STALL_S)
                 return
-            await asyncio.sleep(0.005)
+            try:
+                await asyncio.wait_for(progressed.wait(), self.STALL_S - waited + 0.01)
+            except TimeoutError:
+                pass
 
 
 class EventsProjector:
@@ -717,6 +725,8 @@ class RowProjector:
     # the stream had nothing more for this projector at its last fetch.
     last_decided_ts: float | None = None
     caught_up: bool = False
+    # set whenever either changes, so the hold wakes at once rather than on a timer
+    progressed: asyncio.Event = attrs.field(factory=asyncio.Event)
 
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
         backoff = Backoff()
@@ -730,13 +740,16 @@ class RowProjector:
                 after = verdict.start_stream_seq - 1
                 subscription = await bind_consumer(js, self.stream, self.durable, after, batch_size=self.batch_size)
                 self.ready = True
+                self.progressed.set()
                 backoff.reset()
                 watch = ConsumerWatch(js, self.stream, self.durable)
                 await self._consume(subscription, watch, checkpoint, after, stop)
             except DATABASE_ERRORS + NATS_ERRORS as error:
                 self.ready = False
+                self.progressed.set()
                 await _wait_out_failure(error, self.stream, self.metrics, backoff, stop)
         self.ready = False
+        self.progressed.set()
 
     def _checkpoint(self) -> int:
         with self.engine.connect() as connection:
@@ -751,6 +764,7 @@ class RowProjector:
                 messages = await fetch(subscription, self.batch_size, FETCH_TIMEOUT_S)
             except TimeoutError:  # nats-py raises its own and asyncio's; both are this
                 self.caught_up = True
+                self.progressed.set()
                 await watch.idle(last_stream_seq)
                 continue
             watch.delivered()
@@ -761,6 +775,7 @@ class RowProjector:
             last_stream_seq = seqs[-1]
             rows: list[TableRow] = []
             fresh = 0
+            committed = checkpoint  # where SQL's checkpoint must still be when this batch is written
             for message, message_seq in zip(messages, seqs):
                 seq = ledger(message_seq)
                 if seq <= checkpoint:
@@ -775,7 +790,7 @@ class RowProjector:
                     rows.append((tables.dead_letters, _undecodable_row(self.name, seq, message, f"unreadable: {error}")))
                 checkpoint = seq
             if fresh:
-                rows = await asyncio.to_thread(self._write, rows, checkpoint)
+                rows = await asyncio.to_thread(self._write, rows, checkpoint, committed)
                 self.metrics.transactions.labels(self.stream).inc()
                 self.metrics.messages.labels(self.stream).inc(fresh)
                 self.metrics.checkpoint.labels(self.stream).set(checkpoint)
@@ -788,9 +803,11 @@ class RowProjector:
             self.metrics.pending.labels(self.stream).set(pending)
             await messages[-1].ack()
             self.caught_up = pending == 0
+            self.progressed.set()
 
-    def _write(self, rows: list[TableRow], checkpoint: int) -> list[TableRow]:
-        """Write `rows` (less those SQL already holds) and the checkpoint in one transaction; return what was written."""
+    def _write(self, rows: list[TableRow], checkpoint: int, after: int) -> list[TableRow]:
+        """Write `rows` (less those SQL already holds) and the checkpoint in one transaction, over SQL's checkpoint
+        at `after` (CheckpointMoved otherwise); return what was written."""
         with self.engine.begin() as connection:
             # Only a stream read again after a loss can bring a record SQL holds (within one
             # generation a redelivery is below the checkpoint): asked only once there was one.
@@ -804,13 +821,15 @@ class RowProjector:
                 by_table.setdefault(table, []).append(row)
             for table, table_rows in by_table.items():
                 connection.execute(table.insert(), table_rows)
-            _save_checkpoint(connection, self.name, self.stream, checkpoint)
+            _save_checkpoint(connection, self.name, self.stream, checkpoint, after)
         return rows
 
 
-def _save_checkpoint(connection: sa.Connection, name: str, stream: str, seq: int) -> None:
-    statement = SQL_CHECKPOINT if connection.dialect.name == "sqlite" else SQL_CHECKPOINT.replace("?", "%s")
-    connection.exec_driver_sql(statement, (name, stream, seq, time.time(), "{}"))
+def _save_checkpoint(connection: sa.Connection, name: str, stream: str, seq: int, after: int) -> None:
+    sqlite = connection.dialect.name == "sqlite"
+    CheckpointRow(name, stream, seq, time.time(), "{}", after).write(
+        lambda statement, values: connection.exec_driver_sql(statement if sqlite else statement.replace("?", "%s"), values)
+    )
 
 
 # --- the service ----------------------------------------------------------------------

@@ -212,6 +212,26 @@ workers = sa.Table(
     sa.Column("counters", sa.Text, nullable=False),  # JSON: the fold's counters for this worker
     # JSON per provenance: each KV-cache group's declared kind and the groups seen per tier
     sa.Column("kv_cache_groups", sa.Text, nullable=False, server_default="{}"),
+    # the stream seq of the liveness record that said ingest cannot reach the engine (NULL: reachable)
+    sa.Column("unreachable_since", _SEQ),
+    sa.Column("retained_unreachable_since", _SEQ),
+)
+
+# Periods during which ingest could not reach a worker's engine (docs/ingest.md, liveness):
+# from the liveness record that said so to the one that said it answered again (NULL: still).
+# since_ts / until_ts are when the change began (the SUB connection dropped, the engine
+# answered), not when the record was written.
+unreachable_periods = sa.Table(
+    "unreachable_periods",
+    metadata,
+    sa.Column("publisher", _PUBLISHER, primary_key=True),
+    sa.Column("dp_rank", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("provenance", _NAME, primary_key=True),
+    sa.Column("since_seq", _SEQ, primary_key=True, autoincrement=False),
+    sa.Column("since_ts", _TS, nullable=False),
+    sa.Column("reason", sa.String(REASON_LIMIT), nullable=False),
+    sa.Column("until_seq", _SEQ),
+    sa.Column("until_ts", _TS),
 )
 
 uncertain_periods = sa.Table(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from store.changes import (
     REMOVAL_COLUMNS,
     STAY_COLUMNS,
     UNCERTAIN_COLUMNS,
+    UNREACHABLE_COLUMNS,
     VERDICT_COLUMNS,
     WORKER_COLUMNS,
     ChangeSet,
@@ -89,6 +91,7 @@ SQL_EVENT = _insert("event_log", EVENT_LOG_COLUMNS)
 SQL_STAY = _insert("block_stays", STAY_COLUMNS)
 SQL_REMOVAL = _insert("block_removals", REMOVAL_COLUMNS)
 SQL_UNCERTAIN = _insert("uncertain_periods", UNCERTAIN_COLUMNS)
+SQL_UNREACHABLE = _insert("unreachable_periods", UNREACHABLE_COLUMNS)
 SQL_DEAD_LETTER = _insert("dead_letters", DEAD_LETTER_COLUMNS)
 # Ends every open stay of a worker's provenance on the named tiers begun before this transaction
 # (`tier IN (...)`: a clear of one tier names it four times, a clear of all names each). Runs
@@ -108,10 +111,64 @@ SQL_CONFLICT = "UPDATE block_stays SET conflict_since = ? WHERE placement_id = ?
 # (store/quality.py); a verdict the SQL judge wrote first is kept (the key is the decision and horizon).
 SQL_VERDICT = _insert("decision_verdicts", VERDICT_COLUMNS) + " ON CONFLICT (stream_seq, horizon_ms) DO NOTHING"
 SQL_SETTLED = "DELETE FROM verdicts_pending WHERE stream_seq = ? AND horizon_ms = ?"
+SQL_REACHED_AGAIN = (
+    "UPDATE unreachable_periods SET until_seq = ?, until_ts = ? "
+    "WHERE publisher = ? AND dp_rank = ? AND provenance = ? AND until_seq IS NULL"
+)
 SQL_RESOLVE = (
     "UPDATE uncertain_periods SET until_seq = ?, until_ts = ?, resolved_by = ? "
     "WHERE publisher = ? AND dp_rank = ? AND provenance = ? AND until_seq IS NULL"
 )
+
+
+# --- the checkpoint moves only from where its projector left it ----------------------------
+# A database restored from an older backup under a running store (its connections broken
+# and reopened, or kept, as by pg_restore --clean) holds an older checkpoint than the fold
+# or the decisions projector was built on; a transaction written over it would leave a
+# hole below its rows. So the checkpoint row is written only over the one its projector
+# last committed, and the transaction fails whole when SQL's is elsewhere.
+
+# (a row at 0 reads as no checkpoint, as it does to the fold's rebuild)
+SQL_CHECKPOINT_FIRST = SQL_CHECKPOINT + " WHERE checkpoints.stream_seq = 0"
+SQL_CHECKPOINT_FROM = (
+    "UPDATE checkpoints SET stream = ?, stream_seq = ?, updated_ts = ?, counters = ? WHERE name = ? AND stream_seq = ?"
+)
+SQL_CHECKPOINT_NOW = "SELECT stream_seq FROM checkpoints WHERE name = ?"
+
+
+class CheckpointMoved(RuntimeError):
+    """SQL's checkpoint is not where its projector last left it (the database went back to a backup, or another
+    store moved it): nothing of the transaction is written, and the projector starts again from what SQL holds."""
+
+
+class CheckpointRow(NamedTuple):
+    """A transaction's checkpoint row, and the ledger seq SQL's row must hold for it to be written."""
+
+    name: str
+    stream: str
+    stream_seq: int
+    updated_ts: float
+    counters: str
+    after: int | None = None  # 0: no row yet; None: written over whatever SQL holds
+
+    def write(self, execute: Callable[[str, tuple], object]) -> None:
+        """Write the row with `execute(statement in '?' style, values)`, which returns its cursor;
+        CheckpointMoved when SQL's checkpoint is not at `after`."""
+        values = (self.name, self.stream, self.stream_seq, self.updated_ts, self.counters)
+        if self.after is None:
+            execute(SQL_CHECKPOINT, values)
+            return
+        if self.after > 0:
+            written = execute(SQL_CHECKPOINT_FROM, (*values[1:], self.name, self.after)).rowcount
+        else:
+            written = execute(SQL_CHECKPOINT_FIRST, values).rowcount
+        if written != 1:
+            found = execute(SQL_CHECKPOINT_NOW, (self.name,)).fetchone()
+            raise CheckpointMoved(
+                f"checkpoint {self.name!r} of {self.stream} is at ledger seq {found[0] if found else 'none'} in SQL, "
+                f"not at {self.after} where this store committed it last: the database was restored from an older "
+                "backup (or another store writes it); projecting again from what SQL holds"
+            )
 
 
 class Recorder(abc.ABC):
@@ -138,8 +195,12 @@ class Recorder(abc.ABC):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def write(self, changes: ChangeSet) -> None:
-        checkpoint = (self.checkpoint_name, self.stream, changes.last_seq, time.time(), changes.checkpoint_counters)
+    def write(self, changes: ChangeSet, after: int | None = None) -> None:
+        """Commit `changes` in one transaction; with `after`, only over SQL's checkpoint at that ledger seq
+        (CheckpointMoved otherwise)."""
+        checkpoint = CheckpointRow(
+            self.checkpoint_name, self.stream, changes.last_seq, time.time(), changes.checkpoint_counters, after,
+        )
         try:
             self._write(changes, checkpoint)
         except BaseException:
@@ -150,7 +211,7 @@ class Recorder(abc.ABC):
             raise
 
     @abc.abstractmethod
-    def _write(self, changes: ChangeSet, checkpoint: tuple) -> None: ...
+    def _write(self, changes: ChangeSet, checkpoint: CheckpointRow) -> None: ...
 
     def _updates(self, cursor, changes: ChangeSet, sql) -> None:
         # After the removals: a clear ends what is still open, and a stay ended earlier in the
@@ -160,6 +221,7 @@ class Recorder(abc.ABC):
             (SQL_REFERENCES, changes.references),
             (SQL_CLEAR, [(*row, changes.first_seq) for row in changes.clears]),
             (SQL_RESOLVE, changes.resolved_uncertain),
+            (SQL_REACHED_AGAIN, changes.reached_again),
         ):
             if rows:
                 cursor.executemany(sql(statement), rows)
@@ -175,7 +237,7 @@ class SqliteRecorder(Recorder):
         super().__init__(connection, stream, checkpoint_name, close)
         self.connection.isolation_level = None  # explicit BEGIN/COMMIT below
 
-    def _write(self, changes: ChangeSet, checkpoint: tuple) -> None:
+    def _write(self, changes: ChangeSet, checkpoint: CheckpointRow) -> None:
         cursor = self.connection.cursor()
         cursor.execute("BEGIN IMMEDIATE")
         if changes.removals:
@@ -189,10 +251,12 @@ class SqliteRecorder(Recorder):
         cursor.execute("COMMIT")
 
 
-def _write_common(cursor, changes: ChangeSet, checkpoint: tuple, sql) -> None:
+def _write_common(cursor, changes: ChangeSet, checkpoint: CheckpointRow, sql) -> None:
     uncertain = changes.uncertain_rows
     if uncertain:
         cursor.executemany(sql(SQL_UNCERTAIN), uncertain)
+    if changes.new_unreachable:
+        cursor.executemany(sql(SQL_UNREACHABLE), changes.new_unreachable)
     if changes.worker_rows:
         cursor.executemany(sql(SQL_WORKER), changes.worker_rows)
     if changes.dead_letters:
@@ -200,7 +264,7 @@ def _write_common(cursor, changes: ChangeSet, checkpoint: tuple, sql) -> None:
     if changes.verdicts:
         cursor.executemany(sql(SQL_VERDICT), changes.verdicts)
         cursor.executemany(sql(SQL_SETTLED), [(row[0], row[1]) for row in changes.verdicts])
-    cursor.execute(sql(SQL_CHECKPOINT), checkpoint)
+    checkpoint.write(lambda statement, values: cursor.execute(sql(statement), values))
 
 
 def _pg(statement: str) -> str:
@@ -211,7 +275,7 @@ class PostgresRecorder(Recorder):
     # COPY hands whole buffers to libpq and waits on the network without the GIL.
     overlaps_folding = True
 
-    def _write(self, changes: ChangeSet, checkpoint: tuple) -> None:
+    def _write(self, changes: ChangeSet, checkpoint: CheckpointRow) -> None:
         connection = self.connection
         with connection.cursor() as cursor:
             if changes.removals:

@@ -100,7 +100,9 @@ def serve(stream_name: str, requests: BinaryIO, replies: BinaryIO, checkpoint_na
             except EOFError:
                 return 0
             try:
-                recorder.write(changes)
+                # A transaction folds on from the checkpoint just below its first seq: SQL's must still be
+                # there (a database restored from an older backup fails it, and the fold is rebuilt from SQL).
+                recorder.write(changes, after=changes.first_seq - 1)
             except Exception as error:
                 _send(replies, ("error", f"{type(error).__name__}: {error}"))
                 return 1  # the parent starts a new writer once the database is back

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -210,3 +212,75 @@ class VllmEngine:
         buffer = self._publisher._buffer  # vLLM's own replay buffer: the batch is sent once it is there
         await wait_until(lambda: buffer and buffer[-1][0] == seq, 5.0, f"vLLM to send seq {seq}", interval=0.002)
         return seq
+
+
+# --- vLLM's own publisher in a process of its own: killed, frozen (SIGSTOP) and thawed --------
+
+_VLLM_PROCESS = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import record_vllm
+kv = record_vllm.load_kv_events(__import__("pathlib").Path(sys.argv[2]))
+publisher = kv.ZmqEventPublisher(
+    0, endpoint=sys.argv[3], replay_endpoint=sys.argv[4], buffer_steps=int(sys.argv[5]), topic="kv-events",
+)
+print("ready", flush=True)
+seq = 0
+for line in sys.stdin:
+    command = json.loads(line)
+    events = []
+    for kind, block, parent in command["events"]:
+        if kind == "store":
+            events.append(kv.BlockStored(
+                block_hashes=[block], parent_block_hash=parent, token_ids=[block % 50000] * 4, block_size=4,
+                lora_id=None, medium="GPU", lora_name=None,
+            ))
+        else:
+            events.append(kv.BlockRemoved(block_hashes=[block], medium="GPU"))
+    publisher.publish(kv.KVEventBatch(ts=command["ts"], events=events))
+    while not publisher._buffer or publisher._buffer[-1][0] != seq:  # sent once vLLM's replay buffer holds it
+        time.sleep(0.001)
+    print(seq, flush=True)
+    seq += 1
+"""
+
+
+class VllmEngineProcess:
+    """vLLM's own `ZmqEventPublisher` in a child process, so it can die (SIGKILL) or freeze (SIGSTOP)
+    as an engine does; `publish` sends one batch through it and returns its seq once vLLM sent it."""
+
+    def __init__(self, wheel: Path, pub_endpoint: str, replay_endpoint: str, *, buffer_steps: int = 10_000) -> None:
+        self.wheel = wheel
+        self.pub_endpoint, self.replay_endpoint = pub_endpoint, replay_endpoint
+        self._buffer_steps = buffer_steps
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        port = self.pub_endpoint.rpartition(":")[2]
+        replay_port = self.replay_endpoint.rpartition(":")[2]
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _VLLM_PROCESS, str(Path(__file__).parent / "golden"), str(self.wheel),
+            f"tcp://*:{port}", f"tcp://*:{replay_port}", str(self._buffer_steps),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )
+        line = await asyncio.wait_for(self.process.stdout.readline(), 30)
+        assert line.strip() == b"ready", f"vLLM's publisher did not start: {line!r}"
+
+    async def publish(self, events: list[tuple[str, int, int | None]], ts: float) -> int:
+        """`events`: ("store", block, parent) or ("remove", block, None)."""
+        self.process.stdin.write(json.dumps({"ts": ts, "events": events}).encode() + b"\n")
+        await self.process.stdin.drain()
+        return int(await asyncio.wait_for(self.process.stdout.readline(), 10))
+
+    def signal(self, number: int) -> None:
+        self.process.send_signal(number)
+
+    async def stop(self) -> None:
+        """Kill the process (SIGKILL: no goodbye on its sockets) and reap it."""
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGCONT)  # a frozen process must run to die
+            process.kill()
+        await process.wait()

@@ -30,9 +30,9 @@ def empty_db(request: pytest.FixtureRequest) -> str:
 
 def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, capsys) -> None:
     assert main(["db", "upgrade", "--db", empty_db]) == 0
-    assert "empty -> 0012" in capsys.readouterr().out
+    assert "empty -> 0013" in capsys.readouterr().out
     with database.opened(empty_db) as engine:
-        assert database.current_revision(engine) == database.head_revision() == "0012"
+        assert database.current_revision(engine) == database.head_revision() == "0013"
         with engine.connect() as connection:
             # The migrations build exactly the tables the code writes to.
             # (an index made on one engine only is compared there only)
@@ -55,6 +55,10 @@ def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, cap
             assert _stays_keys(connection) == ({}, ["placement_id", "stored_seq", "slot"])
     assert main(["db", "downgrade", "--db", empty_db]) == 0
     with database.opened(empty_db) as engine:
+        assert database.current_revision(engine) == "0012"
+        assert "unreachable_periods" not in set(sa.inspect(engine).get_table_names())
+        assert "unreachable_since" not in {c["name"] for c in sa.inspect(engine).get_columns("workers")}
+        database.downgrade(engine, "0011")
         assert database.current_revision(engine) == "0011"
         assert not {"decision_verdicts", "verdicts_pending", "verdict_horizons"} & set(sa.inspect(engine).get_table_names())
         database.downgrade(engine, "0010")
@@ -77,7 +81,7 @@ def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, cap
             assert columns[:3] == ["placement_id", "stored_seq", "slot"]
             assert _residency(connection) == EXPECTED_STAYS
         database.upgrade(engine)
-        assert database.current_revision(engine) == "0012"
+        assert database.current_revision(engine) == "0013"
         with engine.connect() as connection:
             assert _residency(connection) == EXPECTED_STAYS  # and forward again
         database.downgrade(engine, "0007")
@@ -139,7 +143,7 @@ def _residency(connection: sa.Connection) -> list[tuple]:
 async def test_the_store_refuses_an_older_schema_and_says_which_command_to_run(nats_server, empty_db) -> None:
     with database.opened(empty_db) as engine:
         database.upgrade(engine, "0001")
-    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0012; run `kvledger db upgrade --db "):
+    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0013; run `kvledger db upgrade --db "):
         await StoreService(store_settings(nats_server.url, empty_db)).run(asyncio.Event())
 
 

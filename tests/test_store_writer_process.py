@@ -30,7 +30,7 @@ def _commit_one(url: str, seq: int) -> None:
     writer = RecorderProcess(url, "KV_EVENTS")
     try:
         writer.wait_ready()
-        writer.write(encode_changes(ChangeSet(first_seq=seq, last_seq=seq)))
+        writer.write(encode_changes(ChangeSet(first_seq=1, last_seq=seq)))  # the first: no checkpoint below it
     finally:
         writer.close()
 
@@ -48,7 +48,7 @@ def test_a_password_reaches_the_writer_down_its_pipe_and_the_writer_commits(post
         command_line = Path(f"/proc/{writer._process.pid}/cmdline").read_bytes()
         assert secret.encode() not in command_line and b"w'rd" not in command_line
         assert b"***" in command_line  # the URL shown, its password hidden
-        writer.write(encode_changes(ChangeSet(first_seq=7, last_seq=7)))
+        writer.write(encode_changes(ChangeSet(first_seq=1, last_seq=7)))
     finally:
         writer.close()
     with database.opened(postgres_url) as engine, engine.connect() as connection:
@@ -74,3 +74,26 @@ def test_a_writer_that_cannot_open_its_database_says_why(tmp_path: Path) -> None
             writer.write(encode_changes(ChangeSet(first_seq=1, last_seq=1)))
     finally:
         writer.close()
+
+
+def test_a_writer_refuses_a_transaction_folded_on_a_checkpoint_sql_no_longer_holds(tmp_path: Path) -> None:
+    # SQL went back (a restored backup) under the projector: writing seqs 9-12 over checkpoint 3 would leave 4-8 out.
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    with database.opened(url) as engine:
+        database.upgrade(engine)
+    _commit_one(url, 3)
+    writer = RecorderProcess(url, "KV_EVENTS")
+    try:
+        writer.wait_ready()
+        with pytest.raises(WriterError, match="CheckpointMoved: checkpoint 'events' of KV_EVENTS is at ledger seq 3"):
+            writer.write(encode_changes(ChangeSet(first_seq=9, last_seq=12)))
+    finally:
+        writer.close()
+    writer = RecorderProcess(url, "KV_EVENTS")
+    try:
+        writer.wait_ready()
+        writer.write(encode_changes(ChangeSet(first_seq=4, last_seq=12)))  # folded on from SQL's checkpoint
+    finally:
+        writer.close()
+    with database.opened(url) as engine, engine.connect() as connection:
+        assert read_checkpoint(connection, "events") == 12
