@@ -422,9 +422,7 @@ class InventoryIndex:
     def _refresh(self, slot: int, sequence_hash: int, position: int) -> None:
         provenance, tier = CLASSES[position]
         worker = self.workers[slot]
-        wanted = self.fold.holds(worker, provenance, tier, sequence_hash)
-        if wanted and provenance is NATIVE and self.fold.is_unreachable(worker):
-            wanted = False  # not credited while its engine is unreachable (`_follow_reachability`)
+        wanted = self.fold.holds(worker, provenance, tier, sequence_hash)  # nothing native while unreachable
         self._set_bit(slot, sequence_hash, position, wanted)
 
     def _set_bit(self, slot: int, sequence_hash: int, position: int, wanted: bool, row: int | None = None) -> None:

@@ -793,7 +793,15 @@ class InventoryFold:
         return self._workers.get(worker)
 
     def holds(self, worker: WorkerId, provenance: Provenance, tier: Tier, sequence_hash: int) -> bool:
-        """Whether the worker holds an indexable block with this sequence hash, by the residency rule."""
+        """Whether the worker holds an indexable block with this sequence hash, by the residency rule, for an
+        answer to credit: nothing native while its engine is unreachable (its records wait for its return)."""
+        state = self._workers.get(worker)
+        if state is None or (provenance is NATIVE and state.unreachable):
+            return False
+        return _holds(state.by_provenance[provenance], tier, sequence_hash)
+
+    def holds_recorded(self, worker: WorkerId, provenance: Provenance, tier: Tier, sequence_hash: int) -> bool:
+        """`holds` whatever the engine's reachability: the inventory as recorded (SQL's stays)."""
         state = self._workers.get(worker)
         return state is not None and _holds(state.by_provenance[provenance], tier, sequence_hash)
 

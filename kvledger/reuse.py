@@ -33,6 +33,11 @@ class InventoryView(Protocol):
 
     def uncertain_workers(self) -> list[WorkerId]: ...
 
+    def unreachable_workers(self) -> list[WorkerId]:
+        """Workers whose engine ingest cannot reach: `holds` holds nothing native for them, and answers list
+        them with the uncertain ones."""
+        ...
+
 
 @attrs.frozen
 class ReuseRequest:
@@ -269,7 +274,16 @@ def decide(
         candidates=tuple(eligible),
         chosen=eligible[0] if eligible else None,
         reason=reason,
-        uncertain_workers=tuple(worker.name for worker in view.uncertain_workers()),
+        uncertain_workers=_unvouched(view),
         backend=backend,
         settings_digest=settings_digest(settings),
     )
+
+
+def _unvouched(view: InventoryView) -> tuple[str, ...]:
+    """The answer's `uncertain_workers`: uncertain and unreachable workers, in worker order."""
+    unreachable = view.unreachable_workers()
+    if not unreachable:
+        return tuple(worker.name for worker in view.uncertain_workers())
+    flagged = {*view.uncertain_workers(), *unreachable}
+    return tuple(worker.name for worker in sorted(flagged, key=lambda worker: (worker.publisher, worker.dp_rank)))

@@ -203,6 +203,9 @@ class _InventoryAt:
     def uncertain_workers(self) -> list[WorkerId]:
         return []  # reported by answers, never weighed by the model
 
+    def unreachable_workers(self) -> list[WorkerId]:
+        return []  # a replay answers on the inventory as recorded, every worker reachable (docs/audit.md)
+
     def holds(self, worker: WorkerId, provenance: Provenance, tier: Tier, sequence_hash: int) -> bool:
         key = (worker, provenance, tier, sequence_hash)
         held = self._held.get(key)
@@ -726,8 +729,11 @@ class _FoldView:
     def uncertain_workers(self) -> list[WorkerId]:
         return []  # reported by answers, never weighed by the model
 
+    def unreachable_workers(self) -> list[WorkerId]:
+        return []  # as from SQL (`_InventoryAt`): a replay answers on the inventory as recorded
+
     def holds(self, worker: WorkerId, provenance: Provenance, tier: Tier, sequence_hash: int) -> bool:
-        return self.fold.holds(worker, provenance, tier, sequence_hash)
+        return self.fold.holds_recorded(worker, provenance, tier, sequence_hash)
 
 
 def _horizon_seqs(batches: Sequence[tuple[int, EventBatch]], thresholds: Sequence[float]) -> list[int | None]:

@@ -205,3 +205,6 @@ class TruthView:
 
     def uncertain_workers(self) -> list[WorkerId]:
         return []
+
+    def unreachable_workers(self) -> list[WorkerId]:
+        return []

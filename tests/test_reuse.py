@@ -7,7 +7,7 @@ import itertools
 import attrs
 import pytest
 
-from kvledger.events import GapReason, Provenance, Tier, WorkerId
+from kvledger.events import GapReason, Provenance, Reachability, Tier, WorkerId
 from kvledger.fold import InventoryFold
 from kvledger.reuse import Candidate, Overlap, Reason, ReuseRequest, decide, ranking_key
 from kvledger.settings import ReuseSettings, settings_digest
@@ -257,3 +257,18 @@ def test_requests_from_tokens_hash_like_the_engine_side() -> None:
 def test_a_shorter_request_is_limited_by_its_own_length() -> None:
     decision = Inventory().hold(SOURCE, 12).ask(n=5)
     assert decision.chosen.prefix_blocks == 5
+
+
+def test_an_unreachable_worker_is_neither_credited_nor_a_source_and_is_listed_until_it_is_back() -> None:
+    inventory = Inventory().hold(SOURCE, 12).hold(TARGET, 3)
+    before = inventory.ask()
+    assert before.chosen is not None and before.chosen.source == "source" and before.uncertain_workers == ()
+    inventory.fold.apply(*inventory.stream.batch(SOURCE, Reachability(False, "pub disconnected", 1.0)))
+    gone = inventory.ask(target=None)
+    assert gone.target == "target" and gone.credited_blocks == 3.0  # the source's 12 blocks no longer count
+    assert "source" not in gone.overlaps and gone.uncertain_workers == ("source",)
+    assert inventory.ask().chosen is None
+    # its records wait in the fold: back, it is credited and offered again
+    assert inventory.fold.holds_recorded(SOURCE, NATIVE, Tier.DEVICE, inventory.fold.records(SOURCE, NATIVE, Tier.DEVICE)[0].sequence_hash)
+    inventory.fold.apply(*inventory.stream.batch(SOURCE, Reachability(True, "replay answered", 2.0)))
+    assert attrs.evolve(inventory.ask(), inventory_seq=before.inventory_seq) == before
