@@ -438,7 +438,7 @@ class DecideSettings:
     )
     record_requests: bool = _setting(
         True, "Record each request (its local hashes, block size, target, fallback) with its answer in "
-        "KV_DECISIONS, which `kvledger replay` re-answers; off saves about a third of the batched rate.",
+        "KV_DECISIONS, which `kvledger replay` re-answers; off saves about a tenth of the batched rate.",
     )
     grpc_listen: str | None = _setting(
         None, "host:port of decide's gRPC front, serving SGLang's KVIndexer and llm-d's IndexerService from the "
