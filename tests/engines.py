@@ -175,16 +175,18 @@ class VllmEngine:
         replay_port = self.replay_endpoint.rpartition(":")[2]
         for attempt in range(50):  # the old incarnation's sockets close in ZMQ's I/O thread
             try:
-                self._publisher = self._kv.ZmqEventPublisher(
-                    0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}",
-                    buffer_steps=self._buffer_steps, topic="kv-events",
-                )
+                self._publisher = self._new_publisher(f"tcp://*:{port}", f"tcp://*:{replay_port}")
                 break
             except zmq.ZMQError:
                 if attempt == 49:
                     raise
                 time.sleep(0.05)
         self.next_seq = 0
+
+    def _new_publisher(self, endpoint: str, replay_endpoint: str) -> object:
+        return self._kv.ZmqEventPublisher(
+            0, endpoint=endpoint, replay_endpoint=replay_endpoint, buffer_steps=self._buffer_steps, topic="kv-events",
+        )
 
     def stop(self) -> None:
         if self._publisher is not None:
@@ -212,6 +214,50 @@ class VllmEngine:
         buffer = self._publisher._buffer  # vLLM's own replay buffer: the batch is sent once it is there
         await wait_until(lambda: buffer and buffer[-1][0] == seq, 5.0, f"vLLM to send seq {seq}", interval=0.002)
         return seq
+
+
+# --- SGLang's own publisher, as tests/golden/record_sglang.py loads it out of the wheel ---------
+
+
+def sglang_wheel() -> Path | None:
+    """The SGLang wheel the golden recorder pins, where a test can find it without the network."""
+    named = os.environ.get("KVLEDGER_TEST_SGLANG_WHEEL")
+    if named:
+        return Path(named)
+    version = _golden_recorder("record_sglang").VERSION
+    return next(iter(sorted(VLLM_WHEELS.glob(f"sglang-{version}-*.whl"))), None)
+
+
+def load_sglang_kv_events(wheel: Path) -> types.ModuleType:
+    """SGLang's `sglang/srt/disaggregation/kv_events.py`, executed from the wheel as the golden recorder does;
+    its stand-in `sglang.*` modules are taken out of `sys.modules` again afterwards."""
+    before = set(sys.modules)
+    try:
+        return _golden_recorder("record_sglang").load_kv_events(wheel)
+    finally:
+        for name in set(sys.modules) - before:
+            if name == "sglang" or name.startswith("sglang."):
+                del sys.modules[name]
+
+
+class SglangEngine(VllmEngine):
+    """One SGLang scheduler rank publishing through SGLang's own `ZmqEventPublisher` (its copy of vLLM's: PUB
+    bound, ROUTER replay, the same buffer); `restart()` as `VllmEngine`'s."""
+
+    def _new_publisher(self, endpoint: str, replay_endpoint: str) -> object:
+        return self._kv.ZmqEventPublisher(
+            0, endpoint=endpoint, replay_endpoint=replay_endpoint, buffer_steps=self._buffer_steps,
+            topic="kv-events", bind=True,
+        )
+
+    def store(self, block: int, parent: int | None, block_size: int = 4) -> object:
+        return self._kv.BlockStored(
+            block_hashes=[block], parent_block_hash=parent, token_ids=[block % 50000] * block_size,
+            block_size=block_size, lora_id=None, medium=self._kv.StorageMedium.GPU,
+        )
+
+    def remove(self, block: int) -> object:
+        return self._kv.BlockRemoved(block_hashes=[block], medium=self._kv.StorageMedium.GPU)
 
 
 # --- vLLM's own publisher in a process of its own: killed, frozen (SIGSTOP) and thawed --------

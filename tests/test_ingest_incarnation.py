@@ -1,8 +1,9 @@
 """An engine restarted while ingest was away is told from a continuation by content (ingest/incarnation.py).
 
-Driven by vLLM 0.33's own `ZmqEventPublisher`, loaded out of the wheel as the golden
-recorder loads it (skipped where the wheel is not at hand: `engines.vllm_wheel`), and by
-the project's simulated engine. ingest is stopped; the engine restarts (a new publisher on
+Driven by vLLM 0.33's and SGLang 0.5.23's own `ZmqEventPublisher`s, loaded out of their
+wheels as the golden recorders load them (skipped where a wheel is not at hand:
+`engines.vllm_wheel`, `engines.sglang_wheel`; `.ci/run` fetches both), and by the project's
+simulated engine. ingest is stopped; the engine restarts (a new publisher on
 the same ports, seqs from 0) or goes on; it publishes; ingest starts again. KV_EVENTS,
 folded, must hold exactly what the engine holds, or report the worker uncertain.
 """
@@ -14,7 +15,10 @@ import timeit
 
 import pytest
 
-from engines import VllmEngine, engine_endpoints, load_vllm_kv_events, one_block, read_stream, settings_for, vllm_wheel, wait_until
+from engines import (
+    SglangEngine, VllmEngine, engine_endpoints, load_sglang_kv_events, load_vllm_kv_events, one_block, read_stream,
+    settings_for, sglang_wheel, vllm_wheel, wait_until,
+)
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
 from ingest.incarnation import Incarnation, is_restart_marker, judge, same_engine_batch
@@ -85,7 +89,18 @@ class VllmDriver:
         return await self.engine.publish(events, ts)
 
 
-DRIVERS = {"simulated": SimDriver, "vllm": VllmDriver}
+class SglangDriver(VllmDriver):
+    """SGLang's own publisher (its copy of vLLM's); `restart` as vLLM's."""
+
+    def __init__(self, pub: str, replay: str, buffer_steps: int) -> None:
+        wheel = sglang_wheel()
+        if wheel is None:
+            pytest.skip("SGLang's wheel is not at hand (KVLEDGER_TEST_SGLANG_WHEEL, or ~/.cache/kvledger/wheels)")
+        self.engine = SglangEngine(load_sglang_kv_events(wheel), pub, replay, buffer_steps=buffer_steps)
+        self.pub_endpoint, self.replay_endpoint = pub, replay
+
+
+DRIVERS = {"simulated": SimDriver, "vllm": VllmDriver, "sglang": SglangDriver}
 
 
 class EngineLife:
