@@ -27,12 +27,13 @@ import msgspec
 import numpy as np
 
 from kvledger.events import WorkerId, validate_publisher
-from kvledger.hashing import local_block_hashes, sequence_hashes
+from kvledger.hashing import local_block_hashes
 from kvledger.runtime.http import Request, Response, Route
 
-from decide.compact import lookup_rows
-from decide.index import NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, InventoryIndex
-from decide.rows import dense_planes
+from decide.compiled import compiled as _compiled, inlined as _inlined
+from decide.index import InventoryIndex
+from decide.kernels import chain_hash, probe
+from decide.rows import spilled_row
 
 JSON = "application/json"
 DEFAULT_GROUP = "default"
@@ -40,6 +41,7 @@ U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec reads no integer past 2**64 - 1
 I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 _U64_MASK = (1 << 64) - 1
+_ONE, _TWO, _FOUR, _SEVEN = np.uint64(1), np.uint64(2), np.uint32(4), np.uint32(7)
 
 
 # --- the wire: one schema per body, as Dynamo's serde structs read and write them -----------------
@@ -54,7 +56,10 @@ class RegisterRequest(msgspec.Struct, frozen=True):
     tenant_id: str = DEFAULT_GROUP  # the older name of routing_group; Dynamo reads and ignores it
     dp_rank: U32 | None = None
     replay_endpoint: str | None = None
-    additional_salt: str | None = None  # accepted by Dynamo, not used
+    # Mooncake RFC #1403's per-tenant salt, under either spelling: Dynamo accepts it and mixes
+    # it into no hash (engines salt their own blocks), so it is accepted and unused here too.
+    additional_salt: str | None = None
+    additionalsalt: str | None = None
     publisher: str | None = None  # kvledger's: whose events these are (default: the id in decimal)
 
 
@@ -81,22 +86,6 @@ class QueryByHashRequest(msgspec.Struct, frozen=True):
     routing_group: str = DEFAULT_GROUP
     tenant_id: str = DEFAULT_GROUP
     cache_salt: str | None = None  # refused: the hashes carry their salt already
-
-
-class InstanceMatch(msgspec.Struct, frozen=True):
-    """One instance's prefix in tokens; `cpu` and `disk` count the tiers before them too (Mooncake RFC #1403)."""
-
-    longest_matched: int
-    gpu: int
-    dp: dict[str, int]  # rank -> its device prefix
-    cpu: int
-    disk: int
-
-
-class ScoreResponse(msgspec.Struct, frozen=True):
-    scores: dict[str, dict[str, int]]  # instance -> rank -> device prefix, ranks with one only
-    frequencies: list[int]
-    instances: dict[str, InstanceMatch]
 
 
 class ListenerInfo(msgspec.Struct, frozen=True):
@@ -192,6 +181,7 @@ class DynamoRegistry:
     def __init__(self) -> None:
         self.instances: dict[int, Registration] = {}
         self.block_sizes: dict[tuple[str, str], int] = {}
+        self.version = 0  # bumped by every change, so what is derived from the registrations is made again
 
     def register(self, request: RegisterRequest) -> None:
         partition = (request.model_name, request.routing_group)
@@ -223,12 +213,14 @@ class DynamoRegistry:
         if held is None:
             held = self.instances[instance] = Registration(partition, publisher)
         held.ranks[rank] = Listener(request.endpoint, request.replay_endpoint)
+        self.version += 1
 
     def unregister(self, request: UnregisterRequest) -> None:
         instance = request.instance_id
         held = self.instances.get(instance)
         if held is None:
             raise _error(404, f"instance {instance} not found")
+        self.version += 1
         model, group = held.partition
         # Without a routing group Dynamo drops the instance from every group of the model, whatever dp_rank says.
         if model != request.model_name or (request.routing_group is not None and group != request.routing_group):
@@ -252,13 +244,10 @@ class DynamoRegistry:
             model, group = held.partition
             if model_name is not None and model != model_name or routing_group is not None and group != routing_group:
                 continue
-            # A rank is active once kvledger's index has seen its publisher's events, pending until then.
-            listeners = {
-                str(rank): ListenerInfo(listener.endpoint,
-                                        "active" if index.slot(WorkerId(held.publisher, rank)) is not None else "pending")
-                for rank, listener in held.ranks.items()
-            }
-            status = "pending" if any(item.status == "pending" for item in listeners.values()) else "active"
+            # Dynamo marks a listener active once its ZMQ socket is set up (pending for that moment);
+            # kvledger's listener is ingest, already following the engine, so every rank is active at once.
+            listeners = {str(rank): ListenerInfo(listener.endpoint, "active") for rank, listener in held.ranks.items()}
+            status = "active"
             listed.append(WorkerInfo(
                 instance, "zmq", status, model, group, self.block_sizes[held.partition],
                 {rank: item.endpoint for rank, item in listeners.items()}, listeners,
@@ -269,56 +258,142 @@ class DynamoRegistry:
 # --- the answers -----------------------------------------------------------------------------------
 
 
-def tier_prefixes(index: InventoryIndex, local_hashes: list[int]) -> dict[WorkerId, tuple[int, int, int]]:
-    """Each worker's contiguous native prefix of the request, in blocks, on device; device or host; any of the three.
+@_inlined
+def _extend(held, slot, block, planes):
+    """Worker `slot` holds block `block` in `planes` (bit 0 device, 1 host, 2 disk): lengthen its prefixes."""
+    if held[2, slot] != block or planes & 7 == 0:
+        return False
+    held[2, slot] = block + 1
+    if held[1, slot] == block and planes & 3 != 0:
+        held[1, slot] = block + 1
+    if held[0, slot] == block and planes & 1 != 0:
+        held[0, slot] = block + 1
+    return True
 
-    Read from the index's rows (what every backend ranks from): the request's sequence hashes
-    probed in one compiled call, their rows as bitmask planes, a running AND per tier set.
-    Workers with no block of the prefix on any tier are left out.
+
+@_compiled
+def prefix_blocks(table_keys, table_rows, table_bits, holders, spilled, local, worker_count):
+    """Per worker slot, how many leading blocks of the request it holds natively: [0] on device,
+    [1] on device or host, [2] on any of the three.
+
+    One compiled call per query: the request's sequence hashes chained from its local hashes,
+    each probed in the index's table, its row's holders read as they are kept (listed or a
+    bitmask row); the walk stops at the first block no worker still in its prefix holds.
     """
-    if not local_hashes or not index.workers:
-        return {}
-    sequences = np.array(sequence_hashes(local_hashes), dtype=np.uint64)
-    rows = lookup_rows(index.table_keys, index.table_rows, index.table_bits, sequences).astype(np.int64)
-    planes = dense_planes(index.holders, index.spilled, rows, index.words)  # blocks × classes × words
-    gpu = planes[:, NATIVE_DEVICE]
-    cpu = gpu | planes[:, NATIVE_HOST]
-    disk = cpu | planes[:, NATIVE_DISK]
-    prefix = [_prefix_blocks(held) for held in (gpu, cpu, disk)]
-    found = {}
-    for slot in np.flatnonzero(prefix[2][: len(index.workers)]).tolist():
-        found[index.workers[slot]] = (int(prefix[0][slot]), int(prefix[1][slot]), int(prefix[2][slot]))
+    held = np.zeros((3, worker_count), dtype=np.int64)
+    sequence = np.uint64(0)
+    for block in range(local.size):
+        sequence = local[block] if block == 0 else chain_hash(sequence, local[block])
+        row = probe(table_keys, table_rows, table_bits, sequence)
+        if row == 0:
+            break
+        advanced = False
+        dense = spilled_row(holders, row)
+        if dense:
+            for slot in range(worker_count):
+                word, bit = slot >> 6, np.uint64(slot & 63)
+                planes = (((spilled[dense, 0, word] >> bit) & _ONE) | (((spilled[dense, 1, word] >> bit) & _ONE) << _ONE)
+                          | (((spilled[dense, 2, word] >> bit) & _ONE) << _TWO))
+                advanced |= _extend(held, slot, block, planes)
+        else:
+            for k in range(holders.shape[1]):
+                entry = holders[row, k]
+                if entry == 0:
+                    break
+                advanced |= _extend(held, np.int64(entry >> _FOUR), block, entry & _SEVEN)
+        if not advanced:
+            break
+    return held
+
+
+@_compiled
+def registered_prefixes(table_keys, table_rows, table_bits, holders, spilled, local, worker_count, slots):
+    """`prefix_blocks` for the ranks at `slots` that hold a prefix: rows of (position in `slots`, device, device
+    or host, any tier), so a fleet's other workers cost the answer nothing."""
+    held = prefix_blocks(table_keys, table_rows, table_bits, holders, spilled, local, worker_count)
+    count = 0
+    for position in range(slots.size):
+        if held[2, slots[position]]:
+            count += 1
+    found = np.empty((count, 4), dtype=np.int64)
+    count = 0
+    for position in range(slots.size):
+        slot = slots[position]
+        if held[2, slot]:
+            found[count, 0] = position
+            found[count, 1] = held[0, slot]
+            found[count, 2] = held[1, slot]
+            found[count, 3] = held[2, slot]
+            count += 1
     return found
 
 
-def _prefix_blocks(held: np.ndarray) -> np.ndarray:
-    """Per worker slot, how many leading blocks it holds (`held`: blocks × words of worker bits)."""
-    running = np.bitwise_and.accumulate(held, axis=0)
-    bits = np.unpackbits(running.astype("<u8").view(np.uint8), axis=1, bitorder="little")
-    return bits.sum(axis=0, dtype=np.int64)
+@attrs.frozen
+class PartitionPlan:
+    """A partition's registered ranks as the index's worker slots: what a query of it reads."""
+
+    block_size: int
+    slots: np.ndarray  # per registered rank (that the index knows), its worker slot
+    names: tuple[tuple[str, str], ...]  # per registered rank, (instance, rank) as Dynamo names them
 
 
-def score_response(registry: DynamoRegistry, index: InventoryIndex, partition: tuple[str, str],
-                   local_hashes: list[int]) -> ScoreResponse:
-    """Dynamo's answer for one partition: its instances' prefixes in tokens."""
-    block_size = registry.block_sizes[partition]
-    by_worker = tier_prefixes(index, local_hashes)
-    scores: dict[str, dict[str, int]] = {}
-    instances: dict[str, InstanceMatch] = {}
+def partition_plan(registry: DynamoRegistry, index: InventoryIndex, partition: tuple[str, str]) -> PartitionPlan:
+    names, slots = [], []
     for instance, held in registry.instances.items():
         if held.partition != partition:
             continue
-        ranks = {rank: by_worker[WorkerId(held.publisher, rank)] for rank in held.ranks
-                 if WorkerId(held.publisher, rank) in by_worker}
-        if not ranks:
-            continue
-        name = str(instance)
-        device = {str(rank): blocks[0] * block_size for rank, blocks in ranks.items()}
-        if any(device.values()):
-            scores[name] = {rank: tokens for rank, tokens in device.items() if tokens}
-        gpu, cpu, disk = (max(blocks[tier] for blocks in ranks.values()) * block_size for tier in range(3))
-        instances[name] = InstanceMatch(max(gpu, cpu, disk), gpu, device, cpu, disk)
-    return ScoreResponse(scores, [], instances)
+        for rank in held.ranks:
+            slot = index.slot(WorkerId(held.publisher, rank))
+            if slot is not None:
+                names.append((str(instance), str(rank)))
+                slots.append(slot)
+    return PartitionPlan(registry.block_sizes[partition], np.array(slots, dtype=np.int64), tuple(names))
+
+
+_NOTHING = b'{"scores":{},"frequencies":[],"instances":{}}'
+
+
+def score_response(plan: PartitionPlan, index: InventoryIndex, local: np.ndarray) -> bytes:
+    """Dynamo's answer for one partition, as JSON: its instances' prefixes in tokens.
+
+    `{"scores": {instance: {rank: device prefix}} (ranks with one only), "frequencies": [],
+    "instances": {instance: {longest_matched, gpu, dp: {rank: device prefix}, cpu, disk}}}`,
+    `cpu` and `disk` counting the tiers before them too (Mooncake RFC #1403).
+
+    Written as text here: the answer names a few instances, and building it as structs and
+    dicts for an encoder cost more than the index's walk.
+    """
+    if not local.size or not plan.slots.size:
+        return _NOTHING
+    found = registered_prefixes(index.table_keys, index.table_rows, index.table_bits, index.holders, index.spilled,
+                                local, len(index.workers), plan.slots)
+    if not found.shape[0]:
+        return _NOTHING
+    block_size = plan.block_size
+    names = plan.names
+    rows = found.tolist()
+    scores, instances = [], []
+    item, count = 0, len(rows)
+    while item < count:
+        position, gpu, cpu, disk = rows[item]
+        instance, rank = names[position]
+        dp = f'"{rank}":{gpu * block_size}'
+        device = dp if gpu else ""
+        item += 1
+        while item < count and names[rows[item][0]][0] == instance:  # the instance's other ranks (plans list them together)
+            position, rank_gpu, rank_cpu, rank_disk = rows[item]
+            named = f'"{names[position][1]}":{rank_gpu * block_size}'
+            dp += "," + named
+            if rank_gpu:
+                device = f"{device},{named}" if device else named
+            gpu, cpu, disk = max(gpu, rank_gpu), max(cpu, rank_cpu), max(disk, rank_disk)
+            item += 1
+        if device:
+            scores.append(f'"{instance}":{{{device}}}')
+        gpu, cpu, disk = gpu * block_size, cpu * block_size, disk * block_size
+        instances.append(f'"{instance}":{{"longest_matched":{max(gpu, cpu, disk)},"gpu":{gpu},"dp":{{{dp}}},'
+                         f'"cpu":{cpu},"disk":{disk}}}')
+    return f'{{"scores":{{{",".join(scores)}}},"frequencies":[],"instances":{{{",".join(instances)}}}}}'.encode()
 
 
 # --- the routes ------------------------------------------------------------------------------------
@@ -330,19 +405,20 @@ class DynamoIndexerApi:
     def __init__(self, index: Callable[[], InventoryIndex]) -> None:
         self._index = index
         self.registry = DynamoRegistry()
+        self._plans: dict[tuple[str, str], tuple[tuple, PartitionPlan]] = {}
 
     def routes(self, *, max_request_bytes: int, max_query_bytes: int) -> dict[tuple[str, str], Route]:
         """Every path under decide's bearer token except /health, as /healthz; a query takes up to `max_query_bytes`."""
 
         def route(handler: Callable[[Request], Response], limit: int = max_request_bytes) -> Route:
-            async def answer(request: Request) -> Response:
+            def answer(request: Request) -> Response:
                 try:
                     return handler(request)
                 except Refusal as refusal:
                     return refusal.response
-            return Route(answer, limit, needs_token=True)
+            return Route(answer, limit, needs_token=True)  # reads of the index never wait: answered inline
 
-        async def health(_: Request) -> Response:
+        def health(_: Request) -> Response:
             return Response(200, b"")
 
         return {
@@ -369,22 +445,28 @@ class DynamoIndexerApi:
 
     def query(self, request: Request) -> Response:
         body = decode_body(request, QueryRequest)
-        partition = self._partition(body.model_name, body.routing_group)
-        local = local_block_hashes(body.token_ids, self.registry.block_sizes[partition],
-                                   lora_name=body.lora_name, cache_salt=body.cache_salt)
-        return Response(200, _encode(score_response(self.registry, self._index(), partition, local)), JSON)
+        index = self._index()
+        plan = self._plan(body.model_name, body.routing_group, index)
+        local = local_block_hashes(body.token_ids, plan.block_size, lora_name=body.lora_name, cache_salt=body.cache_salt)
+        return Response(200, score_response(plan, index, np.array(local, dtype=np.uint64)), JSON)
 
     def query_by_hash(self, request: Request) -> Response:
         body = decode_body(request, QueryByHashRequest)
         if body.cache_salt is not None:
             raise _error(400, "cache_salt is not accepted by /query_by_hash; "
                               "block_hashes must already include the intended cache salt")
-        partition = self._partition(body.model_name, body.routing_group)
-        local = [value & _U64_MASK for value in body.block_hashes]
-        return Response(200, _encode(score_response(self.registry, self._index(), partition, local)), JSON)
+        index = self._index()
+        plan = self._plan(body.model_name, body.routing_group, index)
+        local = np.array(body.block_hashes, dtype=np.int64).view(np.uint64)  # Dynamo's `h as u64`
+        return Response(200, score_response(plan, index, local), JSON)
 
-    def _partition(self, model_name: str, routing_group: str) -> tuple[str, str]:
+    def _plan(self, model_name: str, routing_group: str, index: InventoryIndex) -> PartitionPlan:
+        """The partition's plan, made again when a registration changed, the index was replaced or gained a worker."""
         partition = (model_name, routing_group)
         if partition not in self.registry.block_sizes:
             raise _error(404, f"no indexer for model={model_name} routing_group={routing_group}")
-        return partition
+        key = (self.registry.version, id(index), len(index.workers))
+        cached = self._plans.get(partition)
+        if cached is None or cached[0] != key:
+            cached = self._plans[partition] = (key, partition_plan(self.registry, index, partition))
+        return cached[1]

@@ -83,3 +83,54 @@ def test_device_overlaps_equal_dynamo_radix_tree_scores(data: st.DataObject) -> 
             answer = backend.decide(ReuseRequest("q", local, BLOCK_SIZE), ReuseSettings())
             device = {name: overlap.device for name, overlap in answer.overlaps.items() if overlap.device}
             assert device == {_worker(worker).name: score for (worker, _dp), score in scores.items() if score}
+
+
+# --- decide's answers to Dynamo's indexer API, without a server ---------------------------------------
+
+from kvledger.runtime.http import Request  # noqa: E402
+
+from decide.dynamo_indexer import DynamoIndexerApi  # noqa: E402
+
+
+def _call(api: DynamoIndexerApi, method: str, path: str, body: object = None, query: str = "") -> tuple[int, object]:
+    route = api.routes(max_request_bytes=1 << 20, max_query_bytes=1 << 20)[(method, path)]
+    response = route.handler(Request(method, path, {"content-type": "application/json"},
+                                     json.dumps(body).encode() if body is not None else b"", query))
+    return response.status, json.loads(response.body)
+
+
+def test_workers_are_active_right_after_register_as_dynamo_says() -> None:
+    # Dynamo 1.6.1's indexer lists a listener "active" as soon as it is registered, before any event.
+    api = DynamoIndexerApi(InventoryIndex)
+    body = {"instance_id": 7, "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558",
+            "model_name": "m", "block_size": 16, "additionalsalt": "tenant"}
+    assert _call(api, "POST", "/register", body) == (201, {"status": "ok"})
+    assert _call(api, "POST", "/register", {**body, "dp_rank": 1, "additional_salt": "tenant"})[0] == 201
+    [worker] = _call(api, "GET", "/workers")[1]
+    assert worker["status"] == "active"
+    assert {rank: item["status"] for rank, item in worker["listeners"].items()} == {"0": "active", "1": "active"}
+
+
+def test_query_reads_rows_listed_and_spilled_into_bitmask_rows_alike() -> None:
+    """Forty workers hold one chain (its rows spill past the listed holders), each to its own depth and tier."""
+    index = InventoryIndex()
+    api = DynamoIndexerApi(lambda: index)
+    path = PATHS[0]
+    local = local_hashes(list(path))
+    expected = {}
+    tiers = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+    for number in range(40):
+        depth, tier = number % len(path) + 1, tiers[number % 3]
+        blocks = tuple(engine_hash(path, i) for i in range(depth))
+        event = Stored(tier, blocks, None, BLOCK_SIZE, tuple(local[:depth]))
+        index.apply(EventBatch(WorkerId(f"p{number}"), 0, 0, 1.0, 2.0, Provenance.NATIVE, (event,)), number + 1)
+        assert _call(api, "POST", "/register", {"instance_id": number, "endpoint": "tcp://h:1", "model_name": "m",
+                                                "block_size": BLOCK_SIZE, "publisher": f"p{number}"})[0] == 201
+        tokens = depth * BLOCK_SIZE
+        gpu = tokens if tier is Tier.DEVICE else 0
+        cpu = tokens if tier is not Tier.DISK else 0
+        expected[str(number)] = {"longest_matched": tokens, "gpu": gpu, "dp": {"0": gpu}, "cpu": cpu, "disk": tokens}
+    status, answer = _call(api, "POST", "/query_by_hash", {"block_hashes": [h - (1 << 64) if h >= 1 << 63 else h
+                                                                            for h in local], "model_name": "m"})
+    assert status == 200 and answer["instances"] == expected
+    assert answer["scores"] == {name: {"0": match["gpu"]} for name, match in expected.items() if match["gpu"]}

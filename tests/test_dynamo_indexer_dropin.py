@@ -75,7 +75,17 @@ class SideBySide:
         return kvledger
 
     async def workers(self, query: str = "") -> None:
-        """`GET /workers` answered alike (Dynamo lists them in hash order)."""
+        """`GET /workers` answered alike (Dynamo lists them in hash order).
+
+        Dynamo's listener is "pending" for the moment between `/register` and its socket being set
+        up (its task runs after the answer), then "active"; kvledger's is active at once, so the
+        comparison waits out that moment on Dynamo's side.
+        """
+        async def settled() -> bool:
+            status, listed = await self.one(self.dynamo, "GET", "/workers" + query)
+            return status != 200 or all(worker["status"] != "pending" for worker in listed)
+
+        await wait_until(settled, 10, "Dynamo's listeners set up", interval=0.01)
         dynamo, kvledger = await self.both("GET", "/workers" + query)
         key = lambda worker: worker["instance_id"]  # noqa: E731
         assert (kvledger[0], sorted(kvledger[1], key=key)) == (dynamo[0], sorted(dynamo[1], key=key))
@@ -244,6 +254,7 @@ async def test_simulated_vllm_engines_answer_exactly_as_dynamos_indexer(nats_ser
                 body = {"instance_id": instance, "endpoint": engine.pub_endpoint, "model_name": SIM_MODEL,
                         "block_size": BLOCK, "dp_rank": rank}
                 assert await pair.same("POST", "/register", body) == (201, {"status": "ok"})
+            await pair.workers()  # right after /register, before any event: every listener "active" on both
             markers = 0
             for (instance, rank), engine in engines.items():
                 markers += 1
@@ -279,6 +290,7 @@ async def test_simulated_vllm_engines_answer_exactly_as_dynamos_indexer(nats_ser
 
             await tiers_interleaved(pair, engines[3, 0])
             await check_errors_alike(pair, engines[1, 0].pub_endpoint)
+            await check_salts_and_replay_alike(pair, engines[1, 0])
             # Unregistering: a rank, then an instance (without a routing group Dynamo drops every rank).
             assert await pair.same("POST", "/unregister", {"instance_id": 2, "model_name": SIM_MODEL,
                                                            "routing_group": "default", "dp_rank": 1}) == (200, {"status": "ok"})
@@ -359,6 +371,24 @@ async def check_errors_alike(pair: SideBySide, endpoint: str) -> None:
     # decide's front: no token, no answer (Dynamo's indexer has no authentication at all).
     async with pair.session.post(pair.kvledger + "/query", json={"token_ids": [1], "model_name": SIM_MODEL}) as reply:
         assert reply.status == 401
+
+
+async def check_salts_and_replay_alike(pair: SideBySide, engine: SimulatedEngine) -> None:
+    """A replay endpoint and Mooncake's per-tenant salt (either spelling) are taken on /register; a salt on
+    /query is not a field of Dynamo's query and changes nothing (its `cache_salt` is what salts a query)."""
+    ok = (201, {"status": "ok"})
+    salted = {"instance_id": 50, "endpoint": engine.pub_endpoint, "replay_endpoint": engine.replay_endpoint,
+              "model_name": "salted", "block_size": BLOCK, "additional_salt": "tenant-a"}
+    assert await pair.same("POST", "/register", salted) == ok
+    respelled = {key: value for key, value in salted.items() if key != "additional_salt"}
+    assert await pair.same("POST", "/register", {**respelled, "instance_id": 51, "additionalsalt": "tenant-b"}) == ok
+    await pair.workers("?model_name=salted")
+    tokens = marker_tokens(1, BLOCK)
+    plain = await pair.same("POST", "/query", {"token_ids": tokens, "model_name": SIM_MODEL})
+    assert plain[1]["instances"]
+    assert await pair.same("POST", "/query", {"token_ids": tokens, "model_name": SIM_MODEL, "additional_salt": "x"}) == plain
+    for instance in (50, 51):
+        assert await pair.same("POST", "/unregister", {"instance_id": instance, "model_name": "salted"}) == (200, {"status": "ok"})
 
 
 # --- the engines' own frames: every golden feature --------------------------------------------
