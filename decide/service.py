@@ -20,6 +20,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import nats
@@ -58,7 +59,6 @@ from decide.backend import RankingBackend, choose_backend
 from decide.batching import MicroBatcher
 from decide.cpu import compile_kernels
 from decide.dynamo_indexer import DynamoIndexerApi
-from decide.grpc_front import GrpcFront, load_router_settings
 from decide.index import InventoryIndex
 from decide.inflight import InflightLedger, InflightRouting
 from decide.media import (
@@ -78,6 +78,9 @@ from decide.startup import StartupError, seconds_since_process_start, settle_sub
 from decide.stream_loss import (
     CHECK_ERRORS, MSG_ID_HEADER, NO_POSITION, StreamRegression, stream_regression, trusted_snapshot,
 )
+
+if TYPE_CHECKING:
+    from decide.grpc_front import GrpcFront
 
 log = logging.getLogger("kvledger.decide")
 
@@ -192,6 +195,9 @@ class DecideService(AsyncLifetime):
                  DECIDE_SUBJECT, DECIDE_BATCH_SUBJECT, self.http_port)
         # --- gRPC front (decide/grpc_front.py): SGLang's KVIndexer and llm-d's IndexerService ---
         if settings.decide.grpc_listen is not None:
+            # Imported only here: grpc and protobuf are about 20 MB of a decide process that serves no gRPC.
+            from decide.grpc_front import GrpcFront, load_router_settings
+
             self.grpc = GrpcFront(lambda: self.index, self.metrics, settings.decide.grpc_listen,
                                   routers=load_router_settings(settings.decide.grpc_routers),
                                   max_message_bytes=settings.decide.grpc_max_message_bytes)
