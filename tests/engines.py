@@ -262,13 +262,19 @@ class SglangEngine(VllmEngine):
 
 # --- vLLM's own publisher in a process of its own: killed, frozen (SIGSTOP) and thawed --------
 
-_VLLM_PROCESS = r"""
+# An engine's own publisher, run by a child process out of its wheel: argv is the golden folder, the engine
+# (vllm | sglang), the wheel, both endpoints and the buffer; each stdin line is one batch to publish.
+_ENGINE_PROCESS = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-import record_vllm
-kv = record_vllm.load_kv_events(__import__("pathlib").Path(sys.argv[2]))
+engine = sys.argv[2]
+recorder = __import__("record_" + engine)
+kv = recorder.load_kv_events(__import__("pathlib").Path(sys.argv[3]))
+options = {"bind": True} if engine == "sglang" else {}
+medium = kv.StorageMedium.GPU if engine == "sglang" else "GPU"
+extra = {} if engine == "sglang" else {"lora_name": None}
 publisher = kv.ZmqEventPublisher(
-    0, endpoint=sys.argv[3], replay_endpoint=sys.argv[4], buffer_steps=int(sys.argv[5]), topic="kv-events",
+    0, endpoint=sys.argv[4], replay_endpoint=sys.argv[5], buffer_steps=int(sys.argv[6]), topic="kv-events", **options,
 )
 print("ready", flush=True)
 seq = 0
@@ -279,24 +285,26 @@ for line in sys.stdin:
         if kind == "store":
             events.append(kv.BlockStored(
                 block_hashes=[block], parent_block_hash=parent, token_ids=[block % 50000] * 4, block_size=4,
-                lora_id=None, medium="GPU", lora_name=None,
+                lora_id=None, medium=medium, **extra,
             ))
         else:
-            events.append(kv.BlockRemoved(block_hashes=[block], medium="GPU"))
+            events.append(kv.BlockRemoved(block_hashes=[block], medium=medium))
     publisher.publish(kv.KVEventBatch(ts=command["ts"], events=events))
-    while not publisher._buffer or publisher._buffer[-1][0] != seq:  # sent once vLLM's replay buffer holds it
+    while not publisher._buffer or publisher._buffer[-1][0] != seq:  # sent once the replay buffer holds it
         time.sleep(0.001)
     print(seq, flush=True)
     seq += 1
 """
 
 
-class VllmEngineProcess:
-    """vLLM's own `ZmqEventPublisher` in a child process, so it can die (SIGKILL) or freeze (SIGSTOP)
-    as an engine does; `publish` sends one batch through it and returns its seq once vLLM sent it."""
+class EngineProcess:
+    """An engine's own `ZmqEventPublisher` (vLLM's or SGLang's, out of its wheel) in a child process, so it can
+    die (SIGKILL) or freeze (SIGSTOP) as an engine does; `publish` sends one batch through it and returns its
+    seq once the publisher sent it."""
 
-    def __init__(self, wheel: Path, pub_endpoint: str, replay_endpoint: str, *, buffer_steps: int = 10_000) -> None:
-        self.wheel = wheel
+    def __init__(self, engine: str, wheel: Path, pub_endpoint: str, replay_endpoint: str, *,
+                 buffer_steps: int = 10_000) -> None:
+        self.engine, self.wheel = engine, wheel
         self.pub_endpoint, self.replay_endpoint = pub_endpoint, replay_endpoint
         self._buffer_steps = buffer_steps
         self.process: asyncio.subprocess.Process | None = None
@@ -305,12 +313,12 @@ class VllmEngineProcess:
         port = self.pub_endpoint.rpartition(":")[2]
         replay_port = self.replay_endpoint.rpartition(":")[2]
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _VLLM_PROCESS, str(Path(__file__).parent / "golden"), str(self.wheel),
+            sys.executable, "-c", _ENGINE_PROCESS, str(Path(__file__).parent / "golden"), self.engine, str(self.wheel),
             f"tcp://*:{port}", f"tcp://*:{replay_port}", str(self._buffer_steps),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )
         line = await asyncio.wait_for(self.process.stdout.readline(), 30)
-        assert line.strip() == b"ready", f"vLLM's publisher did not start: {line!r}"
+        assert line.strip() == b"ready", f"{self.engine}'s publisher did not start: {line!r}"
 
     async def publish(self, events: list[tuple[str, int, int | None]], ts: float) -> int:
         """`events`: ("store", block, parent) or ("remove", block, None)."""

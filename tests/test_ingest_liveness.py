@@ -1,8 +1,8 @@
 """An engine that is gone becomes an `unreachable` worker, and reachable again when it answers (ingest/liveness.py).
 
-Driven by vLLM 0.33's own `ZmqEventPublisher` in a process of its own (`engines.VllmEngineProcess`,
-skipped where the wheel is not at hand), so it can be killed (SIGKILL) or frozen (SIGSTOP) and
-thawed as an engine is. After each case, KV_EVENTS is projected into SQL by store and followed
+Driven by vLLM 0.33's and SGLang 0.5.23's own `ZmqEventPublisher`s in a process of their own
+(`engines.EngineProcess`, skipped where a wheel is not at hand), so an engine can be killed
+(SIGKILL) or frozen (SIGSTOP) and thawed as an engine is. After each case, KV_EVENTS is projected into SQL by store and followed
 by decide's index: each must equal the engine's truth, or report the worker unreachable or
 uncertain; never silently wrong. The rules alone (fold, store rows, decide's credit, the record
 codec) are checked without sockets below.
@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from engines import (
-    VllmEngineProcess, engine_endpoints, one_block, read_stream, settings_for, vllm_wheel, wait_until,
+    EngineProcess, engine_endpoints, one_block, read_stream, settings_for, sglang_wheel, vllm_wheel, wait_until,
 )
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
@@ -43,17 +43,20 @@ from test_decide_index import held_by_class
 BATCHES = 6  # what the engine publishes before it goes
 
 
-def _wheel():
-    wheel = vllm_wheel()
+WHEELS = {"vllm": vllm_wheel, "sglang": sglang_wheel}
+
+
+def _wheel(engine: str = "vllm"):
+    wheel = WHEELS[engine]()
     if wheel is None:
-        pytest.skip("vLLM's wheel is not at hand (KVLEDGER_TEST_VLLM_WHEEL, or ~/.cache/kvledger/wheels)")
+        pytest.skip(f"{engine}'s wheel is not at hand (KVLEDGER_TEST_{engine.upper()}_WHEEL, or ~/.cache/kvledger/wheels)")
     return wheel
 
 
 class Truth:
     """What the engine holds after the batches it published (a chain of stores, an eviction now and then)."""
 
-    def __init__(self, engine: VllmEngineProcess, base: int) -> None:
+    def __init__(self, engine: EngineProcess, base: int) -> None:
         self.engine, self.base = engine, base
         self.count = 0
         self.held: set[int] = set()
@@ -129,11 +132,12 @@ def _never_silently_wrong(truth: set[int], fold: InventoryFold, index: Inventory
     assert worker.name in index.uncertain_names() if reported else worker.name not in index.uncertain_names()
 
 
+@pytest.mark.parametrize("kind", WHEELS)
 async def test_an_engine_killed_for_good_becomes_unreachable_within_3_s_and_is_no_longer_credited(
-    nats_server, sqlite_url,
+    nats_server, sqlite_url, kind,
 ) -> None:
-    worker = WorkerId("live-killed")
-    engine = VllmEngineProcess(_wheel(), *engine_endpoints())
+    worker = WorkerId(f"live-killed-{kind}")
+    engine = EngineProcess(kind, _wheel(kind), *engine_endpoints())
     await engine.start()
     source = StreamSource(worker, engine.pub_endpoint, engine.replay_endpoint, Provenance.NATIVE)
     truth = Truth(engine, 1_000)
@@ -152,10 +156,10 @@ async def test_an_engine_killed_for_good_becomes_unreachable_within_3_s_and_is_n
             metrics = bridge.metrics.text().decode()
     finally:
         await engine.stop()
-    print(f"\nvLLM killed: unreachable published {noticed:.2f} s after SIGKILL (engine_timeout_s 2.0)")
+    print(f"\n{kind} killed: unreachable published {noticed:.2f} s after SIGKILL (engine_timeout_s 2.0)")
     assert noticed <= 3.0
     assert (gone.reachable, gone.reason) == (False, DISCONNECTED) and killed - 1.6 <= gone.since_ts <= killed + 1.0
-    assert 'kvledger_ingest_engines_unreachable_total{publisher="live-killed"} 1.0' in metrics
+    assert f'kvledger_ingest_engines_unreachable_total{{publisher="live-killed-{kind}"}} 1.0' in metrics
     assert "kvledger_ingest_unreachable_streams 1.0" in metrics
 
     batches, fold, index = await _ledger(nats_server.url)
@@ -170,9 +174,12 @@ async def test_an_engine_killed_for_good_becomes_unreachable_within_3_s_and_is_n
     _never_silently_wrong(truth.held, fold, index, _sql_held(sqlite_url, worker), worker)
 
 
-async def test_an_engine_frozen_and_thawed_is_unreachable_then_reachable_and_continues(nats_server, sqlite_url) -> None:
-    worker = WorkerId("live-frozen")
-    engine = VllmEngineProcess(_wheel(), *engine_endpoints())
+@pytest.mark.parametrize("kind", WHEELS)
+async def test_an_engine_frozen_and_thawed_is_unreachable_then_reachable_and_continues(
+    nats_server, sqlite_url, kind,
+) -> None:
+    worker = WorkerId(f"live-frozen-{kind}")
+    engine = EngineProcess(kind, _wheel(kind), *engine_endpoints())
     await engine.start()
     source = StreamSource(worker, engine.pub_endpoint, engine.replay_endpoint, Provenance.NATIVE)
     truth = Truth(engine, 5_000)
@@ -197,7 +204,7 @@ async def test_an_engine_frozen_and_thawed_is_unreachable_then_reachable_and_con
             await bridge.publisher.flush(10)
     finally:
         await engine.stop()
-    print(f"\nvLLM frozen: unreachable published {noticed:.2f} s after SIGSTOP; reachable again {answered:.2f} s after SIGCONT")
+    print(f"\n{kind} frozen: unreachable published {noticed:.2f} s after SIGSTOP; reachable again {answered:.2f} s after SIGCONT")
     assert (gone.reachable, back.reachable, back.reason) == (False, True, PUB_CONNECTED)
     batches, fold, index = await _ledger(nats_server.url)
     engine_batches = [batch for _, batch in batches if not is_liveness(batch)]
@@ -419,7 +426,7 @@ async def test_an_engine_back_after_it_was_unreachable_is_checked_by_content_eve
     ingest starts again: reachable (KV_EVENTS said unreachable), then the incarnation check finds the restart."""
     worker = WorkerId("live-reborn")
     pub, replay = engine_endpoints()
-    first = VllmEngineProcess(_wheel(), pub, replay)
+    first = EngineProcess("vllm", _wheel(), pub, replay)
     await first.start()
     source = StreamSource(worker, pub, replay, Provenance.NATIVE)
     try:
@@ -431,7 +438,7 @@ async def test_an_engine_back_after_it_was_unreachable_is_checked_by_content_eve
             await _wait_liveness(nats_server.url, worker, 1, 10)
     finally:
         await first.stop()
-    second = VllmEngineProcess(_wheel(), pub, replay)
+    second = EngineProcess("vllm", _wheel(), pub, replay)
     await second.start()
     truth = Truth(second, 9_000)
     try:
