@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import operator
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
@@ -42,6 +43,7 @@ StayEnd = tuple[WorkerId, Tier, int, int]
 # reach store after the events projector has already passed their inventory seq.
 _REMEMBER_EXTRA_S = 1.0
 _TWO_TO_64 = 1 << 64
+_SECOND = operator.itemgetter(1)
 _ONE_TIER = {tier.value: (tier,) for tier in Tier}  # a decision row's tier name → its role's tiers
 
 
@@ -125,7 +127,7 @@ class _Pending:
 def _role(rows: dict, worker: WorkerId | None, tiers: tuple[Tier, ...]) -> _Role | None:
     if worker is None:
         return None
-    return _Role(worker, tiers, tuple(h for _, h in sorted(rows)))
+    return _Role(worker, tiers, tuple(map(_SECOND, sorted(rows))))
 
 
 def _stay_ends(facts: Sequence[object], open_before: dict | None) -> list[StayEnd]:
@@ -410,8 +412,9 @@ def _judged(role: _Role | None, fold: InventoryFold, ends: dict, inventory_seq: 
         return None, 0, 0, None, None
     gone = _gone(role, fold)
     gone_after = first = None
-    if ends:
-        hashes, tiers, worker = role.hashes, role.tiers, role.worker
+    hashes = role.hashes
+    if ends and not ends.keys().isdisjoint(hashes):  # (most roles: none of its blocks ended a stay lately)
+        tiers, worker = role.tiers, role.worker
         gone_positions = set(gone)
         for position in (range(len(hashes)) if first_wanted else gone):
             kept = ends.get(hashes[position])
@@ -427,8 +430,7 @@ def _judged(role: _Role | None, fold: InventoryFold, ends: dict, inventory_seq: 
                     first = ts
             if last is not None and position in gone_positions and (gone_after is None or last < gone_after):
                 gone_after = last
-    return (int(bool(gone)), len(role.hashes), len(gone), _after_ms(gone_after, decided_ts),
-            _after_ms(first, decided_ts))
+    return (int(bool(gone)), len(hashes), len(gone), _after_ms(gone_after, decided_ts), _after_ms(first, decided_ts))
 
 
 def _verdict(pending: _Pending, fold: InventoryFold, ends: dict, horizon_seq: int) -> tuple:
