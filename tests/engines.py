@@ -123,16 +123,17 @@ async def http_get(port: int, path: str) -> tuple[int, str]:
 
 # --- vLLM's own publisher, as tests/golden/record_vllm.py loads it out of the wheel -----------
 
-VLLM_WHEELS = Path.home() / ".cache" / "kvledger" / "wheels"  # or KVLEDGER_TEST_VLLM_WHEEL=PATH
+ENGINE_WHEELS = Path.home() / ".cache" / "kvledger" / "wheels"  # or KVLEDGER_TEST_<ENGINE>_WHEEL=PATH
 
 
-def vllm_wheel() -> Path | None:
-    """The vLLM wheel the golden recorder pins, where a test can find it without the network."""
-    named = os.environ.get("KVLEDGER_TEST_VLLM_WHEEL")
+def engine_wheel(engine: str) -> Path | None:
+    """The wheel of `engine` (vllm | sglang) its golden recorder pins, where a test can find it without the
+    network: KVLEDGER_TEST_<ENGINE>_WHEEL, else the wheel cache `.ci/run` fills."""
+    named = os.environ.get(f"KVLEDGER_TEST_{engine.upper()}_WHEEL")
     if named:
         return Path(named)
-    version = _golden_recorder("record_vllm").VERSION
-    return next(iter(sorted(VLLM_WHEELS.glob(f"vllm-{version}-*.whl"))), None)
+    version = _golden_recorder(f"record_{engine}").VERSION
+    return next(iter(sorted(ENGINE_WHEELS.glob(f"{engine}-{version}-*.whl"))), None)
 
 
 def _golden_recorder(name: str) -> types.ModuleType:
@@ -144,15 +145,16 @@ def _golden_recorder(name: str) -> types.ModuleType:
     return sys.modules[name]
 
 
-def load_vllm_kv_events(wheel: Path) -> types.ModuleType:
-    """vLLM's `vllm/distributed/kv_events.py`, executed from the wheel as the golden recorder does;
-    its stand-in `vllm.*` modules are taken out of `sys.modules` again afterwards."""
+def load_engine_kv_events(engine: str, wheel: Path) -> types.ModuleType:
+    """`engine`'s own kv_events module (vLLM's `vllm/distributed/kv_events.py`, SGLang's
+    `sglang/srt/disaggregation/kv_events.py`), executed from the wheel as its golden recorder does; the
+    stand-in `vllm.*` / `sglang.*` modules are taken out of `sys.modules` again afterwards."""
     before = set(sys.modules)
     try:
-        return _golden_recorder("record_vllm").load_kv_events(wheel)
+        return _golden_recorder(f"record_{engine}").load_kv_events(wheel)
     finally:
         for name in set(sys.modules) - before:
-            if name == "vllm" or name.startswith("vllm."):
+            if name == engine or name.startswith(f"{engine}."):
                 del sys.modules[name]
 
 
@@ -217,27 +219,6 @@ class VllmEngine:
 
 
 # --- SGLang's own publisher, as tests/golden/record_sglang.py loads it out of the wheel ---------
-
-
-def sglang_wheel() -> Path | None:
-    """The SGLang wheel the golden recorder pins, where a test can find it without the network."""
-    named = os.environ.get("KVLEDGER_TEST_SGLANG_WHEEL")
-    if named:
-        return Path(named)
-    version = _golden_recorder("record_sglang").VERSION
-    return next(iter(sorted(VLLM_WHEELS.glob(f"sglang-{version}-*.whl"))), None)
-
-
-def load_sglang_kv_events(wheel: Path) -> types.ModuleType:
-    """SGLang's `sglang/srt/disaggregation/kv_events.py`, executed from the wheel as the golden recorder does;
-    its stand-in `sglang.*` modules are taken out of `sys.modules` again afterwards."""
-    before = set(sys.modules)
-    try:
-        return _golden_recorder("record_sglang").load_kv_events(wheel)
-    finally:
-        for name in set(sys.modules) - before:
-            if name == "sglang" or name.startswith("sglang."):
-                del sys.modules[name]
 
 
 class SglangEngine(VllmEngine):

@@ -2,7 +2,7 @@
 
 Driven by vLLM 0.33's and SGLang 0.5.23's own `ZmqEventPublisher`s, loaded out of their
 wheels as the golden recorders load them (skipped where a wheel is not at hand:
-`engines.vllm_wheel`, `engines.sglang_wheel`; `.ci/run` fetches both), and by the project's
+`engines.engine_wheel`; `.ci/run` fetches both), and by the project's
 simulated engine. ingest is stopped; the engine restarts (a new publisher on
 the same ports, seqs from 0) or goes on; it publishes; ingest starts again. KV_EVENTS,
 folded, must hold exactly what the engine holds, or report the worker uncertain.
@@ -16,8 +16,8 @@ import timeit
 import pytest
 
 from engines import (
-    SglangEngine, VllmEngine, engine_endpoints, load_sglang_kv_events, load_vllm_kv_events, one_block, read_stream,
-    settings_for, sglang_wheel, vllm_wheel, wait_until,
+    SglangEngine, VllmEngine, engine_endpoints, engine_wheel, load_engine_kv_events, one_block, read_stream,
+    settings_for, wait_until,
 )
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
@@ -64,10 +64,10 @@ class VllmDriver:
     """vLLM's own publisher: `restart` shuts it down and starts a new one on the same ports."""
 
     def __init__(self, pub: str, replay: str, buffer_steps: int) -> None:
-        wheel = vllm_wheel()
+        wheel = engine_wheel("vllm")
         if wheel is None:
             pytest.skip("vLLM's wheel is not at hand (KVLEDGER_TEST_VLLM_WHEEL, or ~/.cache/kvledger/wheels)")
-        self.engine = VllmEngine(load_vllm_kv_events(wheel), pub, replay, buffer_steps=buffer_steps)
+        self.engine = VllmEngine(load_engine_kv_events("vllm", wheel), pub, replay, buffer_steps=buffer_steps)
         self.pub_endpoint, self.replay_endpoint = pub, replay
 
     async def start(self) -> None:
@@ -93,10 +93,10 @@ class SglangDriver(VllmDriver):
     """SGLang's own publisher (its copy of vLLM's); `restart` as vLLM's."""
 
     def __init__(self, pub: str, replay: str, buffer_steps: int) -> None:
-        wheel = sglang_wheel()
+        wheel = engine_wheel("sglang")
         if wheel is None:
             pytest.skip("SGLang's wheel is not at hand (KVLEDGER_TEST_SGLANG_WHEEL, or ~/.cache/kvledger/wheels)")
-        self.engine = SglangEngine(load_sglang_kv_events(wheel), pub, replay, buffer_steps=buffer_steps)
+        self.engine = SglangEngine(load_engine_kv_events("sglang", wheel), pub, replay, buffer_steps=buffer_steps)
         self.pub_endpoint, self.replay_endpoint = pub, replay
 
 

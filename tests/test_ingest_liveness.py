@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from engines import (
-    EngineProcess, engine_endpoints, one_block, read_stream, settings_for, sglang_wheel, vllm_wheel, wait_until,
+    EngineProcess, engine_endpoints, engine_wheel, one_block, read_stream, settings_for, wait_until,
 )
 from ingest.bridge import Bridge
 from ingest.endpoints import StreamSource
@@ -43,11 +43,11 @@ from test_decide_index import held_by_class
 BATCHES = 6  # what the engine publishes before it goes
 
 
-WHEELS = {"vllm": vllm_wheel, "sglang": sglang_wheel}
+ENGINES = ("vllm", "sglang")
 
 
 def _wheel(engine: str = "vllm"):
-    wheel = WHEELS[engine]()
+    wheel = engine_wheel(engine)
     if wheel is None:
         pytest.skip(f"{engine}'s wheel is not at hand (KVLEDGER_TEST_{engine.upper()}_WHEEL, or ~/.cache/kvledger/wheels)")
     return wheel
@@ -132,7 +132,7 @@ def _never_silently_wrong(truth: set[int], fold: InventoryFold, index: Inventory
     assert worker.name in index.uncertain_names() if reported else worker.name not in index.uncertain_names()
 
 
-@pytest.mark.parametrize("kind", WHEELS)
+@pytest.mark.parametrize("kind", ENGINES)
 async def test_an_engine_killed_for_good_becomes_unreachable_within_3_s_and_is_no_longer_credited(
     nats_server, sqlite_url, kind,
 ) -> None:
@@ -174,7 +174,7 @@ async def test_an_engine_killed_for_good_becomes_unreachable_within_3_s_and_is_n
     _never_silently_wrong(truth.held, fold, index, _sql_held(sqlite_url, worker), worker)
 
 
-@pytest.mark.parametrize("kind", WHEELS)
+@pytest.mark.parametrize("kind", ENGINES)
 async def test_an_engine_frozen_and_thawed_is_unreachable_then_reachable_and_continues(
     nats_server, sqlite_url, kind,
 ) -> None:
