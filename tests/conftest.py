@@ -20,6 +20,10 @@ from services import NatsService, PostgresService, ServiceNotControllable, Servi
 
 T = TypeVar("T")
 
+# As `kvledger` sets it (kvledger/app/cli.py): the gRPC tests load grpc into this process, whose fork handlers
+# would otherwise run in every server the later tests start, and can abort it.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 
 def _service_or_skip(find: Callable[[], T]) -> T:
     """Return what `find` finds; skip (or fail, if services are required) when it finds nothing."""
