@@ -20,8 +20,9 @@ from services import NatsService, PostgresService, ServiceNotControllable, Servi
 
 T = TypeVar("T")
 
-# As `kvledger` sets it (kvledger/app/cli.py): the gRPC tests load grpc into this process, whose fork handlers
-# would otherwise run in every server the later tests start, and can abort it.
+# The gRPC tests load grpc into this process; its fork handlers would then run in every server the later
+# tests start (between fork and exec) and can abort it when another thread is inside gRPC (seen once: a
+# nats-server that died of gRPC's epoll error). kvledger never uses gRPC in a forked child.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 

@@ -653,16 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# gRPC's fork handlers run in every child this process forks (nats-server, store's writer process) between
-# fork and exec, and abort the child when another thread is inside gRPC at that moment (seen as an
-# "Epoll1Poller ... Bad file descriptor" crash). kvledger never uses gRPC in a forked child, so they are off,
-# before decide's gRPC front first loads grpc.
-GRPC_FORK_SUPPORT = ("GRPC_ENABLE_FORK_SUPPORT", "false")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `kvledger` with `argv` (default: sys.argv[1:]) and return the exit code."""
-    os.environ.setdefault(*GRPC_FORK_SUPPORT)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
