@@ -421,8 +421,7 @@ class InventoryIndex:
 
     def _refresh(self, slot: int, sequence_hash: int, position: int) -> None:
         provenance, tier = CLASSES[position]
-        worker = self.workers[slot]
-        wanted = self.fold.holds(worker, provenance, tier, sequence_hash)  # nothing native while unreachable
+        wanted = self.fold.holds(self.workers[slot], provenance, tier, sequence_hash)  # nothing native while unreachable
         self._set_bit(slot, sequence_hash, position, wanted)
 
     def _set_bit(self, slot: int, sequence_hash: int, position: int, wanted: bool, row: int | None = None) -> None:

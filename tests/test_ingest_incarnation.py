@@ -134,6 +134,18 @@ async def _follow(nats_url: str, worker: WorkerId, driver, wait_for: int | None 
         return bridge.streams[0].incarnation_check_s
 
 
+async def _first_incarnation_followed(nats_url: str, worker: WorkerId, driver) -> EngineLife:
+    """ingest follows the engine's first incarnation for RESUME batches, then stops."""
+    first = EngineLife(driver, OLD, 1_000_000.0)
+    source = StreamSource(worker, driver.pub_endpoint, driver.replay_endpoint, Provenance.NATIVE)
+    async with Bridge(settings_for(nats_url), [source]) as bridge:
+        await bridge.wait_ready(timeout=15)
+        await first.publish(RESUME)
+        await wait_until(lambda: _holds(nats_url, worker, RESUME), 10, f"{RESUME} batches")
+        await bridge.publisher.flush(10)
+    return first
+
+
 async def _holds(nats_url: str, worker: WorkerId, count: int) -> bool:
     return len(await read_stream(nats_url, subject=_subject(worker))) >= count
 
@@ -188,14 +200,7 @@ async def test_a_restart_while_ingest_was_away_is_found_by_content_never_taken_s
     driver = DRIVERS[driver_kind](*engine_endpoints(), buffer_steps)
     await driver.start()
     try:
-        first = EngineLife(driver, OLD, 1_000_000.0)
-        # ingest follows the first incarnation for RESUME batches, then stops
-        source = StreamSource(worker, driver.pub_endpoint, driver.replay_endpoint, Provenance.NATIVE)
-        async with Bridge(settings_for(nats_server.url), [source]) as bridge:
-            await bridge.wait_ready(timeout=15)
-            await first.publish(RESUME)
-            await wait_until(lambda: _holds(nats_server.url, worker, RESUME), 10, f"{RESUME} batches")
-            await bridge.publisher.flush(10)
+        first = await _first_incarnation_followed(nats_server.url, worker, driver)
         if restart:
             await driver.restart()
             engine = EngineLife(driver, NEW, 2_000_000.0)
@@ -238,13 +243,7 @@ async def test_a_restarted_engine_that_published_nothing_yet_is_cleared_at_once_
     driver = DRIVERS[driver_kind](*engine_endpoints(), 10_000)
     await driver.start()
     try:
-        first = EngineLife(driver, OLD, 1_000_000.0)
-        source = StreamSource(worker, driver.pub_endpoint, driver.replay_endpoint, Provenance.NATIVE)
-        async with Bridge(settings_for(nats_server.url), [source]) as bridge:
-            await bridge.wait_ready(timeout=15)
-            await first.publish(RESUME)
-            await wait_until(lambda: _holds(nats_server.url, worker, RESUME), 10, f"{RESUME} batches")
-            await bridge.publisher.flush(10)
+        await _first_incarnation_followed(nats_server.url, worker, driver)
         await driver.restart()
         await _follow(nats_server.url, worker, driver, wait_for=RESUME + 1)
         batches, fold = await _ledger(nats_server.url, worker)
