@@ -56,7 +56,7 @@ from store.transactions import CheckpointMoved, CheckpointRow
 from store.writer import RecorderProcess, WriterError, encode_changes
 from store.planner_statistics import PlannerStatistics
 from store.pruning import HistoryPruner
-from store.quality import QualityMetrics, QualityTracker, open_native_records
+from store.quality import QualityMetrics, QualityTracker, RelyOn, open_native_records
 from store.verdicts import VerdictSweeper, pending_rows, register_horizons
 from store.sharding import parse_shard
 from store.snapshots import SnapshotWriter
@@ -593,6 +593,12 @@ Committed = Callable[[list[TableRow]], None]
 
 def decision_rows(message, seq: int) -> list[TableRow]:
     """A KV_DECISIONS record (at ledger seq `seq`): its `decisions` row, and a `decision_blocks` row per block it relies on."""
+    return decision_parts(message, seq)[0]
+
+
+def decision_parts(message, seq: int) -> tuple[list[TableRow], RelyOn]:
+    """`decision_rows`, and the sequence hashes each role relies on (unsigned, in position order): what the
+    verdict tracker takes in, without reading them back out of the block rows."""
     decision = ANSWER_DECODER.decode(message.data)
     chosen = decision.chosen
     target = WorkerId.parse(decision.target) if decision.target else None
@@ -639,13 +645,19 @@ def decision_rows(message, seq: int) -> list[TableRow]:
         "inflight_credit": inflight.credit if inflight else None,
     }
     rows = [(tables.decisions, row)]
+    rely_on: RelyOn = {}
+    spans = [("target", 0, target_prefix)]
     if chosen is not None:
-        rows += _relied_rows(seq, "source", relied, decision.baseline_blocks, chosen.prefix_blocks)
-    rows += _relied_rows(seq, "target", relied, 0, target_prefix)
+        spans.insert(0, ("source", decision.baseline_blocks, chosen.prefix_blocks))
     if shadow_chosen is not None:
-        rows += _relied_rows(seq, "shadow_source", relied, shadow.baseline_blocks, shadow_chosen.prefix_blocks)
+        spans.append(("shadow_source", shadow.baseline_blocks, shadow_chosen.prefix_blocks))
     if inflight is not None:
-        rows += _relied_rows(seq, "inflight", relied, target_prefix, target_prefix + inflight.blocks)
+        spans.append(("inflight", target_prefix, target_prefix + inflight.blocks))
+    for role, first, end in spans:
+        end = min(end, len(relied))
+        if first < end:
+            rely_on[role] = relied[first:end]
+            rows += _relied_rows(seq, role, relied, first, end)
     request = request_from_header(headers.get(REQUEST_HEADER))
     if request is not None:
         rows.append((tables.decision_requests, {
@@ -653,7 +665,7 @@ def decision_rows(message, seq: int) -> list[TableRow]:
             "requested_target": request.target, "fallback": request.fallback,
             "local_hashes": bytes.fromhex(request.local_hashes),
         }))
-    return rows
+    return rows, rely_on
 
 
 def _json_text(value: object) -> str:
@@ -665,7 +677,7 @@ def _relied_rows(seq: int, role: str, relied: list[int], first: int, end: int) -
     return [
         (tables.decision_blocks, {"stream_seq": seq, "role": role, "position": position,
                                   "sequence_hash": tables.to_signed(relied[position])})
-        for position in range(first, min(end, len(relied)))
+        for position in range(first, end)
     ]
 
 
@@ -857,10 +869,12 @@ class StoreService:
             settings.store.metrics_horizon_ms,
         ) if parse_shard(settings.store.shard).single and self.horizons_ms else None
         self.events = EventsProjector(settings, self.engine, self.metrics, self.quality)
+        # What each decision made into rows and not yet committed relies on, by ledger seq, for the tracker
+        self._rely_on: dict[int, RelyOn] = {}
         batch = settings.store.batch_size
         self.decisions = RowProjector(
             "decisions", settings.stream.decisions_stream, DECISIONS_DURABLE, self._decision_rows,
-            self.engine, self.metrics, batch, self.quality.decisions_committed if self.quality else None,
+            self.engine, self.metrics, batch, self._decisions_committed if self.quality else None,
             decision_identities, recorded_decisions,
         )  # fmt: skip
         if self.quality is not None:
@@ -882,8 +896,23 @@ class StoreService:
 
     def _decision_rows(self, message, seq: int) -> list[TableRow]:
         """A decision's rows, and a pending verdict per configured horizon beside them."""
-        rows = decision_rows(message, seq)
-        return rows + pending_rows(rows, self.horizons_ms) if self.horizons_ms else rows
+        if not self.horizons_ms:
+            return decision_rows(message, seq)
+        rows, rely_on = decision_parts(message, seq)
+        if self.quality is not None:
+            self._rely_on[seq] = rely_on
+        return rows + pending_rows(rows, self.horizons_ms)
+
+    def _decisions_committed(self, rows: list[TableRow]) -> None:
+        """Hand the tracker the decisions just committed, with what each relies on. (What was made into
+        rows for a transaction that failed is made again when its messages are fetched again.)"""
+        decisions = [row for table, row in rows if table is tables.decisions]
+        rely_on = self._rely_on
+        self.quality.decisions_committed(decisions, [rely_on.get(row["stream_seq"], {}) for row in decisions])
+        if decisions:
+            newest = max(row["stream_seq"] for row in decisions)
+            for seq in [seq for seq in rely_on if seq <= newest]:
+                del rely_on[seq]
 
     async def run(self, stop: asyncio.Event) -> None:
         with young_collections_deferred():

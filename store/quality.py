@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-import operator
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
@@ -34,16 +33,16 @@ from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, Worke
 from kvledger.fold import BlockRemovedFact, BlockStoredFact, InventoryClearedFact, InventoryFold
 from kvledger.reuse import LOCAL_TIERS
 from kvledger.runtime.metrics import MetricSet
-from store import tables
 
 NATIVE = Provenance.NATIVE
+# The sequence hashes (unsigned, in position order) a decision relies on, by role: "source", "target",
+# "shadow_source", "inflight" (the roles of decision_blocks rows).
+RelyOn = dict[str, Sequence[int]]
 # A stay's end as the tracker sees it: (worker, tier, sequence hash, stored seq).
 StayEnd = tuple[WorkerId, Tier, int, int]
 # How long, in stream time beyond the horizon, removals are remembered for decisions that
 # reach store after the events projector has already passed their inventory seq.
 _REMEMBER_EXTRA_S = 1.0
-_TWO_TO_64 = 1 << 64
-_SECOND = operator.itemgetter(1)
 _ONE_TIER = {tier.value: (tier,) for tier in Tier}  # a decision row's tier name → its role's tiers
 
 
@@ -124,10 +123,10 @@ class _Pending:
     order: int = 0  # its place in the tracker's queues
 
 
-def _role(rows: dict, worker: WorkerId | None, tiers: tuple[Tier, ...]) -> _Role | None:
+def _role(hashes: Sequence[int], worker: WorkerId | None, tiers: tuple[Tier, ...]) -> _Role | None:
     if worker is None:
         return None
-    return _Role(worker, tiers, tuple(map(_SECOND, sorted(rows))))
+    return _Role(worker, tiers, tuple(hashes))
 
 
 def _stay_ends(facts: Sequence[object], open_before: dict | None) -> list[StayEnd]:
@@ -208,11 +207,11 @@ class QualityTracker:
         # reaches the top): no end after the least is forgotten while its decision waits.
         self._waiting_seqs: list[tuple[int, int]] = []
         self._judged: set[int] = set()  # entries of _waiting_seqs whose decision was judged
-        # The same ends by sequence hash, oldest first, as (stream seq, ingest ts, worker, tier, stored seq): a
-        # decision looks up its own blocks' ends when it is judged. Nothing is registered per decision (a decision
-        # relies on tens of blocks and most see no end within its horizon), and the key is the bare hash (an int
-        # hashes in C; a WorkerId is a Python call), the worker compared only on the few ends found.
-        self._recent_ends: dict[int, collections.deque[tuple[int, float, WorkerId, Tier, int]]] = {}
+        # The same ends by sequence hash, oldest first, as (stream seq, ingest ts, (publisher, dp_rank), tier,
+        # stored seq): a decision looks up its own blocks' ends when it is judged. Nothing is registered per
+        # decision (a decision relies on tens of blocks and most see no end within its horizon), and the keys are
+        # the bare hash and a plain tuple for the worker (both hash and compare in C; a WorkerId is a Python call).
+        self._recent_ends: dict[int, collections.deque[tuple[int, float, tuple[str, int], Tier, int]]] = {}
         # Workers and tiers as decision rows name them, made once (a WorkerId validates its fields)
         self._workers: dict[tuple[str, int], WorkerId] = {}
 
@@ -222,24 +221,15 @@ class QualityTracker:
 
     # the decisions side
 
-    def decisions_committed(self, rows: Iterable[tuple[object, dict]]) -> None:
+    def decisions_committed(self, decisions: Sequence[dict], rely_on: Sequence[RelyOn]) -> None:
+        """Decisions' rows just committed, each with the sequence hashes it relies on by role."""
         if not self.horizons_ms:
             return
-        decisions: dict[int, dict] = {}
-        blocks: dict[tuple[int, str], list[tuple[int, int]]] = collections.defaultdict(list)
-        decisions_table, blocks_table = tables.decisions, tables.decision_blocks
-        for table, row in rows:
-            if table is blocks_table:  # (tens per decision: `tables.to_unsigned` inline)
-                sequence_hash = row["sequence_hash"]
-                blocks[row["stream_seq"], row["role"]].append(
-                    (row["position"], sequence_hash if sequence_hash >= 0 else sequence_hash + _TWO_TO_64))
-            elif table is decisions_table:
-                decisions[row["stream_seq"]] = row
-        for seq, row in decisions.items():
+        for row, relied in zip(decisions, rely_on):
             for horizon_ms in self.horizons_ms:
-                self._take(row, blocks, horizon_ms)
+                self._take(row, relied, horizon_ms)
 
-    def _take(self, row: dict, blocks: dict, horizon_ms: float) -> None:
+    def _take(self, row: dict, relied: RelyOn, horizon_ms: float) -> None:
         deadline = row["decided_ts"] + horizon_ms / 1000
         if self.stream_ts is not None and self.stream_ts >= deadline:
             self.metrics.unjudged.labels("late").inc()
@@ -250,18 +240,17 @@ class QualityTracker:
         if len(self._due) >= self.max_pending:
             self.metrics.unjudged.labels("too_many_pending").inc()
             return
-        seq = row["stream_seq"]
         target = self._worker(row["target_publisher"], row["target_dp_rank"])
-        source = self._worker(row["chosen_source"], row["chosen_dp_rank"])
-        shadow = self._worker(row.get("shadow_source"), row.get("shadow_dp_rank"))
-        source_rows, target_rows = blocks.get((seq, "source"), ()), blocks.get((seq, "target"), ())
-        shadow_rows, inflight_rows = blocks.get((seq, "shadow_source"), ()), blocks.get((seq, "inflight"), ())
+        source_hashes, target_hashes = relied.get("source"), relied.get("target")
+        shadow_hashes, inflight_hashes = relied.get("shadow_source"), relied.get("inflight")
         pending = _Pending(
-            seq, row["decided_ts"], deadline, horizon_ms, row["inventory_seq"], row["reason"],
-            _role(source_rows, source, _ONE_TIER[row["chosen_tier"]]) if source_rows else None,
-            _role(target_rows, target, LOCAL_TIERS) if target_rows else None,
-            _role(shadow_rows, shadow, _ONE_TIER[row["shadow_tier"]]) if shadow_rows else None,
-            _role(inflight_rows, target, LOCAL_TIERS) if inflight_rows else None,
+            row["stream_seq"], row["decided_ts"], deadline, horizon_ms, row["inventory_seq"], row["reason"],
+            _role(source_hashes, self._worker(row["chosen_source"], row["chosen_dp_rank"]), _ONE_TIER[row["chosen_tier"]])
+            if source_hashes else None,
+            _role(target_hashes, target, LOCAL_TIERS) if target_hashes else None,
+            _role(shadow_hashes, self._worker(row.get("shadow_source"), row.get("shadow_dp_rank")),
+                  _ONE_TIER[row["shadow_tier"]]) if shadow_hashes else None,
+            _role(inflight_hashes, target, LOCAL_TIERS) if inflight_hashes else None,
             horizon_ms == self.metrics_horizon_ms,
         )
         order = next(self._order)
@@ -337,6 +326,13 @@ class QualityTracker:
                     metrics.lost_credits.labels(worker, pending.reason).inc()
         if rows:
             metrics.verdicts.labels("fold").inc(len(rows))
+        self._drop_judged()
+
+    def _drop_judged(self) -> None:
+        """Take the judged decisions off the top of the inventory-seq heap (the rest go as they reach it)."""
+        waiting, judged = self._waiting_seqs, self._judged
+        while waiting and waiting[0][1] in judged:
+            judged.discard(heapq.heappop(waiting)[1])
 
     def after_event(self, facts: Sequence[object], stream_seq: int, ingest_ts: float,
                     open_before: dict | None = None) -> None:
@@ -349,21 +345,25 @@ class QualityTracker:
             if ends:
                 self._recent.append((ingest_ts, stream_seq, ends))
                 by_hash = self._recent_ends
-                for worker, tier, sequence_hash, stored_seq in ends:
+                worker = ends[0][0]  # a batch's facts are its worker's
+                key = (worker.publisher, worker.dp_rank)
+                for _, tier, sequence_hash, stored_seq in ends:
                     kept = by_hash.get(sequence_hash)
                     if kept is None:
                         kept = by_hash[sequence_hash] = collections.deque()
-                    kept.append((stream_seq, ingest_ts, worker, tier, stored_seq))
+                    kept.append((stream_seq, ingest_ts, key, tier, stored_seq))
         if self.horizons_ms:
             self._forget_before(self.stream_ts - max(self.horizons_ms) / 1000 - _REMEMBER_EXTRA_S)
 
     def _forget_before(self, ts: float) -> None:
         """Forget the ends of batches ingested before `ts`, but none after a waiting decision's inventory seq."""
-        waiting, judged = self._waiting_seqs, self._judged
-        while waiting and waiting[0][1] in judged:
-            judged.discard(heapq.heappop(waiting)[1])
+        recent = self._recent
+        if not recent or recent[0][0] >= ts:  # (most batches: nothing old enough to forget)
+            return
+        self._drop_judged()
+        waiting = self._waiting_seqs
         least_waiting = waiting[0][0] if waiting else None
-        recent, by_hash = self._recent, self._recent_ends
+        by_hash = self._recent_ends
         while recent and recent[0][0] < ts and (least_waiting is None or recent[0][1] <= least_waiting):
             _, seq, ends = recent.popleft()
             self._covered_after = seq
@@ -385,18 +385,14 @@ def _held_counts(fold: InventoryFold, worker: WorkerId, tiers: tuple[Tier, ...])
 
 
 def _gone(role: _Role, fold: InventoryFold) -> list[int]:
-    """The positions of the role's blocks its worker no longer holds on any of its tiers. (The fold drops a
-    count when it reaches 0, so a hash it counts is held.)"""
-    counts, hashes = _held_counts(fold, role.worker, role.tiers), role.hashes
-    if not counts:
-        return list(range(len(hashes)))
-    if len(counts) == 1:
-        only = counts[0]
-        return [position for position, h in enumerate(hashes) if h not in only]
-    if len(counts) == 2:
-        first, second = counts
-        return [position for position, h in enumerate(hashes) if h not in first and h not in second]
-    return [position for position, h in enumerate(hashes) if not any(h in c for c in counts)]
+    """The role's blocks (sequence hashes) its worker no longer holds on any of its tiers. (The fold drops a
+    count when it reaches 0, so a hash it counts is held.) Filtered in C: this runs for every role judged."""
+    gone: Iterable[int] = role.hashes
+    for counts in _held_counts(fold, role.worker, role.tiers):
+        gone = list(itertools.filterfalse(counts.__contains__, gone))
+        if not gone:
+            break
+    return list(gone)
 
 
 def _after_ms(ts: float | None, decided_ts: float) -> float | None:
@@ -413,22 +409,25 @@ def _judged(role: _Role | None, fold: InventoryFold, ends: dict, inventory_seq: 
     gone = _gone(role, fold)
     gone_after = first = None
     hashes = role.hashes
-    if ends and not ends.keys().isdisjoint(hashes):  # (most roles: none of its blocks ended a stay lately)
-        tiers, worker = role.tiers, role.worker
-        gone_positions = set(gone)
-        for position in (range(len(hashes)) if first_wanted else gone):
-            kept = ends.get(hashes[position])
-            if not kept:
-                continue
+    # Only the role's blocks that ended a stay lately matter (most roles: none), each hash once.
+    ended = ends.keys() & hashes if ends else None
+    if ended:
+        tiers, worker = role.tiers, (role.worker.publisher, role.worker.dp_rank)
+        gone_hashes = set(gone)
+        for sequence_hash in (ended if first_wanted else ended & gone_hashes):
             last = None
-            for seq, ts, ended_worker, tier, stored_seq in kept:
-                if seq <= inventory_seq or tier not in tiers or ended_worker != worker:
+            # newest first: only the ends after the inventory seq count, and a hash shared by many workers'
+            # prompts keeps a long tail of older ones
+            for seq, ts, ended_worker, tier, stored_seq in reversed(ends[sequence_hash]):
+                if seq <= inventory_seq:
+                    break
+                if ended_worker != worker or tier not in tiers:
                     continue
                 if last is None or ts > last:
                     last = ts
                 if stored_seq <= inventory_seq and (first is None or ts < first):
                     first = ts
-            if last is not None and position in gone_positions and (gone_after is None or last < gone_after):
+            if last is not None and sequence_hash in gone_hashes and (gone_after is None or last < gone_after):
                 gone_after = last
     return (int(bool(gone)), len(hashes), len(gone), _after_ms(gone_after, decided_ts), _after_ms(first, decided_ts))
 

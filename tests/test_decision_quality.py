@@ -23,7 +23,6 @@ from kvledger.runtime.metrics import MetricSet
 from engines import wait_until
 from store import database
 
-from store import tables
 from store.audit import Audit
 from store.quality import QualityMetrics, QualityTracker
 from kvledger.settings import load_settings
@@ -119,15 +118,15 @@ def test_a_fold_rebuilt_from_sql_leaves_what_waited_to_the_sql_judge() -> None:
     tracker = QualityTracker(metrics, [500.0], max_pending=10)
     row = {"stream_seq": 1, "decided_ts": 100.0, "inventory_seq": 3, "reason": "chosen", "chosen_source": "source",
            "chosen_dp_rank": 1, "chosen_tier": "device", "target_publisher": "target", "target_dp_rank": 0}
-    blocks = [(tables.decision_blocks, {"stream_seq": 1, "role": "source", "position": 0, "sequence_hash": -5})]
-    tracker.decisions_committed([(tables.decisions, row), *blocks])
+    rely_on = {"source": [(1 << 64) - 5]}
+    tracker.decisions_committed([row], [rely_on])
     assert tracker.waiting == 1
     tracker.resume_at(100.4, 5)
     assert tracker.waiting == 0
     assert registry.get_sample_value("kvledger_store_decision_quality_unjudged_total", {"reason": "late"}) == 1
     assert registry.get_sample_value("kvledger_store_decision_hints_total", {"worker": "source/1", "tier": "device"}) is None
     # and a decision made before the rebuilt fold's seq is not taken in: its window began before it
-    tracker.decisions_committed([(tables.decisions, {**row, "stream_seq": 2, "decided_ts": 100.3}), *blocks])
+    tracker.decisions_committed([{**row, "stream_seq": 2, "decided_ts": 100.3}], [rely_on])
     assert tracker.waiting == 0
     assert registry.get_sample_value(
         "kvledger_store_decision_quality_unjudged_total", {"reason": "before_remembered"}) == 1

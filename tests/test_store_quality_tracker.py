@@ -12,7 +12,6 @@ import pytest
 from builders import stored
 from kvledger.events import Cleared, EventBatch, Provenance, Removed, Tier, WorkerId
 from kvledger.fold import InventoryFold
-from store import tables
 from store.projector import StoreMetrics
 from store.quality import QualityTracker, open_native_records
 
@@ -57,9 +56,7 @@ class Feed:
             "chosen_source": SOURCE.publisher, "chosen_dp_rank": 0, "chosen_tier": "device",
             "target_publisher": TARGET.publisher, "target_dp_rank": 0,
         }
-        blocks = [(tables.decision_blocks, {"stream_seq": stream_seq, "role": "source", "position": n,
-                                            "sequence_hash": tables.to_signed(h)}) for n, h in enumerate(source_hashes)]
-        self.tracker.decisions_committed([(tables.decisions, row), *blocks])
+        self.tracker.decisions_committed([row], [{"source": source_hashes}])
 
     def sample(self, name: str, **labels: str) -> float:
         return self.metrics.registry.get_sample_value(name, labels) or 0.0
