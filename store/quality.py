@@ -409,8 +409,9 @@ def _judged(role: _Role | None, fold: InventoryFold, ends: dict, inventory_seq: 
     gone = _gone(role, fold)
     gone_after = first = None
     hashes = role.hashes
-    # Only the role's blocks that ended a stay lately matter (most roles: none), each hash once.
-    ended = ends.keys() & hashes if ends else None
+    # Only the role's blocks that ended a stay lately matter (most roles: none), each hash once; without the
+    # first eviction, only those gone.
+    ended = ends.keys() & hashes if ends and (first_wanted or gone) else None
     if ended:
         tiers, worker = role.tiers, (role.worker.publisher, role.worker.dp_rank)
         gone_hashes = set(gone)
