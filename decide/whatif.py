@@ -13,7 +13,8 @@ Two timelines, as the reference (`store/replay.py`) reads them:
   intervals. Only what a request reads matters, so an interval is reduced to the inventory
   seqs it covers, and one compiled pass (`answer_on_stays`) applies each seq's changes to the
   rows and ranks that seq's requests: no Python per seq. A worker is in the index from the
-  seq it was first seen. Judging reads the intervals themselves (a horizon may fall anywhere).
+  seq it was first seen. Judging is a second such pass, over the horizon seqs, on rows of the
+  native stays alone: a bit read per relied-on block.
 - `FoldTimeline`, KV_EVENTS folded by decide's `InventoryIndex` itself: batches applied up to
   each seq, the seq's requests ranked against the index, horizons judged on its rows.
 
@@ -267,52 +268,68 @@ def answer_on_stays(change_bounds, change_rows, change_planes, change_slots, cha
 
 
 @_compiled
-def _held_on_stays(keys, starts, ends, key, seq):
-    """Whether interval list `key` (sorted by key, then start; disjoint per key) covers `seq`."""
-    low, high = 0, keys.size
-    while low < high:  # past the last interval with (key, start) <= (key, seq)
-        middle = (low + high) // 2
-        if keys[middle] < key or (keys[middle] == key and starts[middle] <= seq):
-            low = middle + 1
-        else:
-            high = middle
-    return low > 0 and keys[low - 1] == key and ends[low - 1] > seq
+def judge_on_stays(change_bounds, change_rows, change_planes, change_slots, change_wanted, item_bounds, items,
+                   sequence, offsets, source, tier, source_from, source_to, target, target_to, table_keys,
+                   table_rows, table_bits, holders, spilled, stale, lost):
+    """One pass over the horizon seqs in order: apply the seq's changes to the native rows, judge the outcomes of
+    the requests whose horizon it is (`items[item_bounds[p]:item_bounds[p + 1]]`) on the rows as they stand: a
+    bit read per block, where the intervals would cost a search each."""
+    for point in range(change_bounds.size - 1):
+        for change in range(change_bounds[point], change_bounds[point + 1]):
+            change_bit(holders, spilled, change_rows[change], change_planes[change], change_slots[change],
+                       change_wanted[change])
+        first, stop = item_bounds[point], item_bounds[point + 1]
+        if stop > first:
+            judge_outcomes(items[first:stop], sequence, offsets, source, tier, source_from, source_to, target,
+                           target_to, table_keys, table_rows, table_bits, holders, spilled, stale, lost)
+
+
+def _changes(keys: np.ndarray, start: np.ndarray, end: np.ndarray, points: np.ndarray, workers: int,
+             planes: int) -> tuple[np.ndarray, ...]:
+    """Intervals [start, end) of (row, slot, plane) keys as changes at the sorted `points` they cover: set at the
+    first covered point, cleared after the last; (bounds per point, row, plane, slot, set or cleared)."""
+    keys, starts, ends = merge_intervals(keys, start, end)
+    first_point = np.searchsorted(points, starts, "left")
+    end_point = np.searchsorted(points, ends, "left")
+    keys, first_point, end_point = merge_intervals(keys, first_point, end_point)
+    change_key = np.concatenate([keys, keys[end_point < points.size]])
+    change_point = np.concatenate([first_point, end_point[end_point < points.size]])
+    change_wanted = np.concatenate([np.ones(keys.size, np.bool_), np.zeros(change_key.size - keys.size, np.bool_)])
+    order = np.argsort(change_point, kind="stable")
+    change_key, change_point, change_wanted = change_key[order], change_point[order], change_wanted[order]
+    change_bounds = np.searchsorted(change_point, np.arange(points.size + 1), "left").astype(np.int64)
+    return (change_bounds, change_key // planes // workers, change_key % planes, change_key // planes % workers,
+            change_wanted)
 
 
 @_compiled
-def _held(on_rows, table_keys, table_rows, table_bits, holders, spilled, keys, starts, ends, workers,
-          slot, code, sequence_hash, seq):
-    """Whether worker `slot` natively held the hash on tier `code` at `seq`: read off the rows as they stand
-    (`on_rows`), or off the stays' intervals."""
+def _held(table_keys, table_rows, table_bits, holders, spilled, slot, code, sequence_hash):
+    """Whether worker `slot` natively held the hash on tier `code`, read off the rows as they stand."""
     if slot < 0:
         return False
     row = probe(table_keys, table_rows, table_bits, sequence_hash)
-    if row == 0:
-        return False
-    if on_rows:
-        return has_bit(holders, spilled, row, code, slot)
-    return _held_on_stays(keys, starts, ends, (np.int64(row) * workers + slot) * 3 + code, seq)
+    return row != 0 and has_bit(holders, spilled, row, code, slot)
 
 
 @_compiled
-def judge_outcomes(items, seqs, sequence, offsets, source, tier, source_from, source_to, target, target_to,
-                   on_rows, table_keys, table_rows, table_bits, holders, spilled, keys, starts, ends, workers,
-                   stale, lost):
-    """`store.quality.judge` for every outcome (rows of `source` …) of requests `items`, request `items[i]` at
-    `seqs[i]`: the hint is stale when the source no longer held every transferred block on its tier, the credit
-    lost when the target no longer held every credited block on some native tier (at most MAX_RELIED_BLOCKS
-    blocks, as store keeps them). A slot is NONE for no worker, NO_SLOT for one that holds nothing."""
+def judge_outcomes(items, sequence, offsets, source, tier, source_from, source_to, target, target_to, table_keys,
+                   table_rows, table_bits, holders, spilled, stale, lost):
+    """`store.quality.judge` for every outcome (rows of `source` …) of requests `items`, on the rows as they stand
+    at their horizon: the hint is stale when the source no longer held every transferred block on its tier, the
+    credit lost when the target no longer held every credited block on some native tier (at most
+    MAX_RELIED_BLOCKS blocks, as store keeps them). A slot is NONE for no worker, NO_SLOT for one that holds
+    nothing."""
     for outcome in range(source.shape[0]):
         for item in range(items.size):
-            request, seq = items[item], seqs[item]
+            request = items[item]
             start = offsets[request]
             slot = source[outcome, request]
             first, last = source_from[outcome, request], min(source_to[outcome, request], MAX_RELIED_BLOCKS)
             if slot != NONE and first < last:
                 verdict = 0
                 for block in range(first, last):
-                    if not _held(on_rows, table_keys, table_rows, table_bits, holders, spilled, keys, starts, ends,
-                                 workers, slot, tier[outcome, request], sequence[start + block], seq):
+                    if not _held(table_keys, table_rows, table_bits, holders, spilled, slot, tier[outcome, request],
+                                 sequence[start + block]):
                         verdict = 1
                         break
                 stale[outcome, request] = verdict
@@ -323,8 +340,8 @@ def judge_outcomes(items, seqs, sequence, offsets, source, tier, source_from, so
                 for block in range(last):
                     held = False
                     for code in range(3):
-                        if _held(on_rows, table_keys, table_rows, table_bits, holders, spilled, keys, starts, ends,
-                                 workers, slot, code, sequence[start + block], seq):
+                        if _held(table_keys, table_rows, table_bits, holders, spilled, slot, code,
+                                 sequence[start + block]):
                             held = True
                             break
                     if not held:
@@ -426,9 +443,6 @@ def _request_slots(slot_of, requests: Requests) -> tuple[np.ndarray, ...]:
             np.fromiter((worker is not None for worker in requests.fallbacks), dtype=np.bool_, count=count))
 
 
-_NO_I64 = np.zeros(0, dtype=np.int64)
-_NO_HOLDERS = np.zeros((1, INLINE), dtype=np.uint32)
-_NO_SPILLED = np.zeros((1, PLANES, 1), dtype=np.uint64)
 
 
 class StayTimeline:
@@ -535,20 +549,8 @@ class StayTimeline:
 
         # Ranking: each interval as the inventory seqs it covers, applied at the first and undone after the last.
         points = np.unique(requests.inventory_seqs)
-        by_plane = (rows * workers + slot) * PLANES + plane
-        keys, starts, ends = merge_intervals(by_plane, start, end)
-        first_point = np.searchsorted(points, starts, "left")
-        end_point = np.searchsorted(points, ends, "left")
-        keys, first_point, end_point = merge_intervals(keys, first_point, end_point)
-        change_key = np.concatenate([keys, keys[end_point < points.size]])
-        change_point = np.concatenate([first_point, end_point[end_point < points.size]])
-        change_wanted = np.concatenate([np.ones(keys.size, np.bool_), np.zeros(change_key.size - keys.size, np.bool_)])
-        order = np.argsort(change_point, kind="stable")
-        change_key, change_point, change_wanted = change_key[order], change_point[order], change_wanted[order]
-        change_bounds = np.searchsorted(change_point, np.arange(points.size + 1), "left").astype(np.int64)
-        change_plane = change_key % PLANES
-        change_slot = change_key // PLANES % workers
-        change_row = change_key // PLANES // workers
+        change_bounds, change_row, change_plane, change_slot, change_wanted = _changes(
+            (rows * workers + slot) * PLANES + plane, start, end, points, workers, PLANES)
         holders, spilled = self._rows(distinct.size, rows, slot, workers)
 
         # The requests in inventory seq order (stable: KV_DECISIONS order within a seq), answered, put back.
@@ -572,17 +574,23 @@ class StayTimeline:
         back[order] = np.arange(count)
         answers = Answers(*(array[:, back] for array in attrs.astuple(answers, recurse=False)))
 
-        # Judging: the native stays' intervals themselves, by (row, slot, tier).
+        # Judging: a second pass, over the horizon seqs, on rows of the native stays alone (the tier codes are
+        # their planes), each request's outcomes judged once its horizon seq is reached.
         native = plane < 3
-        keys, starts, ends = merge_intervals((rows[native] * workers + slot[native]) * 3 + plane[native],
-                                             start[native], end[native])
+        items = np.flatnonzero(horizons >= 0)
+        items = items[np.argsort(horizons[items], kind="stable")]
+        horizon_points = np.unique(horizons[items])
+        change_bounds, change_row, change_plane, change_slot, change_wanted = _changes(
+            (rows[native] * workers + slot[native]) * PLANES + plane[native], start[native], end[native],
+            horizon_points, workers, PLANES)
+        item_bounds = np.append(np.searchsorted(horizons[items], horizon_points, "left"), items.size).astype(np.int64)
+        holders, spilled = self._rows(distinct.size, rows[native], slot[native], workers)
         outcomes = Outcomes.of(recorded, answers)
         judged = Judged(np.full(outcomes.source.shape, _UNJUDGED, np.int8), np.full(outcomes.source.shape, _UNJUDGED,
                                                                                     np.int8))
-        items = np.flatnonzero(horizons >= 0)
-        judge_outcomes(items, horizons[items], sequence, requests.offsets, *attrs.astuple(outcomes, recurse=False),
-                       False, table_keys, table_rows, table_bits, _NO_HOLDERS, _NO_SPILLED, keys, starts, ends,
-                       workers, judged.stale, judged.lost)
+        judge_on_stays(change_bounds, change_row, change_plane, change_slot, change_wanted, item_bounds, items,
+                       sequence, requests.offsets, *attrs.astuple(outcomes, recurse=False), table_keys, table_rows,
+                       table_bits, holders, spilled, judged.stale, judged.lost)
         return answers, judged
 
     def _rows(self, distinct: int, rows: np.ndarray, slots: np.ndarray, workers: int) -> tuple[np.ndarray, ...]:
@@ -673,9 +681,8 @@ class FoldTimeline:
                 part_stale = np.full(outcomes.source.shape, _UNJUDGED, np.int8)
                 part_lost = np.full(outcomes.source.shape, _UNJUDGED, np.int8)
                 local_offsets = requests.offsets[items]
-                judge_outcomes(np.arange(items.size), np.full(items.size, seq, np.int64), sequence, local_offsets,
-                               *attrs.astuple(outcomes, recurse=False), True, index.table_keys, index.table_rows,
-                               index.table_bits, index.holders, index.spilled, _NO_I64, _NO_I64, _NO_I64, 1,
+                judge_outcomes(np.arange(items.size), sequence, local_offsets, *attrs.astuple(outcomes, recurse=False),
+                               index.table_keys, index.table_rows, index.table_bits, index.holders, index.spilled,
                                part_stale, part_lost)
                 stale[:, items] = part_stale
                 lost[:, items] = part_lost
