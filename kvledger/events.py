@@ -7,6 +7,7 @@ ingest reads these records; nothing after ingest sees engine wire formats.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from typing import Annotated, Union
 
@@ -110,6 +111,14 @@ class WorkerId:
 
     @classmethod
     def parse(cls, name: str) -> WorkerId:
+        """The worker a name (`pub` or `pub/rank`) names; ValueError for a bad one. A fleet has few workers and a
+        ledger names them in every decision, so the values (frozen) are kept by name."""
+        if cls is not WorkerId:
+            return cls._parse(name)
+        return _worker_named(name)
+
+    @classmethod
+    def _parse(cls, name: str) -> WorkerId:
         publisher, sep, rank = name.partition("/")
         if not sep:
             return cls(publisher)
@@ -120,6 +129,9 @@ class WorkerId:
     @property
     def events_subject(self) -> str:
         return f"{EVENTS_SUBJECT_PREFIX}.{self.publisher}.{self.dp_rank}"
+
+
+_worker_named = functools.lru_cache(maxsize=65536)(WorkerId._parse)
 
 
 # The events are msgspec Structs: the same classes are the values the fold and ingest use and

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import functools
 import math
 import struct
 import warnings
@@ -827,8 +828,14 @@ def _judged_on_the_fold(batches: Sequence[tuple[int, EventBatch]], decisions: Se
     return judged
 
 
+@functools.lru_cache(maxsize=65536)
+def _worker(publisher: str, dp_rank: int) -> WorkerId:
+    """A worker as decision rows name it, made once (a window names one per decision; a WorkerId validates)."""
+    return WorkerId(publisher, dp_rank)
+
+
 def _recorded_of(row: dict, inventory_seq: int) -> Recorded:
-    source = WorkerId(row["chosen_source"], row["chosen_dp_rank"]) if row["chosen_source"] is not None else None
+    source = _worker(row["chosen_source"], row["chosen_dp_rank"]) if row["chosen_source"] is not None else None
     return Recorded(
         row["request_id"], row["decided_ts"], inventory_seq, row["horizon_seq"], _request_of(row), row["blocks"],
         row["target"], row["reason"], row["baseline_blocks"], source,
