@@ -83,7 +83,7 @@ def _refs(tag):
 
 
 @_inlined
-def _find(keys, tags, owner, key):
+def find_entry(keys, tags, owner, key):
     """The entry's position, or -1."""
     size = keys.size
     position = _home(owner, key, size)
@@ -136,7 +136,7 @@ def _delete(keys, tags, sequences, parents, position):
 def _copy_of(keys, tags, first_owner, key):
     """Position of the block's entry on any tier of the worker (copies agree while compact), or -1."""
     for tier in range(_TIER_COUNT):
-        position = _find(keys, tags, first_owner + np.uint32(tier), key)
+        position = find_entry(keys, tags, first_owner + np.uint32(tier), key)
         if position >= 0:
             return position
     return -1
@@ -176,7 +176,7 @@ def store_blocks(keys, tags, sequences, parents, count, limit, first_owner, tier
     added = 0
     for block in range(blocks):
         engine = engines[block]
-        held = _find(keys, tags, owner, engine)
+        held = find_entry(keys, tags, owner, engine)
         found[block] = held
         if held >= 0 and _refs(tags[held]) + blocks > REFS_MAX:
             return NOT_PLAIN, 0  # more references than a tag counts
@@ -243,7 +243,7 @@ def remove_blocks(keys, tags, sequences, parents, owner, engines, out_sequences,
     gone = 0
     for block in range(engines.size):
         out_gone[block] = False
-        position = _find(keys, tags, owner, engines[block])
+        position = find_entry(keys, tags, owner, engines[block])
         if position < 0:
             unknown += 1
             continue

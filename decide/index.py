@@ -42,6 +42,7 @@ from kvledger.fold import (
     RetainedConflictFact,
     UncertaintyFact,
 )
+from kvledger.reuse import unvouched_names
 
 from kvledger.runtime.memory import mapped_zeros
 
@@ -512,10 +513,7 @@ class InventoryIndex:
     def uncertain_names(self) -> tuple[str, ...]:
         """Workers whose inventory answers cannot vouch for: uncertain ones, and unreachable ones (not credited)."""
         if self._uncertain_cache is None:
-            fold = self.fold
-            self._uncertain_cache = tuple(
-                worker.name for worker in fold.workers() if fold.is_uncertain(worker) or fold.is_unreachable(worker)
-            )
+            self._uncertain_cache = unvouched_names(self.fold)
         return self._uncertain_cache
 
     def unreachable_names(self) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvledger.events import Provenance, Tier, WorkerId
 
-from decide.compact import TIER_CODE, _find, lookup_rows
+from decide.compact import TIER_CODE, find_entry, lookup_rows
 from decide.compiled import compiled
 from decide.index import MISSING_ROW, NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, InventoryIndex
 from decide.protos import kv_indexer_pb2 as pb
@@ -90,7 +90,7 @@ def _plain_held(keys, tags, first_owners, tier_codes, engines, valid, prefix_onl
             held = False
             if valid[block]:
                 for tier in range(tier_codes.size):
-                    if _find(keys, tags, first_owners[worker] + tier_codes[tier], engines[block]) >= 0:
+                    if find_entry(keys, tags, first_owners[worker] + tier_codes[tier], engines[block]) >= 0:
                         out[block, tier, worker] = True
                         held = True
             if prefix_only and not held:

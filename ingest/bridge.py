@@ -204,9 +204,11 @@ class EngineStream:
         metrics = self._bridge.metrics
         metrics.events.labels(_kind_of(batch.events[0])).inc()
         worker = self.source.worker.publisher
+        self.reachable = reachable
         if reachable:
             metrics.reachable_again.labels(worker).inc()
             log.warning("%s: the engine answers again (%s): reachable", self.name, reason)
+            self._reachable_again.set()
         else:
             metrics.unreachable.labels(worker).inc()
             self.unreachable_published_at = batch.ingest_ts
@@ -214,10 +216,6 @@ class EngineStream:
                 "%s: the engine has not answered for %.1f s (%s): unreachable, not credited until it answers",
                 self.name, batch.ingest_ts - since_ts, reason,
             )
-        self.reachable = reachable
-        if reachable:
-            self._reachable_again.set()
-        else:
             self._reachable_again.clear()
         await self._bridge.publisher.publish(batch.subject, encode_batch(batch), msg_id)
 

@@ -274,14 +274,15 @@ def decide(
         candidates=tuple(eligible),
         chosen=eligible[0] if eligible else None,
         reason=reason,
-        uncertain_workers=_unvouched(view),
+        uncertain_workers=unvouched_names(view),
         backend=backend,
         settings_digest=settings_digest(settings),
     )
 
 
-def _unvouched(view: InventoryView) -> tuple[str, ...]:
-    """The answer's `uncertain_workers`: uncertain and unreachable workers, in worker order."""
+def unvouched_names(view: InventoryView) -> tuple[str, ...]:
+    """An answer's `uncertain_workers`: the uncertain and the unreachable workers' names, in worker order (what
+    an answer cannot vouch for; decide's index lists the same from its fold)."""
     unreachable = view.unreachable_workers()
     if not unreachable:
         return tuple(worker.name for worker in view.uncertain_workers())
