@@ -31,7 +31,7 @@ import msgspec
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decide.media import parse_batch, parse_single  # noqa: E402
+from kvledger.decide.media import parse_batch, parse_single  # noqa: E402
 from kvledger.decision_codec import ANSWER_DECODER, Answer, Candidate, Overlap  # noqa: E402
 from kvledger.events import (  # noqa: E402
     EventBatch, Provenance, Removed, Stored, Tier, WorkerId, decode_batch, encode_batch,

@@ -88,7 +88,7 @@ async def bare_consumer(js, subject: str, count: int) -> float:
 
 async def decide_service(settings) -> float:
     """Seconds from starting DecideService to its being caught up, less its backend warm-up."""
-    from decide.service import DecideService
+    from kvledger.decide.service import DecideService
 
     started = time.perf_counter()
     async with DecideService(settings) as service:
@@ -97,7 +97,7 @@ async def decide_service(settings) -> float:
 
 
 def index_alone(batches: list[EventBatch]) -> float:
-    from decide.index import InventoryIndex
+    from kvledger.decide.index import InventoryIndex
 
     encoded = [encode_batch(batch) for batch in batches]
     index = InventoryIndex()
@@ -114,7 +114,7 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="measurements of each, taken in turns")
     args = parser.parse_args(argv)
 
-    from decide.cpu import compile_kernels
+    from kvledger.decide.cpu import compile_kernels
     from kvledger.runtime.embedded import EmbeddedNats
     from kvledger.runtime.streams import EVENTS_SUBJECT_PREFIX, ensure_stream, events_stream, publish_batches
     from kvledger.settings import ReuseSettings, load_settings

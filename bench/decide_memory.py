@@ -64,9 +64,9 @@ def stored_prompts(residencies: int, workers: int, chain: int, seed: int):
 def build_decide(residencies: int, workers: int, chain: int, seed: int) -> dict[str, float]:
     from kvledger.events import EventBatch, Provenance, Stored, Tier, WorkerId
 
-    from decide.index import InventoryIndex
+    from kvledger.decide.index import InventoryIndex
 
-    from decide.cpu import compile_kernels
+    from kvledger.decide.cpu import compile_kernels
     from kvledger.settings import ReuseSettings
 
     names = [WorkerId(f"w{number:04d}") for number in range(workers)]

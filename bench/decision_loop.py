@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import services  # noqa: E402  (the test suite's throwaway servers)
 
 from kvledger.settings import ReuseSettings, load_settings  # noqa: E402
-from store import database  # noqa: E402
+from kvledger.store import database  # noqa: E402
 
 
 def _bench_module(name: str):
@@ -132,7 +132,7 @@ def project_measured(nats_url: str, db_url: str, ledger, horizon_ms: float | Non
 async def project(nats_url: str, db_url: str, ledger, horizon_ms: float | None) -> float:
     """Seconds from starting the store service until both checkpoints reach the streams' ends
     (and, judging, until every settled decision has its verdict in SQL)."""
-    from store.projector import StoreService
+    from kvledger.store.projector import StoreService
 
     settings = store_settings(nats_url, db_url, horizon_ms)
     service = StoreService(settings)
@@ -168,7 +168,7 @@ def _quietly(function, *args):
 
 def audit_quality(db_url: str, horizon_ms: float) -> tuple[float, str]:
     """`kvledger audit quality --horizon-ms H --json` as the CLI runs it: (seconds, its output)."""
-    from store.commands import audit_quality as command
+    from kvledger.store.commands import audit_quality as command
 
     settings = load_settings(None, environ={}, overrides={"db.url": db_url}).settings
     elapsed, code, output = _quietly(command, settings, horizon_ms, None, False, True)

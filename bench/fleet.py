@@ -87,8 +87,8 @@ from kvledger.events import Gap, Removed, Stored, decode_batch  # noqa: E402
 from kvledger.runtime.lifetime import cancel_and_wait, stop_process  # noqa: E402
 from kvledger.settings import load_settings  # noqa: E402
 from kvledger.runtime.streams import EVENTS_SUBJECT_PREFIX, ensure_stream, events_stream  # noqa: E402
-from store import database  # noqa: E402
-from store.sharding import Shard  # noqa: E402
+from kvledger.store import database  # noqa: E402
+from kvledger.store.sharding import Shard  # noqa: E402
 
 TOKENS_PER_BLOCK = 16
 BLOCKS_PER_PROMPT = 16

@@ -29,7 +29,7 @@ import grpc.aio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decide.protos import kv_indexer_pb2 as pb  # noqa: E402
+from kvledger.decide.protos import kv_indexer_pb2 as pb  # noqa: E402
 
 PAGE = 16
 
@@ -49,7 +49,7 @@ def request_tokens(blocks: int) -> list[int]:
 
 
 def build_index(workers: int, blocks: int):
-    from decide.index import InventoryIndex
+    from kvledger.decide.index import InventoryIndex
     from kvledger.events import EventBatch, Provenance, Stored, Tier, WorkerId
     from kvledger.hashing import local_block_hashes
 
@@ -68,8 +68,8 @@ def build_index(workers: int, blocks: int):
 
 def serve_front(port: multiprocessing.Value, ready: multiprocessing.Event, workers: int, blocks: int) -> None:
     async def main() -> None:
-        from decide.grpc_front import GrpcFront, RouterSettings
-        from decide.metrics import DecideMetrics
+        from kvledger.decide.grpc_front import GrpcFront, RouterSettings
+        from kvledger.decide.metrics import DecideMetrics
 
         index = build_index(workers, blocks)
         routers = RouterSettings({f"sgl-{n}": f"http://10.0.0.{n}:30000" for n in range(workers)})

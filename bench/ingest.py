@@ -43,10 +43,10 @@ from nats.js.api import StorageType, StreamConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ingest.bridge import Bridge  # noqa: E402
-from ingest.endpoints import StreamSource  # noqa: E402
+from kvledger.ingest.bridge import Bridge  # noqa: E402
+from kvledger.ingest.endpoints import StreamSource  # noqa: E402
 from kvledger.sim.engine import SimulatedEngine  # noqa: E402
-from ingest.wire import decode_payload  # noqa: E402
+from kvledger.ingest.wire import decode_payload  # noqa: E402
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored, encode_vllm_batch  # noqa: E402
 from kvledger.runtime.embedded import EmbeddedNats  # noqa: E402
 from kvledger.events import EventBatch, Provenance, WorkerId, encode_batch  # noqa: E402

@@ -237,10 +237,10 @@ async def publish_ledger(nats_url: str, decisions: int, shape: FleetShape, reuse
                          shadow: ReuseSettings | None = None, stream: StreamSettings | None = None,
                          progress: Callable[[int], None] | None = None) -> Ledger:
     """Publish a fleet's ledger of `decisions` recorded decisions into empty KV_EVENTS and KV_DECISIONS."""
-    from decide.cpu import CpuBackend
-    from decide.index import InventoryIndex
-    from decide.recorder import DecisionRecorder, RecordBatch, Texts, request_header_texts
-    from decide.shadow import ShadowDecisions
+    from kvledger.decide.cpu import CpuBackend
+    from kvledger.decide.index import InventoryIndex
+    from kvledger.decide.recorder import DecisionRecorder, RecordBatch, Texts, request_header_texts
+    from kvledger.decide.shadow import ShadowDecisions
 
     stream = stream or StreamSettings()
     workload = FleetWorkload(shape)

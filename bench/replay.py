@@ -29,7 +29,7 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Pa
 
 from kvledger.app import replay as fast  # noqa: E402
 from kvledger.settings import ReuseSettings  # noqa: E402
-from store import replay as reference  # noqa: E402
+from kvledger.store import replay as reference  # noqa: E402
 
 SWEEP = (
     ("on", ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)),
@@ -57,7 +57,7 @@ def whole(url: str, sweep, placed: bool, replay) -> tuple[float, object]:
 
 def engine_alone(url: str, sweep, placed: bool) -> tuple[float, float]:
     """(seconds reading SQL, seconds folding, ranking and judging) of the replay at decide's speed."""
-    from decide.whatif import StayTimeline
+    from kvledger.decide.whatif import StayTimeline
 
     engine = sa.create_engine(url)
     with engine.connect() as connection:
@@ -92,8 +92,8 @@ async def _events(demo_nats: Path) -> list:
 
 def yardstick(url: str, demo_nats: Path, settings: ReuseSettings, repeats: int) -> float:
     """decide's own batched rate: the recorded requests ranked in batches of 64 against decide's index."""
-    from decide.cpu import rank_batch
-    from decide.index import InventoryIndex
+    from kvledger.decide.cpu import rank_batch
+    from kvledger.decide.index import InventoryIndex
 
     engine = sa.create_engine(url)
     with engine.connect() as connection:

@@ -63,9 +63,9 @@ import services  # noqa: E402  (the test suite's throwaway servers)
 from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId  # noqa: E402
 from kvledger.settings import load_settings  # noqa: E402
 from kvledger.runtime.streams import events_stream  # noqa: E402
-from store import audit, database  # noqa: E402
+from kvledger.store import audit, database  # noqa: E402
 from kvledger.runtime.streams import ensure_stream, publish_batches  # noqa: E402
-from store.projector import StoreService  # noqa: E402
+from kvledger.store.projector import StoreService  # noqa: E402
 
 BLOCKS_PER_BATCH = 16
 
@@ -241,7 +241,7 @@ def bytes_by_table(db_url: str) -> dict[str, int]:
 
 def restart_s(db_url: str) -> float:
     """Seconds store takes to rebuild its fold from SQL, as after a restart (store.recorder.load_fold)."""
-    from store.recorder import load_fold
+    from kvledger.store.recorder import load_fold
 
     with database.opened(db_url) as engine:
         started = time.perf_counter()
@@ -262,7 +262,7 @@ def database_bytes(engine) -> int:
 def size_under_window(db_url: str, blocks: int) -> dict[str, float]:
     """Bytes per million block events, then after keeping only the newer half of the history."""
     from kvledger.settings import StoreSettings
-    from store.pruning import prune_once
+    from kvledger.store.pruning import prune_once
 
     with database.opened(db_url) as engine:
         full = database_bytes(engine)

@@ -9,10 +9,10 @@ from typing import Protocol, runtime_checkable
 from kvledger.reuse import Decision, ReuseRequest
 from kvledger.settings import ReuseSettings
 
-from decide.cpu import CpuBackend
-from decide.index import InventoryIndex
-from decide.ranked import AnswerBatch, AnswerTexts, Clock
-from decide.startup import StartupError
+from kvledger.decide.cpu import CpuBackend
+from kvledger.decide.index import InventoryIndex
+from kvledger.decide.ranked import AnswerBatch, AnswerTexts, Clock
+from kvledger.decide.startup import StartupError
 
 
 @runtime_checkable
@@ -62,7 +62,7 @@ def choose_backend(wanted: str, index: InventoryIndex) -> tuple[RankingBackend, 
     """The ranking backend for `decide.backend`, and a line saying what was chosen and why."""
     if wanted == "cpu":
         return CpuBackend(index), "backend cpu (as configured)"
-    from decide.cuda import CudaBackend, CudaUnavailable, device_unavailable_reason
+    from kvledger.decide.cuda import CudaBackend, CudaUnavailable, device_unavailable_reason
 
     reason = device_unavailable_reason()
     if reason is None:

@@ -35,9 +35,9 @@ from kvledger.events import Provenance, Tier, WorkerId
 from kvledger.fold import BlockRecord
 from kvledger.runtime.memory import mapped_zeros
 
-from decide.compiled import compiled as _compiled, inlined as _inlined
-from decide.kernels import chain_hash, probe
-from decide.rows import has_bit
+from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined
+from kvledger.decide.kernels import chain_hash, probe
+from kvledger.decide.rows import has_bit
 
 
 TIERS: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK)
@@ -464,7 +464,7 @@ def plain_records(records: list[BlockRecord]) -> tuple[str | None, int | None] |
 
 def warm_up() -> None:
     """Compile (or load from the kernel cache) every kernel here, as `decide.cpu.compile_kernels` does the rest."""
-    from decide.index import InventoryIndex
+    from kvledger.decide.index import InventoryIndex
     from kvledger.events import EventBatch, Removed, Stored
 
     index = InventoryIndex()

@@ -17,11 +17,11 @@ from kvledger.decision_codec import MAX_RELIED_BLOCKS
 from kvledger.reuse import Decision, ReuseRequest
 from kvledger.settings import ReuseSettings
 
-from decide import compact, rows
-from decide.index import InventoryIndex
-from decide.kernels import answer_request, answer_requests, chain_hashes, rank_requests
-from decide.packed import split_text_pairs
-from decide.ranked import (
+from kvledger.decide import compact, rows
+from kvledger.decide.index import InventoryIndex
+from kvledger.decide.kernels import answer_request, answer_requests, chain_hashes, rank_requests
+from kvledger.decide.packed import split_text_pairs
+from kvledger.decide.ranked import (
     NO_TEXT, REASONS, AnswerBatch, AnswerTexts, Clock, PerSettings, RankedBatch, RequestArrays, WorkerTexts,
     answer_endings, answer_pieces, digest_of, inventory_target_text, json_string_text, requested_targets,
     source_tier_codes, target_slot,

@@ -24,9 +24,9 @@ from kvledger.runtime.resources import data_dir
 from kvledger.reuse import Decision, ReuseRequest
 from kvledger.settings import ReuseSettings
 
-from decide.cpu import WARM_UP_REQUEST
-from decide.index import CLASSES, InventoryIndex
-from decide.ranked import (
+from kvledger.decide.cpu import WARM_UP_REQUEST
+from kvledger.decide.index import CLASSES, InventoryIndex
+from kvledger.decide.ranked import (
     PREFIX_CLASSES,
     AnswerBatch,
     AnswerTexts,
@@ -206,7 +206,7 @@ class CudaBackend:
 
     def _self_check(self) -> None:
         """Rank a probe request on the device and on cpu; any difference stops the backend at startup."""
-        from decide.cpu import CpuBackend
+        from kvledger.decide.cpu import CpuBackend
 
         probe = [ReuseRequest("kvledger-cuda-self-check", (1, 2, 3, 4), 16, None),
                  ReuseRequest("kvledger-cuda-self-check-2", (), 16, None)]

@@ -30,10 +30,10 @@ from kvledger.events import WorkerId, validate_publisher
 from kvledger.hashing import local_block_hashes
 from kvledger.runtime.http import Request, Response, Route
 
-from decide.compiled import compiled as _compiled, inlined as _inlined
-from decide.index import InventoryIndex
-from decide.kernels import chain_hash, probe
-from decide.rows import spilled_row
+from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined
+from kvledger.decide.index import InventoryIndex
+from kvledger.decide.kernels import chain_hash, probe
+from kvledger.decide.rows import spilled_row
 
 JSON = "application/json"
 DEFAULT_GROUP = "default"

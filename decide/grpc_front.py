@@ -22,12 +22,12 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError, Message
 
-from decide.index import InventoryIndex
-from decide.llmd_scores import DEFAULT_WEIGHTS, SERVICE as LLMD_SERVICE, LlmdModel, pod_scores, scores_response
-from decide.metrics import DecideMetrics
-from decide.protos import indexer_pb2, kv_indexer_pb2
-from decide.sglang_indexer import APPLY_REFUSAL, SERVICE as SGLANG_SERVICE, Refused, SglangIndexer
-from decide.startup import StartupError
+from kvledger.decide.index import InventoryIndex
+from kvledger.decide.llmd_scores import DEFAULT_WEIGHTS, SERVICE as LLMD_SERVICE, LlmdModel, pod_scores, scores_response
+from kvledger.decide.metrics import DecideMetrics
+from kvledger.decide.protos import indexer_pb2, kv_indexer_pb2
+from kvledger.decide.sglang_indexer import APPLY_REFUSAL, SERVICE as SGLANG_SERVICE, Refused, SglangIndexer
+from kvledger.decide.startup import StartupError
 
 log = logging.getLogger("kvledger.decide.grpc")
 

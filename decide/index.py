@@ -46,11 +46,11 @@ from kvledger.reuse import unvouched_names
 
 from kvledger.runtime.memory import mapped_zeros
 
-from decide.compact import (
+from kvledger.decide.compact import (
     MAX_SLOTS, NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, lookup_rows, plain_placement, plain_records,
 )
-from decide.kernels import fill_table
-from decide.rows import (
+from kvledger.decide.kernels import fill_table
+from kvledger.decide.rows import (
     CHANGED, EMPTIED, INLINE, NO_ROOM, PLANES, UNCHANGED, change_bits, change_worker_bits, dense_planes,
     rows_with_bit, spill, spilled_into,
 )

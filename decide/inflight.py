@@ -38,8 +38,8 @@ from kvledger.events import WorkerId
 from kvledger.reuse import ReuseRequest
 from kvledger.settings import ReuseSettings
 
-from decide.backend import RankingBackend
-from decide.ranked import PREFIX_ANY, REASONS, AnswerBatch, AnswerTexts, Clock, sequence_hashes_of
+from kvledger.decide.backend import RankingBackend
+from kvledger.decide.ranked import PREFIX_ANY, REASONS, AnswerBatch, AnswerTexts, Clock, sequence_hashes_of
 
 
 @attrs.define

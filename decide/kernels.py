@@ -23,8 +23,8 @@ from kvledger import cost
 from kvledger.hashing import HASH_SEED
 
 # Sets numba's kernel cache folder before any kernel below is decorated.
-from decide.compiled import compiled as _compiled, inlined as _inlined, kernel_cache_dir  # noqa: F401
-from decide.rows import row_word
+from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined, kernel_cache_dir  # noqa: F401
+from kvledger.decide.rows import row_word
 
 # The cost model, compiled from its one definition.
 _recompute_ms = _inlined(cost.recompute_ms)

@@ -24,10 +24,10 @@ import numpy as np
 from kvledger.events import WorkerId
 from kvledger.hashing import local_block_hashes, sequence_hashes
 
-from decide.compact import lookup_rows
-from decide.index import NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, InventoryIndex
-from decide.protos import indexer_pb2 as pb
-from decide.rows import dense_planes
+from kvledger.decide.compact import lookup_rows
+from kvledger.decide.index import NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, InventoryIndex
+from kvledger.decide.protos import indexer_pb2 as pb
+from kvledger.decide.rows import dense_planes
 
 SERVICE = "indexer.v1.IndexerService"
 # llm-d's DefaultKVCacheBackendConfig; a tier missing here weighs 1.0, as in its scorer.

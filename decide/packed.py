@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from decide.compiled import compiled as _compiled, inlined as _inlined
-from decide.kernels import copy_bytes
+from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined
+from kvledger.decide.kernels import copy_bytes
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_texts = msgspec.msgpack.Decoder(list[bytes]).decode

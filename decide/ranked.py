@@ -24,9 +24,9 @@ from kvledger.events import Tier, WorkerId
 from kvledger.reuse import Candidate, Decision, Overlap, Reason, ReuseRequest, enabled_source_tiers
 from kvledger.settings import ReuseSettings, settings_digest
 
-from decide.index import InventoryIndex
-from decide.kernels import chain_hashes, relied_prefix_texts, repr_positions, write_ranked_answers
-from decide.packed import packed_requests, split_texts
+from kvledger.decide.index import InventoryIndex
+from kvledger.decide.kernels import chain_hashes, relied_prefix_texts, repr_positions, write_ranked_answers
+from kvledger.decide.packed import packed_requests, split_texts
 
 # Prefix classes reported per worker: the three native tiers alone, any native tier, and
 # native ∪ retained device (the target's baseline).

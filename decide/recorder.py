@@ -38,10 +38,10 @@ from kvledger.decision_codec import (
 from kvledger.reuse import ReuseRequest
 from kvledger.runtime.jetstream_ack import AckError, read_ack
 
-from decide.compiled import compiled as _compiled
-from decide.compiled import inlined as _inlined
-from decide.kernels import copy_bytes
-from decide.ranked import RequestArrays
+from kvledger.decide.compiled import compiled as _compiled
+from kvledger.decide.compiled import inlined as _inlined
+from kvledger.decide.kernels import copy_bytes
+from kvledger.decide.ranked import RequestArrays
 
 
 @attrs.frozen(eq=False)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from decide.compiled import compiled as _compiled, inlined as _inlined
+from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined
 
 
 INLINE = 8  # holders listed in a row before it spills into a bitmask row

@@ -55,13 +55,13 @@ from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.entry import run_stage
 from kvledger.runtime.system import install_stop_signals
 
-from decide.backend import RankingBackend, choose_backend
-from decide.batching import MicroBatcher
-from decide.cpu import compile_kernels
-from decide.dynamo_indexer import DynamoIndexerApi
-from decide.index import InventoryIndex
-from decide.inflight import InflightLedger, InflightRouting
-from decide.media import (
+from kvledger.decide.backend import RankingBackend, choose_backend
+from kvledger.decide.batching import MicroBatcher
+from kvledger.decide.cpu import compile_kernels
+from kvledger.decide.dynamo_indexer import DynamoIndexerApi
+from kvledger.decide.index import InventoryIndex
+from kvledger.decide.inflight import InflightLedger, InflightRouting
+from kvledger.decide.media import (
     MEDIA_TYPES,
     EncodedAnswers,
     Parsed,
@@ -70,17 +70,17 @@ from decide.media import (
     encoded_response,
     json_bytes,
 )
-from decide.metrics import DecideMetrics
-from decide.ranked import AnswerTexts
-from decide.recorder import DecisionRecorder, RecordBatch, Texts, compile_record_kernels, request_header_texts
-from decide.shadow import ShadowDecisions, ShadowTexts, compile_shadow_kernels, shadow_reuse
-from decide.startup import StartupError, seconds_since_process_start, settle_subscriptions
-from decide.stream_loss import (
+from kvledger.decide.metrics import DecideMetrics
+from kvledger.decide.ranked import AnswerTexts
+from kvledger.decide.recorder import DecisionRecorder, RecordBatch, Texts, compile_record_kernels, request_header_texts
+from kvledger.decide.shadow import ShadowDecisions, ShadowTexts, compile_shadow_kernels, shadow_reuse
+from kvledger.decide.startup import StartupError, seconds_since_process_start, settle_subscriptions
+from kvledger.decide.stream_loss import (
     CHECK_ERRORS, MSG_ID_HEADER, NO_POSITION, StreamRegression, stream_regression, trusted_snapshot,
 )
 
 if TYPE_CHECKING:
-    from decide.grpc_front import GrpcFront
+    from kvledger.decide.grpc_front import GrpcFront
 
 log = logging.getLogger("kvledger.decide")
 
@@ -196,7 +196,7 @@ class DecideService(AsyncLifetime):
         # --- gRPC front (decide/grpc_front.py): SGLang's KVIndexer and llm-d's IndexerService ---
         if settings.decide.grpc_listen is not None:
             # Imported only here: grpc and protobuf are about 20 MB of a decide process that serves no gRPC.
-            from decide.grpc_front import GrpcFront, load_router_settings
+            from kvledger.decide.grpc_front import GrpcFront, load_router_settings
 
             self.grpc = GrpcFront(lambda: self.index, self.metrics, settings.decide.grpc_listen,
                                   routers=load_router_settings(settings.decide.grpc_routers),

@@ -26,11 +26,11 @@ import numpy as np
 
 from kvledger.events import Provenance, Tier, WorkerId
 
-from decide.compact import TIER_CODE, find_entry, lookup_rows
-from decide.compiled import compiled
-from decide.index import MISSING_ROW, NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, InventoryIndex
-from decide.protos import kv_indexer_pb2 as pb
-from decide.rows import dense_planes
+from kvledger.decide.compact import TIER_CODE, find_entry, lookup_rows
+from kvledger.decide.compiled import compiled
+from kvledger.decide.index import MISSING_ROW, NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, InventoryIndex
+from kvledger.decide.protos import kv_indexer_pb2 as pb
+from kvledger.decide.rows import dense_planes
 
 SERVICE = "kv_indexer.v1.KVIndexer"
 # sgl-kv-indexer's protocol bounds (service.rs) and its in-memory backend's prefix scan cap.

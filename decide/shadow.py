@@ -30,20 +30,20 @@ from kvledger.decision_codec import MAX_RELIED_BLOCKS, shadow_header
 from kvledger.reuse import ReuseRequest
 from kvledger.settings import ReuseSettings, Settings, enabled_reuse, reuse_settings_from, settings_digest, SettingsError
 
-from decide.backend import RankingBackend
-from decide.compiled import compiled as _compiled
-from decide.cpu import CpuBackend, KernelSettings, _scan, rank_arguments
-from decide.kernels import (
+from kvledger.decide.backend import RankingBackend
+from kvledger.decide.compiled import compiled as _compiled
+from kvledger.decide.cpu import CpuBackend, KernelSettings, _scan, rank_arguments
+from kvledger.decide.kernels import (
     _block_us, _put, _put_integer, _put_number, _put_slice, _recompute_ms, _transfer_ms, needs_repr,
     rank_requests, relied_prefix_texts, repr_texts_of, write_ranked_answers,
 )
-from decide.packed import split_text_pairs
-from decide.ranked import (
+from kvledger.decide.packed import split_text_pairs
+from kvledger.decide.ranked import (
     NO_TEXT, REASONS, AnswerTexts, Clock, PerSettings, RequestArrays, WorkerTexts, _texts, answer_endings,
     answer_pieces, digest_of,
 )
-from decide.recorder import Texts
-from decide.startup import StartupError
+from kvledger.decide.recorder import Texts
+from kvledger.decide.startup import StartupError
 
 
 def shadow_reuse(settings: Settings) -> ReuseSettings | None:
@@ -116,8 +116,8 @@ def shares_the_live_ranking(backend: RankingBackend, requests: Sequence[ReuseReq
 
 def compile_shadow_kernels(live: ReuseSettings, shadow: ReuseSettings) -> None:
     """Compile (or load from the kernel cache) `answer_with_shadow`'s kernels, so the first batch does not wait."""
-    from decide.cpu import WARM_UP_REQUEST
-    from decide.index import InventoryIndex
+    from kvledger.decide.cpu import WARM_UP_REQUEST
+    from kvledger.decide.index import InventoryIndex
 
     answer_with_shadow(CpuBackend(InventoryIndex()), [WARM_UP_REQUEST, WARM_UP_REQUEST], live, shadow)
 

@@ -21,7 +21,7 @@ import nats.js.errors
 from kvledger.snapshot import SnapshotError, StreamPosition, decode_snapshot, snapshot_position
 from kvledger.runtime.streams import SNAPSHOTS_BUCKET, snapshot_seq
 
-from decide.index import InventoryIndex
+from kvledger.decide.index import InventoryIndex
 
 log = logging.getLogger("kvledger.decide")
 

@@ -35,11 +35,11 @@ from kvledger.decision_codec import MAX_RELIED_BLOCKS
 from kvledger.events import EventBatch, Provenance, Tier, WorkerId
 from kvledger.settings import ReuseSettings
 
-from decide.compiled import compiled as _compiled
-from decide.cpu import KernelSettings
-from decide.index import CLASSES, InventoryIndex
-from decide.kernels import chain_hashes, fill_table, probe, rank_requests
-from decide.rows import INLINE, PLANES, change_bit, has_bit
+from kvledger.decide.compiled import compiled as _compiled
+from kvledger.decide.cpu import KernelSettings
+from kvledger.decide.index import CLASSES, InventoryIndex
+from kvledger.decide.kernels import chain_hashes, fill_table, probe, rank_requests
+from kvledger.decide.rows import INLINE, PLANES, change_bit, has_bit
 
 FOREVER = np.iinfo(np.int64).max
 NO_SLOT = -1  # a worker the index does not hold

@@ -29,16 +29,16 @@ import nats.js.errors
 import zmq
 import zmq.asyncio
 
-from ingest.endpoints import StreamSource
-from ingest.incarnation import Incarnation, is_restart_marker, judge, same_engine_batch
-from ingest.liveness import BATCH_ARRIVED, DISCONNECTED, NEVER_CONNECTED, EngineWatch, heartbeat_ms, liveness_batch
-from ingest.metrics import IngestMetrics
-from ingest.publisher import JetStreamPublisher, Queued, StreamCheckIncomplete
-from ingest.replay import ReplayClient
-from ingest.sequence import Emit, SequenceTracker
-from ingest.stream_loss import AckedPositions, LostBatch, Position, plan_repair
-from ingest.subscriber import EngineSubscriber
-from ingest.wire import EngineBatch, WireError, decode_payload, split_publisher_frames, well_framed_seq
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.ingest.incarnation import Incarnation, is_restart_marker, judge, same_engine_batch
+from kvledger.ingest.liveness import BATCH_ARRIVED, DISCONNECTED, NEVER_CONNECTED, EngineWatch, heartbeat_ms, liveness_batch
+from kvledger.ingest.metrics import IngestMetrics
+from kvledger.ingest.publisher import JetStreamPublisher, Queued, StreamCheckIncomplete
+from kvledger.ingest.replay import ReplayClient
+from kvledger.ingest.sequence import Emit, SequenceTracker
+from kvledger.ingest.stream_loss import AckedPositions, LostBatch, Position, plan_repair
+from kvledger.ingest.subscriber import EngineSubscriber
+from kvledger.ingest.wire import EngineBatch, WireError, decode_payload, split_publisher_frames, well_framed_seq
 from kvledger.events import (
     DeadLetter, EventBatch, Gap, GapReason, Provenance, Reachability, decode_batch, encode_batch,
     encode_dead_letter, events_subject, liveness_subject,

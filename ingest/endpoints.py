@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from ingest.wire import Engine
+from kvledger.ingest.wire import Engine
 from kvledger.events import Provenance, WorkerId, validate_publisher
 
 

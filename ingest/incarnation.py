@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import attrs
 
-from ingest.wire import Engine, WireError, decode_payload
+from kvledger.ingest.wire import Engine, WireError, decode_payload
 from kvledger.events import EventBatch, Gap, GapReason
 
 

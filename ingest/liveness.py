@@ -28,9 +28,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ingest.endpoints import StreamSource
-from ingest.replay import ReplayClient
-from ingest.subscriber import EngineSubscriber
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.ingest.replay import ReplayClient
+from kvledger.ingest.subscriber import EngineSubscriber
 from kvledger.events import EventBatch, Reachability
 from kvledger.runtime.lifetime import cancel_and_wait
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from kvledger.runtime.metrics import MetricSet
 
 if TYPE_CHECKING:
-    from ingest.bridge import EngineStream
-    from ingest.publisher import JetStreamPublisher
+    from kvledger.ingest.bridge import EngineStream
+    from kvledger.ingest.publisher import JetStreamPublisher
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 

@@ -44,7 +44,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
-from ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError, ServerPool, msg_id_header
+from kvledger.ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError, ServerPool, msg_id_header
 
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.jetstream_ack import AckError, read_ack
@@ -56,7 +56,7 @@ from kvledger.runtime.streams import StreamConflictError, StreamSpec, ensure_str
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
 
-    from ingest.stream_loss import AckedPositions
+    from kvledger.ingest.stream_loss import AckedPositions
 
 log = logging.getLogger("kvledger.ingest.publisher")
 

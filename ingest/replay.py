@@ -7,7 +7,7 @@ import asyncio
 import zmq
 import zmq.asyncio
 
-from ingest.wire import WireError, replay_request, split_replay_frames
+from kvledger.ingest.wire import WireError, replay_request, split_replay_frames
 
 # A probe asks for the batches from a seq no engine reaches: a live engine answers with the
 # end marker alone, so its answer costs it nothing however much it buffers.

@@ -6,8 +6,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from ingest.bridge import Bridge
-from ingest.endpoints import EndpointError, parse_endpoints, stream_sources
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import EndpointError, parse_endpoints, stream_sources
 from kvledger.runtime.nats_options import describe_server
 from kvledger.settings import Settings
 from kvledger.runtime.entry import run_stage

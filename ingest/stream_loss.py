@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import attrs
 
-from ingest.sequence import Emit
+from kvledger.ingest.sequence import Emit
 from kvledger.events import Gap, GapReason
 from kvledger.runtime.memory import mapped_words
 

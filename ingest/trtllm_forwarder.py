@@ -27,8 +27,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ingest.endpoints import with_port_offset
-from ingest.wire import END_OF_REPLAY_SEQ
+from kvledger.ingest.endpoints import with_port_offset
+from kvledger.ingest.wire import END_OF_REPLAY_SEQ
 
 log = logging.getLogger("kvledger.trtllm")
 

@@ -6,7 +6,7 @@ migrations run on the same engine (and the same SQLite file lock) as the caller.
 
 from alembic import context
 
-from store.tables import metadata
+from kvledger.store.tables import metadata
 
 connection = context.config.attributes.get("connection")
 if connection is None:

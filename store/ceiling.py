@@ -30,8 +30,8 @@ from kvledger.events import Tier, WorkerId
 from kvledger.hashing import sequence_hashes
 from kvledger.reuse import LOCAL_TIERS
 from kvledger.settings import ReuseSettings
-from store.audit import Query
-from store.replay import ReplayRefused, sql_refusal
+from kvledger.store.audit import Query
+from kvledger.store.replay import ReplayRefused, sql_refusal
 
 CEILING_REQUESTS = Query(
     "ceiling_requests",

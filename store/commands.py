@@ -15,15 +15,15 @@ import sqlalchemy as sa
 
 from kvledger.events import Tier, WorkerId
 from kvledger.settings import Settings
-from store import database
-from store.audit import Audit
-from store.pruning import HistoryPruned
-from store.tables import parse_hash
+from kvledger.store import database
+from kvledger.store.audit import Audit
+from kvledger.store.pruning import HistoryPruned
+from kvledger.store.tables import parse_hash
 
 
 def run_store(settings: Settings) -> int:
     from kvledger.runtime.entry import run_stage
-    from store.projector import serve
+    from kvledger.store.projector import serve
 
     return run_stage("store", lambda: serve(settings), refusals=(database.SchemaError,))
 
@@ -338,8 +338,8 @@ _CEILING_COLUMNS = ("policy", "requests", "request_blocks", "hit_blocks", "prefi
 
 def _ceiling(connection: sa.Connection, settings: Settings, as_json: bool) -> int:
     """kvledger's achieved prefix hits beside round-robin's and an oracle's on the same requests (store/ceiling.py)."""
-    from store.ceiling import ceiling
-    from store.replay import ReplayRefused
+    from kvledger.store.ceiling import ceiling
+    from kvledger.store.replay import ReplayRefused
 
     try:
         report = ceiling(connection, settings.reuse)
@@ -352,8 +352,8 @@ def _ceiling(connection: sa.Connection, settings: Settings, as_json: bool) -> in
 
 def ceiling_figures(url: str, reuse) -> dict[str, object] | None:
     """The oracle's, round-robin's and kvledger's prefix hits on the ledger's recorded requests (None: none)."""
-    from store.ceiling import ceiling
-    from store.replay import ReplayRefused
+    from kvledger.store.ceiling import ceiling
+    from kvledger.store.replay import ReplayRefused
 
     with database.opened(url) as engine, engine.connect() as connection:
         try:

@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from store import tables
+from kvledger.store import tables
 
 log = logging.getLogger("kvledger.store")
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 
 from kvledger.runtime.resources import data_dir
-from store.transactions import SQLITE_CONNECT_ARGS, apply_sqlite_pragmas
+from kvledger.store.transactions import SQLITE_CONNECT_ARGS, apply_sqlite_pragmas
 
 # Alembic is imported where migrations are read or run, not here: store's writer process
 # opens a connection with this module and starts a tenth of a second sooner without it.

@@ -42,24 +42,24 @@ from kvledger.runtime.http import HttpFront, health_routes
 from kvledger.runtime.metrics import MetricSet
 from kvledger.settings import Settings
 from kvledger.runtime.streams import dead_letters_stream, decisions_stream, ensure_stream, events_stream
-from store import tables
-from store.changes import ChangeBuilder, ChangeSet, ResidencyIndex
-from store.database import create_engine, require_current
-from store.gc_policy import young_collections_deferred
+from kvledger.store import tables
+from kvledger.store.changes import ChangeBuilder, ChangeSet, ResidencyIndex
+from kvledger.store.database import create_engine, require_current
+from kvledger.store.gc_policy import young_collections_deferred
 from kvledger.runtime.system import install_stop_signals
-from store.cursor import SqlIdentity, StreamCursor, Verdict, ledger_high, msg_id_of
-from store.jetstream import (
+from kvledger.store.cursor import SqlIdentity, StreamCursor, Verdict, ledger_high, msg_id_of
+from kvledger.store.jetstream import (
     ConsumerWatch, SkippedMessagesError, StreamRegressedError, bind_consumer, connect, fetch, stream_seq,
 )
-from store.recorder import PlacementIds, last_ingest_ts, load_fold, read_checkpoint
-from store.transactions import CheckpointMoved, CheckpointRow
-from store.writer import RecorderProcess, WriterError, encode_changes
-from store.planner_statistics import PlannerStatistics
-from store.pruning import HistoryPruner
-from store.quality import QualityMetrics, QualityTracker, RelyOn, open_native_records
-from store.verdicts import VerdictSweeper, pending_rows, register_horizons
-from store.sharding import parse_shard
-from store.snapshots import SnapshotWriter
+from kvledger.store.recorder import PlacementIds, last_ingest_ts, load_fold, read_checkpoint
+from kvledger.store.transactions import CheckpointMoved, CheckpointRow
+from kvledger.store.writer import RecorderProcess, WriterError, encode_changes
+from kvledger.store.planner_statistics import PlannerStatistics
+from kvledger.store.pruning import HistoryPruner
+from kvledger.store.quality import QualityMetrics, QualityTracker, RelyOn, open_native_records
+from kvledger.store.verdicts import VerdictSweeper, pending_rows, register_horizons
+from kvledger.store.sharding import parse_shard
+from kvledger.store.snapshots import SnapshotWriter
 
 log = logging.getLogger("kvledger.store")
 

@@ -23,7 +23,7 @@ import attrs
 import sqlalchemy as sa
 
 from kvledger.settings import StoreSettings
-from store import tables
+from kvledger.store import tables
 
 log = logging.getLogger("kvledger.store")
 

@@ -8,11 +8,11 @@ import sqlalchemy as sa
 
 from kvledger.events import Provenance, Tier, WorkerId
 from kvledger.fold import BlockRecord, InventoryFold, ProvenancePosition
-from store import tables
-from store.changes import PLACEMENT_COLUMNS, ResidencyIndex
-from store.sharding import SINGLE, Shard
-from store.tables import to_unsigned
-from store.transactions import EVENTS_CHECKPOINT, Recorder, recorder_for
+from kvledger.store import tables
+from kvledger.store.changes import PLACEMENT_COLUMNS, ResidencyIndex
+from kvledger.store.sharding import SINGLE, Shard
+from kvledger.store.tables import to_unsigned
+from kvledger.store.transactions import EVENTS_CHECKPOINT, Recorder, recorder_for
 
 
 class PlacementIds:

@@ -49,12 +49,12 @@ from kvledger.fold import InventoryFold
 from kvledger.reuse import Decision, ReuseRequest
 from kvledger.runtime.streams import DECISIONS_SUBJECT
 from kvledger.settings import ReuseSettings, StreamSettings, settings_digest
-from store.audit import Query, run
-from store import tables
-from store.pruning import DECISIONS_PRUNED, pruned_through
-from store.quality import judge
-from store.tables import to_signed
-from store.verdicts import first_seq_at_or_after
+from kvledger.store.audit import Query, run
+from kvledger.store import tables
+from kvledger.store.pruning import DECISIONS_PRUNED, pruned_through
+from kvledger.store.quality import judge
+from kvledger.store.tables import to_signed
+from kvledger.store.verdicts import first_seq_at_or_after
 
 # Each recorded decision in the window with its request, and its horizon seq as the quality
 # audit computes it (the seq just before the first event ingested at or after decided_ts +

@@ -20,7 +20,7 @@ from kvledger.fold import InventoryFold
 from kvledger.settings import StoreSettings
 from kvledger.snapshot import StreamPosition, encode_snapshot
 from kvledger.runtime.streams import SNAPSHOTS_BUCKET, snapshot_object_name, snapshot_seq
-from store import tables
+from kvledger.store import tables
 
 log = logging.getLogger("kvledger.store")
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from store.changes import (
+from kvledger.store.changes import (
     DEAD_LETTER_COLUMNS,
     EVENT_LOG_COLUMNS,
     REMOVAL_COLUMNS,

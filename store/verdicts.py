@@ -32,9 +32,9 @@ from collections.abc import Iterable, Sequence
 
 import sqlalchemy as sa
 
-from store import tables
-from store.changes import VERDICT_COLUMNS
-from store.sharding import sharded_events_checkpoint
+from kvledger.store import tables
+from kvledger.store.changes import VERDICT_COLUMNS
+from kvledger.store.sharding import sharded_events_checkpoint
 
 log = logging.getLogger("kvledger.store.verdicts")
 

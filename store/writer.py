@@ -2,7 +2,7 @@
 
 The fold and the SQL drivers are both CPU-bound Python; in one process they take turns
 on the GIL, so overlapping them in threads gains nothing. The child (`python -m
-store.writer`) owns the database connection; the parent sends each ChangeSet pickled
+kvledger.store.writer`) owns the database connection; the parent sends each ChangeSet pickled
 over the child's stdin and reads "committed" or the error from its stdout. The child
 dies with its parent (PR_SET_PDEATHSIG), so a kill -9 of the projector also ends the
 transaction in flight, which the database rolls back.
@@ -25,7 +25,7 @@ import subprocess
 import sys
 from typing import BinaryIO
 
-from store.changes import ChangeSet
+from kvledger.store.changes import ChangeSet
 
 _LENGTH = struct.Struct(">Q")
 
@@ -79,8 +79,8 @@ def serve(stream_name: str, requests: BinaryIO, replies: BinaryIO, checkpoint_na
     ends at EOF or on an error."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from store.gc_policy import defer_young_collections
-    from store.transactions import connect_driver, recorder_for
+    from kvledger.store.gc_policy import defer_young_collections
+    from kvledger.store.transactions import connect_driver, recorder_for
 
     defer_young_collections()  # each unpickled ChangeSet is some 10 000 lists at once
 
@@ -124,12 +124,12 @@ class RecorderProcess:
     overlaps_folding = True
 
     def __init__(self, url: str, stream: str, checkpoint_name: str = "events") -> None:
-        from store.database import driver_connect_args
+        from kvledger.store.database import driver_connect_args
 
         connect_args = driver_connect_args(url)  # a URL it cannot open fails here, in the parent
         # Started from the event loop's thread: the death signal is tied to the starting thread.
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "store.writer", stream, _without_password(url), str(os.getpid()), checkpoint_name],
+            [sys.executable, "-m", "kvledger.store.writer", stream, _without_password(url), str(os.getpid()), checkpoint_name],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )  # fmt: skip
         # The connect arguments may hold a database password: they go down the pipe, never

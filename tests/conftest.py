@@ -113,7 +113,7 @@ def nats_cluster() -> Iterator["cluster.LocalNatsCluster"]:
 @pytest.fixture(params=["sqlite", "postgres"])
 def db_url(request: pytest.FixtureRequest) -> str:
     """An upgraded database, once on SQLite and once on PostgreSQL: the store's contract holds on both."""
-    from store import database
+    from kvledger.store import database
 
     url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
     with database.opened(url) as engine:
@@ -131,7 +131,7 @@ def db_pair(request: pytest.FixtureRequest, tmp_path: Path):
         server = request.getfixturevalue("postgres_server")
         created = [f"kvledger_fault_{uuid.uuid4().hex[:12]}" for _ in range(2)]
         urls = [server.create_database(name) for name in created]
-    from store import database
+    from kvledger.store import database
 
     for url in urls:
         with database.opened(url) as engine:

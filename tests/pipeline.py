@@ -16,18 +16,18 @@ import sys
 import nats
 import sqlalchemy as sa
 
-from decide.service import DecideService
+from kvledger.decide.service import DecideService
 from engines import http_get, wait_until
-from ingest.bridge import Bridge
-from ingest.endpoints import StreamSource
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
 from kvledger.sim.fleet import SimulatedFleet
 from kvledger.events import Provenance, Tier, WorkerId
 from kvledger.runtime.nats_options import connect_options
 from kvledger.settings import Settings, load_settings
 from kvledger.runtime.streams import DECIDE_SUBJECT
 from services import free_ports
-from store import database
-from store.projector import StoreService
+from kvledger.store import database
+from kvledger.store.projector import StoreService
 
 U64 = 1 << 64
 

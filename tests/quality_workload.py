@@ -20,11 +20,11 @@ import sqlalchemy as sa
 from kvledger.events import WorkerId
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
 from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
-from store import database
+from kvledger.store import database
 from engines import wait_until
 from store_harness import RunningStore, checkpoint, store_settings
 
-from decide.service import DecideService
+from kvledger.decide.service import DecideService
 
 SOURCE, TARGET, TARGET2, OTHER = WorkerId("source", 1), WorkerId("target"), WorkerId("target2"), WorkerId("other")
 HIGH = 1 << 63  # the source's engine hashes are >= 2^63

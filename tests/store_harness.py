@@ -36,9 +36,9 @@ from kvledger.events import (
 from kvledger.fold import InventoryFold
 from kvledger.settings import Settings, load_settings
 from kvledger.runtime.streams import events_stream
-from store import audit, database
+from kvledger.store import audit, database
 from kvledger.runtime.streams import ensure_stream
-from store.projector import StoreService
+from kvledger.store.projector import StoreService
 from services import libpq_url
 
 DEADLINE_S = 60.0

@@ -249,7 +249,7 @@ def test_round_robin_lru_against_a_plain_one_with_warm_starts() -> None:
 
 def test_capacity_is_the_most_distinct_blocks_held_at_once() -> None:
     from kvledger.events import WorkerId
-    from store.ceiling import _OPEN, _Stays, held_at, most_held
+    from kvledger.store.ceiling import _OPEN, _Stays, held_at, most_held
 
     # (worker, hash, stored, slot, removed): worker 0 holds block 1 on device over [1, 5) and on host from
     # 3 (once, not twice), block 3 over [2, 5) and block 2 from 5, when block 3 goes: 2 at most.
@@ -272,8 +272,8 @@ async def test_the_ceiling_of_the_scripted_workload_from_sql(nats_server, db_url
     1-3 and bypasses 40 41; hint2 hits all 12: 23. Round-robin (source/1, target, target2 in worker order):
     8 + 3 + 2 = 13. Achieved, each target's own prefix (reuse is off): 3 + 3 + 2 = 8."""
     from builders import BLOCK_SIZE
-    from store import database, tables
-    from store.ceiling import ceiling as sql_ceiling
+    from kvledger.store import database, tables
+    from kvledger.store.ceiling import ceiling as sql_ceiling
     from test_decide_shadow import shadow_settings
     from test_replay import _record_workload
 

@@ -36,7 +36,7 @@ from builders import BLOCK_SIZE, local_hashes, publish
 from engines import wait_until
 from test_decide_service import DEADLINE_S, ask, decide_settings, http, request_body, scenario
 
-from decide.service import DecideService
+from kvledger.decide.service import DecideService
 
 pytestmark = pytest.mark.service
 

@@ -23,7 +23,7 @@ import nats.errors
 import pytest
 
 from cluster import LocalNatsCluster
-from decide.service import DecideService
+from kvledger.decide.service import DecideService
 from engines import read_stream, wait_until
 from kvledger.sim.fleet import SimulatedFleet
 from kvledger.decision_codec import decision_to_json
@@ -33,8 +33,8 @@ from kvledger.runtime.nats_options import connect_options
 from kvledger.reuse import ReuseRequest, decide
 from kvledger.sim.workload import DEMO_BLOCK_SIZE, Request, request_tokens, synthetic_requests
 from pipeline import IngestProcess, Pipeline, pipeline_settings, truth_inventory
-from store import database
-from store.projector import EVENTS_DURABLE
+from kvledger.store import database
+from kvledger.store.projector import EVENTS_DURABLE
 from store_harness import StoreProcess
 
 pytestmark = pytest.mark.service
@@ -371,7 +371,7 @@ async def test_kill_9_of_the_node_ingest_publishes_through_mid_stream_loses_and_
 
 async def test_snapshots_on_a_cluster_are_replicated_as_the_streams(nats_cluster, sqlite_url) -> None:
     # A snapshot lets decide start warm; at R1 it would vanish with the one node that holds it.
-    from store.snapshots import SnapshotWriter
+    from kvledger.store.snapshots import SnapshotWriter
 
     settings = pipeline_settings(nats_cluster.urls, sqlite_url, **{"stream.replicas": REPLICAS})
     with database.opened(sqlite_url) as engine:

@@ -53,7 +53,7 @@ from kvledger.events import GapReason
 from kvledger.sim.fleet import SimulatedFleet
 from kvledger.sim.workload import DEMO_BLOCK_SIZE, synthetic_requests
 from pipeline import Pipeline, pipeline_settings, truth_inventory
-from store import audit, database
+from kvledger.store import audit, database
 from test_e2e import REUSE_ON, assert_decide_matches_reference, batches_sent, serve_round_robin
 from test_e2e_stream_loss import _assert_truth, _every_engine_batch, _sql_identities
 

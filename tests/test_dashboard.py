@@ -10,11 +10,11 @@ from pathlib import Path
 import yaml
 from prometheus_client import generate_latest
 
-from decide.metrics import DecideMetrics
-from ingest.metrics import IngestMetrics
-from ingest.publisher import JetStreamPublisher
+from kvledger.decide.metrics import DecideMetrics
+from kvledger.ingest.metrics import IngestMetrics
+from kvledger.ingest.publisher import JetStreamPublisher
 from kvledger.settings import NatsSettings
-from store.projector import StoreMetrics
+from kvledger.store.projector import StoreMetrics
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "kvledger.json"
@@ -82,7 +82,7 @@ def test_label_values_known_up_front_show_at_zero_before_their_first_event() -> 
     rewind or refused request must find its series already there, at 0."""
     from kvledger.decision_codec import REQUEST_FIELDS
     from kvledger.settings import Settings
-    from store.projector import StoreService
+    from kvledger.store.projector import StoreService
 
     settings = Settings()
     store = StoreService(settings).metrics.text().decode()

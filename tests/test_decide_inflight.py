@@ -25,12 +25,12 @@ from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, ensur
 from kvledger.settings import load_settings
 from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
 from engines import wait_until
-from store import database
-from store.audit import Audit
+from kvledger.store import database
+from kvledger.store.audit import Audit
 from store_harness import RunningStore, checkpoint, store_settings
 from quality_workload import DEADLINE_S, at
 
-from decide.service import DecideService
+from kvledger.decide.service import DecideService
 
 pytestmark = pytest.mark.service
 

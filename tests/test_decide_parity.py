@@ -24,8 +24,8 @@ from kvledger.reuse import Reason, ReuseRequest, decide
 from kvledger.settings import ReuseSettings
 from builders import BLOCK_SIZE, Stream, local_hashes, stored
 
-from decide.index import InventoryIndex
-from decide.ranked import AnswerTexts
+from kvledger.decide.index import InventoryIndex
+from kvledger.decide.ranked import AnswerTexts
 from decide_inventories import batches, plain_batches, requests, reuse_settings
 
 BACKENDS = ("cpu", "cuda")
@@ -33,10 +33,10 @@ BACKENDS = ("cpu", "cuda")
 
 def make_backend(name: str, index: InventoryIndex):
     if name == "cpu":
-        from decide.cpu import CpuBackend
+        from kvledger.decide.cpu import CpuBackend
 
         return CpuBackend(index)
-    from decide.cuda import CudaBackend, device_unavailable_reason
+    from kvledger.decide.cuda import CudaBackend, device_unavailable_reason
 
     reason = device_unavailable_reason()
     if reason is not None:
@@ -47,7 +47,7 @@ def make_backend(name: str, index: InventoryIndex):
 @pytest.fixture(params=BACKENDS)
 def backend_name(request: pytest.FixtureRequest) -> str:
     if request.param == "cuda":
-        from decide.cuda import device_unavailable_reason
+        from kvledger.decide.cuda import device_unavailable_reason
 
         reason = device_unavailable_reason()
         if reason is not None:

@@ -18,8 +18,8 @@ from kvledger.decision_codec import RELIED_PREFIX_HEADER, REQUEST_HEADER, SHADOW
 from kvledger.events import WorkerId
 from kvledger.reuse import ReuseRequest
 
-from decide import recorder as recorder_module
-from decide.recorder import DecisionRecorder, DecisionsNotRecorded, RecordBatch, Texts, request_header_texts
+from kvledger.decide import recorder as recorder_module
+from kvledger.decide.recorder import DecisionRecorder, DecisionsNotRecorded, RecordBatch, Texts, request_header_texts
 
 pytestmark = pytest.mark.service
 

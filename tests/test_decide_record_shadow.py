@@ -18,9 +18,9 @@ from kvledger.events import WorkerId
 from kvledger.reuse import ReuseRequest
 from kvledger.settings import ReuseSettings
 
-from decide.cpu import CpuBackend
-from decide.index import InventoryIndex
-from decide.shadow import ShadowDecisions, answer_with_shadow, shares_the_live_ranking
+from kvledger.decide.cpu import CpuBackend
+from kvledger.decide.index import InventoryIndex
+from kvledger.decide.shadow import ShadowDecisions, answer_with_shadow, shares_the_live_ranking
 from builders import BLOCK_SIZE, local_hashes
 from decide_inventories import batches, plain_batches, requests, reuse_settings
 

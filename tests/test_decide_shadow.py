@@ -19,9 +19,9 @@ import sqlalchemy as sa
 from kvledger.decision_codec import SHADOW_HEADER, request_from_header, REQUEST_HEADER
 from kvledger.settings import ReuseSettings, enabled_reuse, load_settings, reuse_settings_from, settings_digest
 from builders import BLOCK_SIZE, local_hashes
-from store import audit as audit_queries
-from store import database
-from store.audit import Audit
+from kvledger.store import audit as audit_queries
+from kvledger.store import database
+from kvledger.store.audit import Audit
 from store_harness import assert_shell_agrees, checkpoint
 from quality_workload import decided_workload
 

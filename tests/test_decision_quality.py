@@ -21,12 +21,12 @@ import sqlalchemy as sa
 from kvledger.app.cli import main
 from kvledger.runtime.metrics import MetricSet
 from engines import wait_until
-from store import database
+from kvledger.store import database
 
-from store.audit import Audit
-from store.quality import QualityMetrics, QualityTracker
+from kvledger.store.audit import Audit
+from kvledger.store.quality import QualityMetrics, QualityTracker
 from kvledger.settings import load_settings
-from store import audit as audit_queries
+from kvledger.store import audit as audit_queries
 from store_harness import assert_shell_agrees, checkpoint
 from quality_workload import DEADLINE_S, decided_workload
 

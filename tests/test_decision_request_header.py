@@ -11,8 +11,8 @@ from kvledger.decision_codec import MAX_RELIED_BLOCKS, request_from_header, requ
 from kvledger.events import WorkerId
 from kvledger.reuse import ReuseRequest
 
-from decide.ranked import RequestArrays
-from decide.recorder import request_texts
+from kvledger.decide.ranked import RequestArrays
+from kvledger.decide.recorder import request_texts
 
 
 def _requests(count: int, seed: int = 1) -> list[ReuseRequest]:

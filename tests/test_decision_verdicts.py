@@ -27,15 +27,15 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from builders import Stream, local_hashes, publish, removed, stored
-from decide.service import DecideService
+from kvledger.decide.service import DecideService
 from engines import wait_until
 from kvledger.events import Cleared, Tier, WorkerId
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
 from kvledger.settings import load_settings
 from quality_reference import reference_verdicts
-from store import database, tables
-from store.changes import VERDICT_COLUMNS
-from store.verdicts import judge_into
+from kvledger.store import database, tables
+from kvledger.store.changes import VERDICT_COLUMNS
+from kvledger.store.verdicts import judge_into
 from store_harness import RunningStore, StoreProcess, checkpoint, store_settings
 
 pytestmark = pytest.mark.service

@@ -154,7 +154,7 @@ def test_flags_and_environment_load_as_settings(name: str, service_name: str) ->
 
 @pytest.mark.parametrize("name", COMPOSE_FILES)
 def test_ingest_names_an_endpoint_and_a_publisher(name: str) -> None:
-    from ingest.endpoints import parse_endpoints, stream_sources
+    from kvledger.ingest.endpoints import parse_endpoints, stream_sources
 
     argv = command_of(kvledger_services(name)["ingest"])
     args = build_parser().parse_args(argv)

@@ -24,11 +24,11 @@ import aiohttp
 import pytest
 import xxhash
 
-from decide.service import DecideService
+from kvledger.decide.service import DecideService
 from engines import engine_endpoints, wait_until
-from ingest.bridge import Bridge
-from ingest.endpoints import StreamSource
-from ingest.wire import Engine
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.ingest.wire import Engine
 from kvledger.decision_codec import request_from_json
 from kvledger.events import Provenance, Tier, WorkerId
 from kvledger.fold import InventoryFold

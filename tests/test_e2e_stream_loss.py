@@ -22,7 +22,7 @@ from kvledger.sim.fleet import SimulatedFleet
 from kvledger.sim.workload import DEMO_BLOCK_SIZE, synthetic_requests
 from pipeline import Pipeline, pipeline_settings, truth_inventory
 from services import copy_nats_store, restore_nats_store
-from store import audit, database
+from kvledger.store import audit, database
 from test_e2e import REUSE_ON, assert_decide_matches_reference, batches_sent, serve_round_robin
 
 pytestmark = pytest.mark.service

@@ -13,8 +13,8 @@ import pytest
 
 from builders import stored
 from kvledger.events import EventBatch, Provenance, WorkerId
-from store import audit, database
-from store.recorder import load_fold
+from kvledger.store import audit, database
+from kvledger.store.recorder import load_fold
 from store_harness import RunningStore, checkpoint, publish, store_settings
 
 pytestmark = pytest.mark.service

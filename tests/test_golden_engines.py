@@ -18,21 +18,21 @@ import nats
 import pytest
 import sqlalchemy as sa
 
-from decide.service import DecideService
+from kvledger.decide.service import DecideService
 from engines import engine_endpoints, wait_until
-from ingest.bridge import Bridge
-from ingest.endpoints import StreamSource
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
 from kvledger.sim.engine import SimulatedEngine
-from ingest.wire import Engine, _tier, decode_payload
+from kvledger.ingest.wire import Engine, _tier, decode_payload
 from kvledger.decision_codec import decision_to_json, request_from_json
 from kvledger.events import EventBatch, Provenance, Tier, WorkerId
 from kvledger.fold import InventoryFold
 from kvledger.reuse import decide, overlap_of
 from kvledger.runtime.streams import DECIDE_SUBJECT
 from pipeline import pipeline_settings
-from store import database
-from store.projector import StoreService
-from store.recorder import load_fold
+from kvledger.store import database
+from kvledger.store.projector import StoreService
+from kvledger.store.recorder import load_fold
 from test_e2e import REUSE_ON
 
 GOLDEN = Path(__file__).parent / "golden"

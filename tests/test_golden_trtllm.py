@@ -15,19 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from decide.service import DecideService
+from kvledger.decide.service import DecideService
 from engines import engine_endpoints, wait_until
-from ingest.bridge import Bridge
-from ingest.endpoints import StreamSource
-from ingest.trtllm_forwarder import LEVEL_MEDIUM, TrtllmEventMapper, TrtllmForwarder, encode_batch, forward_kv_events
-from ingest.wire import Engine, decode_payload
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.ingest.trtllm_forwarder import LEVEL_MEDIUM, TrtllmEventMapper, TrtllmForwarder, encode_batch, forward_kv_events
+from kvledger.ingest.wire import Engine, decode_payload
 from kvledger.decision_codec import request_from_json
 from kvledger.events import EventBatch, Gap, GapReason, Provenance, Tier, WorkerId
 from kvledger.fold import InventoryFold
 from kvledger.sim.engine import SimulatedEngine
 from pipeline import pipeline_settings
-from store import database
-from store.projector import StoreService
+from kvledger.store import database
+from kvledger.store.projector import StoreService
 from test_e2e import REUSE_ON
 from test_golden_engines import _checkpoint, _sql_inventory, _sql_scalar, decide_equals_reference, request_body
 

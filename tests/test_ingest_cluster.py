@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ingest.publish_connection import ServerPool
+from kvledger.ingest.publish_connection import ServerPool
 
 
 def test_the_pool_adds_what_the_cluster_announces_and_tries_the_server_left_last() -> None:

@@ -7,9 +7,9 @@ import pytest
 from nats.js.api import StorageType, StreamConfig
 
 from engines import settings_for
-from ingest.endpoints import EndpointError, EndpointSpec, parse_endpoint, parse_endpoints, stream_sources
-from ingest.publisher import JetStreamPublisher, StreamConflictError
-from ingest.wire import Engine
+from kvledger.ingest.endpoints import EndpointError, EndpointSpec, parse_endpoint, parse_endpoints, stream_sources
+from kvledger.ingest.publisher import JetStreamPublisher, StreamConflictError
+from kvledger.ingest.wire import Engine
 from kvledger.events import Provenance, WorkerId
 from kvledger.runtime.nats_options import connect_options, describe_server
 from kvledger.settings import NatsSettings

@@ -19,10 +19,10 @@ from engines import (
     SglangEngine, VllmEngine, engine_endpoints, engine_wheel, load_engine_kv_events, one_block, read_stream,
     settings_for, wait_until,
 )
-from ingest.bridge import Bridge
-from ingest.endpoints import StreamSource
-from ingest.incarnation import Incarnation, is_restart_marker, judge, same_engine_batch
-from ingest.wire import Engine, decode_payload
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.ingest.incarnation import Incarnation, is_restart_marker, judge, same_engine_batch
+from kvledger.ingest.wire import Engine, decode_payload
 from kvledger.events import EventBatch, Gap, GapReason, Provenance, Tier, WorkerId, decode_batch, encode_batch
 from kvledger.fold import InventoryFold
 from kvledger.sim.engine import SimulatedEngine

@@ -24,9 +24,9 @@ import zmq.asyncio
 from engines import (
     EngineProcess, engine_endpoints, engine_wheel, one_block, read_stream, settings_for, wait_until,
 )
-from ingest.bridge import Bridge
-from ingest.endpoints import StreamSource
-from ingest.liveness import BATCH_ARRIVED, DISCONNECTED, NEVER_CONNECTED, PUB_CONNECTED, REPLAY_ANSWERED, heartbeat_ms
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.ingest.liveness import BATCH_ARRIVED, DISCONNECTED, NEVER_CONNECTED, PUB_CONNECTED, REPLAY_ANSWERED, heartbeat_ms
 from kvledger.events import (
     ENGINE_BATCH_VERSION, SCHEMA_VERSION, EventBatch, Gap, GapReason, Provenance, Reachability, RecordError, Stored,
     Tier, WorkerId, decode_batch, encode_batch, is_liveness, liveness_subject,
@@ -35,8 +35,8 @@ from kvledger.fold import REASON_LIMIT, InventoryFold, ReachabilityFact
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import encode_vllm_batch
 from kvledger.snapshot import decode_snapshot, encode_snapshot
-from decide.index import CLASSES, NATIVE_DEVICE, InventoryIndex
-from store import audit, database
+from kvledger.decide.index import CLASSES, NATIVE_DEVICE, InventoryIndex
+from kvledger.store import audit, database
 from store_harness import project, store_settings
 from test_decide_index import held_by_class
 
@@ -382,7 +382,7 @@ def test_the_subscriber_heartbeat_lets_a_frozen_engine_drop_within_the_timeout()
 
 
 def test_store_keeps_each_unreachable_period_and_the_workers_reachability() -> None:
-    from store.changes import ChangeBuilder
+    from kvledger.store.changes import ChangeBuilder
 
     fold = InventoryFold()
     builder = ChangeBuilder(None, lambda values: 1)

@@ -10,8 +10,8 @@ import pytest
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from engines import read_stream, settings_for, wait_until
-from ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError
-from ingest.publisher import JetStreamPublisher
+from kvledger.ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError
+from kvledger.ingest.publisher import JetStreamPublisher
 from kvledger.runtime.embedded import EmbeddedNats
 from kvledger.runtime.nats_options import NatsAuthError, is_auth_error
 from kvledger.settings import NatsSettings

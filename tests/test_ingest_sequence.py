@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvledger.events import Gap, GapReason
-from ingest.sequence import SequenceTracker
+from kvledger.ingest.sequence import SequenceTracker
 
 
 class EngineBuffer:
@@ -124,7 +124,7 @@ async def test_the_first_replay_of_a_new_engine_starting_mid_buffer_is_incomplet
 
 
 def test_recent_digests_keep_the_last_limit_seqs_and_only_seqs_emitted() -> None:
-    from ingest.sequence import RecentDigests
+    from kvledger.ingest.sequence import RecentDigests
 
     recent = RecentDigests(8)
     for seq in [0, 1, 2, 3, 4, 9, 10, 11, 12, 13]:  # 5..8 never emitted, as after a gap

@@ -15,8 +15,8 @@ from collections.abc import Awaitable
 import pytest
 
 from engines import engine_endpoints, http_get, one_block, settings_for, wait_until
-from ingest.bridge import Bridge
-from ingest.endpoints import StreamSource
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.events import Provenance, WorkerId
 from services import free_ports

@@ -22,10 +22,10 @@ import nats.js.errors
 import pytest
 
 from engines import engine_endpoints, one_block, read_batches, read_stream, settings_for, wait_until
-from ingest.bridge import Bridge
-from ingest.endpoints import StreamSource
-from ingest.sequence import Emit
-from ingest.stream_loss import AckedPositions, Loss, LostBatch, LostRun, plan_repair
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.ingest.sequence import Emit
+from kvledger.ingest.stream_loss import AckedPositions, Loss, LostBatch, LostRun, plan_repair
 from kvledger.events import Gap, GapReason, Provenance, WorkerId
 from kvledger.runtime.streams import dead_letters_stream, ensure_stream, events_stream
 from kvledger.sim.engine import SimulatedEngine

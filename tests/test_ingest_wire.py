@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ingest import wire
-from ingest.wire import MEDIUM_TIERS, WireError, block_hash, decode_payload, replay_request, split_publisher_frames, split_replay_frames
+from kvledger.ingest import wire
+from kvledger.ingest.wire import MEDIUM_TIERS, WireError, block_hash, decode_payload, replay_request, split_publisher_frames, split_replay_frames
 from kvledger.sim.vllm import VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored, encode_vllm_batch
 from kvledger.events import Cleared, Removed, Stored, Tier
 from kvledger.hashing import local_block_hashes

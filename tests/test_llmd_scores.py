@@ -23,12 +23,12 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from tokenizers.processors import TemplateProcessing
 
-from decide.protos import indexer_pb2 as pb
-from decide.protos import indexer_pb2_grpc as pb_grpc
-from decide.service import DecideService
+from kvledger.decide.protos import indexer_pb2 as pb
+from kvledger.decide.protos import indexer_pb2_grpc as pb_grpc
+from kvledger.decide.service import DecideService
 from engines import engine_endpoints, wait_until
-from ingest.bridge import Bridge
-from ingest.endpoints import StreamSource
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
 from kvledger.events import Provenance, WorkerId
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored
@@ -255,8 +255,8 @@ async def test_bad_input_gets_llmds_status_codes_and_is_counted(nats_server, tmp
 
 
 async def test_a_bad_routers_file_stops_decide_at_startup(tmp_path: Path) -> None:
-    from decide.grpc_front import load_router_settings
-    from decide.startup import StartupError
+    from kvledger.decide.grpc_front import load_router_settings
+    from kvledger.decide.startup import StartupError
 
     routers = tmp_path / "routers.toml"
     routers.write_text(f'[llmd.models."{MODEL}"]\ntokenizer = "{tmp_path / "missing.json"}"\nblock_size = 4\n')

@@ -13,10 +13,10 @@ import pytest
 import sqlalchemy as sa
 
 from cluster import cluster_binary
-from decide.service import DecideService
+from kvledger.decide.service import DecideService
 from engines import wait_until
-from ingest.bridge import Bridge
-from ingest.endpoints import StreamSource
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
 from kvledger.client import NO_RETRIES, DecideClient, DecideRequest
 from kvledger.events import Provenance, WorkerId
 from kvledger.runtime.streams import DECIDE_SUBJECT
@@ -24,8 +24,8 @@ from kvledger.settings import load_settings
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockStored
 from services import LocalNatsServer, free_ports
-from store import database
-from store.projector import StoreService
+from kvledger.store import database
+from kvledger.store.projector import StoreService
 
 pytestmark = pytest.mark.service
 

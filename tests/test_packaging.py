@@ -37,11 +37,14 @@ def _run_from(site: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=site.parent, env=environment, capture_output=True, text=True, timeout=60)
 
 
-def test_the_wheel_contains_the_packages_and_data(installed_wheel: Path) -> None:
+def test_the_wheel_installs_one_namespace_with_the_stages_and_data_inside(installed_wheel: Path) -> None:
     [wheel] = installed_wheel.parent.glob("kvledger-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for package in ("kvledger", "ingest", "store", "decide"):
-        assert f"{package}/__init__.py" in names
+    top_level = {name.split("/", 1)[0] for name in names}
+    assert top_level == {"kvledger", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, top_level
+    for stage in ("ingest", "store", "decide"):  # every source file of the stage's folder, under kvledger/
+        shipped = {name for name in names if name.startswith(f"kvledger/{stage}/") and name.endswith(".py")}
+        assert shipped == {f"kvledger/{path.relative_to(REPO).as_posix()}" for path in (REPO / stage).rglob("*.py")}
     shipped_cuda = {n for n in names if n.startswith("kvledger/_data/cuda/")}
     assert shipped_cuda == {f"kvledger/_data/cuda/{p.name}" for p in (REPO / "cuda").iterdir() if p.is_file()}
     assert any(n.startswith("kvledger/_data/migrations/") for n in names)
@@ -58,6 +61,12 @@ def test_the_installed_wheel_finds_its_data_and_runs_config_show(installed_wheel
     assert Path(package_file).is_relative_to(installed_wheel)
     assert Path(cuda_dir) == installed_wheel / "kvledger" / "_data" / "cuda"
     assert Path(migrations_dir) == installed_wheel / "kvledger" / "_data" / "migrations"
+
+    stages = _run_from(installed_wheel, sys.executable, "-c",
+                       "import kvledger.ingest.bridge, kvledger.store.projector, kvledger.decide.service, sys; "
+                       "print(sorted(name for name in sys.modules if name.split('.')[0] in ('ingest', 'store', 'decide')))")
+    assert stages.returncode == 0, stages.stderr
+    assert stages.stdout.strip() == "[]"  # nothing imported under a bare stage name
 
     shown = _run_from(installed_wheel, str(installed_wheel / "bin" / "kvledger"), "config", "show")
     assert shown.returncode == 0, shown.stderr

@@ -15,9 +15,9 @@ import pytest
 
 from kvledger.app.cli import main as kvledger
 from kvledger.settings import ReuseSettings
-from store import database
-from store.ceiling import ceiling
-from store.commands import _parse_time
+from kvledger.store import database
+from kvledger.store.ceiling import ceiling
+from kvledger.store.commands import _parse_time
 from test_replay import _record_workload
 
 pytestmark = pytest.mark.service

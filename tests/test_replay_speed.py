@@ -27,8 +27,8 @@ from kvledger.app import replay as fast
 from kvledger.app.cli import main as kvledger
 from kvledger.runtime.embedded import EmbeddedNats
 from kvledger.settings import ReuseSettings, StreamSettings, reuse_settings_from
-from store import database
-from store import replay as reference
+from kvledger.store import database
+from kvledger.store import replay as reference
 
 pytestmark = pytest.mark.service
 

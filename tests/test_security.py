@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from engines import engine_endpoints, one_block, read_batches, wait_until
-from ingest.bridge import Bridge
-from ingest.endpoints import StreamSource
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.runtime.embedded import EmbeddedNats
 from kvledger.events import Provenance, WorkerId
@@ -34,9 +34,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 async def test_the_pipeline_runs_against_a_server_that_requires_a_login(locked_nats, tmp_path) -> None:
-    from decide.service import DecideService
-    from store import database
-    from store.projector import StoreService
+    from kvledger.decide.service import DecideService
+    from kvledger.store import database
+    from kvledger.store.projector import StoreService
     import asyncio
 
     db_url = f"sqlite:///{tmp_path / 'ledger.db'}"

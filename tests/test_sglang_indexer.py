@@ -20,13 +20,13 @@ import grpc
 import grpc.aio
 import pytest
 
-from decide.protos import kv_indexer_pb2 as pb
-from decide.protos import kv_indexer_pb2_grpc as pb_grpc
-from decide.service import DecideService
+from kvledger.decide.protos import kv_indexer_pb2 as pb
+from kvledger.decide.protos import kv_indexer_pb2_grpc as pb_grpc
+from kvledger.decide.service import DecideService
 from engines import engine_endpoints, wait_until
-from ingest.bridge import Bridge
-from ingest.endpoints import StreamSource
-from ingest.wire import Engine
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.ingest.wire import Engine
 from kvledger.events import Provenance, WorkerId
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored
@@ -291,10 +291,10 @@ async def test_bad_input_gets_sglangs_status_codes_and_is_counted(nats_server, t
 async def test_a_taken_port_stops_the_front_with_a_startup_error() -> None:
     import socket
 
-    from decide.grpc_front import GrpcFront
-    from decide.metrics import DecideMetrics
-    from decide.index import InventoryIndex
-    from decide.startup import StartupError
+    from kvledger.decide.grpc_front import GrpcFront
+    from kvledger.decide.metrics import DecideMetrics
+    from kvledger.decide.index import InventoryIndex
+    from kvledger.decide.startup import StartupError
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -307,8 +307,8 @@ async def test_a_taken_port_stops_the_front_with_a_startup_error() -> None:
 
 def test_placements_are_by_engine_hash_per_worker_plain_promoted_or_joined_midway() -> None:
     """Every kind of worker the index holds is asked by its own engine hashes, as sgl-kv-indexer keys placements."""
-    from decide.index import InventoryIndex
-    from decide.sglang_indexer import SglangIndexer
+    from kvledger.decide.index import InventoryIndex
+    from kvledger.decide.sglang_indexer import SglangIndexer
     from kvledger.events import EventBatch, Stored, Tier
     from kvledger.hashing import local_block_hashes
 

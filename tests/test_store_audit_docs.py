@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from store import audit, database
+from kvledger.store import audit, database
 from store_harness import project, publish, recorded_stream, run_in_shell, store_settings
 
 pytestmark = pytest.mark.service

@@ -9,8 +9,8 @@ from __future__ import annotations
 import struct
 from array import array
 
-from store.changes import STAY_COLUMNS, NewStays, removal_runs
-from store.transactions import stays_copy_binary
+from kvledger.store.changes import STAY_COLUMNS, NewStays, removal_runs
+from kvledger.store.transactions import stays_copy_binary
 
 U64 = 1 << 64
 

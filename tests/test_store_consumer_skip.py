@@ -19,9 +19,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from builders import BLOCK_SIZE, local_hashes
 from kvledger.events import EventBatch, Provenance, Stored, Tier, WorkerId
-from store import database, tables
-from store.jetstream import _FAST_FETCH_ATTRIBUTES, fetch, first_gap, stream_seq
-from store.projector import EVENTS_DURABLE
+from kvledger.store import database, tables
+from kvledger.store.jetstream import _FAST_FETCH_ATTRIBUTES, fetch, first_gap, stream_seq
+from kvledger.store.projector import EVENTS_DURABLE
 from store_harness import RunningStore, checkpoint, publish, store_settings
 
 pytestmark = pytest.mark.service

@@ -29,7 +29,7 @@ def projector_process(nats_url: str, db_url: str, log_path: Path, http_port: int
 
 
 def _writers_of(url: str) -> list[int]:
-    """Live `python -m store.writer` processes writing to `url`."""
+    """Live `python -m kvledger.store.writer` processes writing to `url`."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -39,7 +39,7 @@ def _writers_of(url: str) -> list[int]:
             state = next(line for line in (entry / "status").read_text().splitlines() if line.startswith("State:"))
         except (OSError, StopIteration):
             continue
-        if b"store.writer" in arguments and url.encode() in arguments and "zombie" not in state:
+        if b"kvledger.store.writer" in arguments and url.encode() in arguments and "zombie" not in state:
             found.append(int(entry.name))
     return found
 

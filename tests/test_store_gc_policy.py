@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from store.gc_policy import young_collections_deferred
+from kvledger.store.gc_policy import young_collections_deferred
 
 
 @pytest.fixture

@@ -27,8 +27,8 @@ import services
 from engines import wait_until
 from kvledger.events import EventBatch
 from services import LocalPostgresCluster, ServiceUnavailable, libpq_url
-from store import database, tables
-from store.changes import VERDICT_COLUMNS
+from kvledger.store import database, tables
+from kvledger.store.changes import VERDICT_COLUMNS
 from store_harness import RunningStore, StoreProcess, checkpoint, content_digest, publish, store_settings
 from test_store_stream_loss import _assert_healed, _batches, _generations, _local, _publish_decisions
 

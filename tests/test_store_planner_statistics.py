@@ -7,8 +7,8 @@ import sqlalchemy as sa
 
 from builders import Stream, stored
 from kvledger.events import WorkerId
-from store import database
-from store.planner_statistics import LEAST_ROWS, analyze_due
+from kvledger.store import database
+from kvledger.store.planner_statistics import LEAST_ROWS, analyze_due
 
 from store_harness import RunningStore, checkpoint, poll, publish, store_settings
 

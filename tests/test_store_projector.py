@@ -19,11 +19,11 @@ from kvledger.events import EventBatch, Gap, GapReason, Provenance, Stored, Tier
 from kvledger.fold import InventoryFold
 from kvledger.snapshot import decode_snapshot
 from kvledger.runtime.streams import SNAPSHOTS_BUCKET
-from store import audit, database
+from kvledger.store import audit, database
 from kvledger.runtime.streams import ensure_stream
-from store.projector import StoreService
-from store.recorder import load_fold
-from store.tables import to_signed
+from kvledger.store.projector import StoreService
+from kvledger.store.recorder import load_fold
+from kvledger.store.tables import to_signed
 
 from store_harness import (
     BAD_RECORD,
@@ -115,9 +115,9 @@ async def test_health_metrics_and_redelivery_after_restart_change_nothing(nats_s
     before = content_digest(db_url)
 
     # Redelivery: a consumer handing the whole stream again (seq <= checkpoint) changes nothing.
-    from store.jetstream import ConsumerWatch, bind_consumer
-    from store.snapshots import SnapshotWriter
-    from store.writer import RecorderProcess
+    from kvledger.store.jetstream import ConsumerWatch, bind_consumer
+    from kvledger.store.snapshots import SnapshotWriter
+    from kvledger.store.writer import RecorderProcess
 
     service = StoreService(settings)
     projector = service.events

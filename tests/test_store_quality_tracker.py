@@ -12,8 +12,8 @@ import pytest
 from builders import stored
 from kvledger.events import Cleared, EventBatch, Provenance, Removed, Tier, WorkerId
 from kvledger.fold import InventoryFold
-from store.projector import StoreMetrics
-from store.quality import QualityTracker, open_native_records
+from kvledger.store.projector import StoreMetrics
+from kvledger.store.quality import QualityTracker, open_native_records
 
 HORIZON_S = 0.5
 SOURCE, OTHER, TARGET = WorkerId("source"), WorkerId("other"), WorkerId("target")

@@ -15,9 +15,9 @@ import pytest
 
 from kvledger.events import EventBatch, RecordError, decode_batch, encode_batch
 from kvledger.fold import InventoryFold
-from store import database
-from store.changes import ChangeBuilder
-from store.recorder import PlacementIds, load_fold, open_recorder, read_checkpoint
+from kvledger.store import database
+from kvledger.store.changes import ChangeBuilder
+from kvledger.store.recorder import PlacementIds, load_fold, open_recorder, read_checkpoint
 from store_harness import content_digest, fold_rows, fold_state, recorded_stream, reference_folds, sql_inventory_at
 
 pytestmark = pytest.mark.service

@@ -13,11 +13,11 @@ from alembic.runtime.migration import MigrationContext
 from kvledger.app.cli import main
 from kvledger.settings import Settings
 from kvledger.runtime.streams import StreamSpec, events_stream
-from store import database
-from store.database import SchemaError
+from kvledger.store import database
+from kvledger.store.database import SchemaError
 from kvledger.runtime.streams import StreamConflictError, ensure_stream
-from store.projector import StoreService
-from store.tables import metadata
+from kvledger.store.projector import StoreService
+from kvledger.store.tables import metadata
 from store_harness import store_settings
 
 pytestmark = pytest.mark.service

@@ -22,9 +22,9 @@ from kvledger.events import Cleared, EventBatch, Provenance, WorkerId
 from kvledger.reuse import ReuseRequest, decide
 from kvledger.settings import ReuseSettings, Settings
 from kvledger.runtime.streams import DECISIONS_SUBJECT, decisions_stream, ensure_stream
-from store import database
-from store.recorder import load_fold
-from store.sharding import Shard, ShardError, parse_shard
+from kvledger.store import database
+from kvledger.store.recorder import load_fold
+from kvledger.store.sharding import Shard, ShardError, parse_shard
 from test_store_faults import TRANSACTION_MESSAGES, _writers_of
 from store_harness import (
     StoreProcess,

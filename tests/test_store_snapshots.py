@@ -11,8 +11,8 @@ from kvledger.fold import InventoryFold
 from kvledger.settings import StoreSettings
 from kvledger.snapshot import decode_snapshot
 from kvledger.runtime.streams import SNAPSHOTS_BUCKET, snapshot_seq
-from store import database
-from store.snapshots import SnapshotWriter
+from kvledger.store import database
+from kvledger.store.snapshots import SnapshotWriter
 
 
 async def test_only_the_newest_snapshots_are_kept_in_the_bucket_and_the_manifest(nats_server, sqlite_url) -> None:

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from services import LocalNatsServer, find_nats_server
-from store import database
+from kvledger.store import database
 from store_harness import RunningStore, checkpoint, publish, recorded_stream, store_settings
 
 pytestmark = pytest.mark.service

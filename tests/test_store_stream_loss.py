@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from kvledger.events import EventBatch
 from kvledger.fold import InventoryFold
 from services import LocalNatsServer, copy_nats_store, restore_nats_store
-from store import audit, database, tables
+from kvledger.store import audit, database, tables
 from store_harness import RunningStore, checkpoint, publish, recorded_stream, store_settings
 
 pytestmark = pytest.mark.service

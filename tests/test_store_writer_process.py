@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from store import database
-from store.changes import ChangeSet
-from store.recorder import read_checkpoint
-from store.writer import RecorderProcess, WriterError, encode_changes
+from kvledger.store import database
+from kvledger.store.changes import ChangeSet
+from kvledger.store.recorder import read_checkpoint
+from kvledger.store.writer import RecorderProcess, WriterError, encode_changes
 
 
 def test_the_writer_process_imports_no_sqlalchemy() -> None:
-    # What `python -m store.writer` and an unpickled ChangeSet import: SQLAlchemy's import
+    # What `python -m kvledger.store.writer` and an unpickled ChangeSet import: SQLAlchemy's import
     # alone took longer than the rest of the writer's start.
     probe = (
-        "import sys; import store.writer, store.transactions, store.gc_policy, "
-        "store.changes; print(sorted(m for m in sys.modules if m.split('.')[0] in ('sqlalchemy', 'alembic')))"
+        "import sys; import kvledger.store.writer, kvledger.store.transactions, kvledger.store.gc_policy, "
+        "kvledger.store.changes; print(sorted(m for m in sys.modules if m.split('.')[0] in ('sqlalchemy', 'alembic')))"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

@@ -15,8 +15,8 @@ import msgspec
 import zmq
 
 from engines import engine_endpoints
-from ingest.trtllm_forwarder import TrtllmEventMapper
-from ingest.wire import Engine, decode_payload, split_replay_frames
+from kvledger.ingest.trtllm_forwarder import TrtllmEventMapper
+from kvledger.ingest.wire import Engine, decode_payload, split_replay_frames
 
 HERE = Path(__file__).parent
 FIXTURE = HERE / "golden" / "trtllm" / "pull_host_tier.json"

@@ -1,4 +1,4 @@
-"""Regenerate the Python modules beside the .proto files: `python -m decide.protos.regenerate`.
+"""Regenerate the Python modules beside the .proto files: `python -m kvledger.decide.protos.regenerate`.
 
 Needs grpcio-tools (generation only; the service needs grpcio and protobuf). The .proto files
 are the routers' own, unchanged, so their descriptors keep the names the routers use.

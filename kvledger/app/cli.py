@@ -92,7 +92,7 @@ def _ingest_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _ingest(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     """Bridge engine KV events from ZMQ into JetStream until stopped."""
-    from ingest.service import run
+    from kvledger.ingest.service import run
 
     return run(loaded.settings, args.publisher)
 
@@ -106,7 +106,7 @@ def _decide_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _decide(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     """Run the reuse decision service (imported here: only the command composes stages)."""
-    from decide.service import run
+    from kvledger.decide.service import run
 
     return run(loaded.settings)
 
@@ -118,7 +118,7 @@ def _store_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _store(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     """Project KV_EVENTS, KV_DECISIONS and KV_DEAD_LETTERS into SQL until stopped."""
-    from store.commands import run_store
+    from kvledger.store.commands import run_store
 
     return run_store(loaded.settings)
 
@@ -131,9 +131,9 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _stage_services(settings: Settings, sources: list) -> dict:
     """ingest (when there are engine streams), store and decide as services for kvledger.runtime.system."""
-    from decide.service import DecideService
-    from ingest.bridge import Bridge
-    from store.projector import StoreService
+    from kvledger.decide.service import DecideService
+    from kvledger.ingest.bridge import Bridge
+    from kvledger.store.projector import StoreService
 
     async def store(stop: asyncio.Event) -> None:
         await StoreService(settings).run(stop)
@@ -159,7 +159,7 @@ def _local_system(
     """Settings for `up`/`demo`: an embedded nats-server and a migrated SQLite unless URLs were given."""
     from kvledger.runtime.embedded import EmbeddedNats
     from kvledger.runtime.system import local_overrides, wants_embedded_nats
-    from store import database
+    from kvledger.store import database
 
     overrides = {**local_overrides(loaded, data_dir), **(extra or {})}
     Path(data_dir).mkdir(parents=True, exist_ok=True)
@@ -187,7 +187,7 @@ def _flat(settings: Settings) -> dict[str, object]:
 
 def _up(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     """Run every stage in this process until Ctrl-C or SIGTERM; run it again to resume."""
-    from ingest.service import sources_from
+    from kvledger.ingest.service import sources_from
     from kvledger.runtime.system import install_stop_signals, run_services
 
     configure_logging()
@@ -255,7 +255,7 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
     from rich.live import Live
     from rich.table import Table
 
-    from ingest.endpoints import StreamSource
+    from kvledger.ingest.endpoints import StreamSource
     from kvledger.sim.fleet import SimulatedFleet
     from kvledger.client import DecideClient
     from kvledger.app.demo import DemoScore, decide_asker, run_closed_loop
@@ -263,7 +263,7 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
     from kvledger.runtime.nats_options import connect_options
     from kvledger.runtime.system import run_services
     from kvledger.sim.workload import DEMO_BLOCK_SIZE, mooncake_requests, synthetic_requests
-    from store.commands import ceiling_figures, inflight_totals, ledger_counts, quality_totals, shadow_totals
+    from kvledger.store.commands import ceiling_figures, inflight_totals, ledger_counts, quality_totals, shadow_totals
 
     console = Console()
     requests = mooncake_requests(args.trace) if args.trace else synthetic_requests(100_000)
@@ -415,7 +415,7 @@ async def _wait_decide_ready(nc, on_slow: Callable[[], None] = lambda: None) -> 
 
 async def _wait_store_caught_up(nc, settings: Settings, timeout: float = 60) -> bool:
     """Until the store's checkpoints reach the ends of KV_EVENTS and KV_DECISIONS (False on timeout)."""
-    from store.commands import checkpoint_seqs
+    from kvledger.store.commands import checkpoint_seqs
 
     js = nc.jetstream()
     loop = asyncio.get_running_loop()
@@ -440,19 +440,19 @@ def _revision_argument(default: str) -> Callable[[argparse.ArgumentParser], None
 
 
 def _db_upgrade(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    from store.commands import db_upgrade
+    from kvledger.store.commands import db_upgrade
 
     return db_upgrade(loaded.settings, args.revision)
 
 
 def _db_downgrade(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    from store.commands import db_downgrade
+    from kvledger.store.commands import db_downgrade
 
     return db_downgrade(loaded.settings, args.revision)
 
 
 def _db_current(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    from store.commands import db_current
+    from kvledger.store.commands import db_current
 
     return db_current(loaded.settings)
 
@@ -471,7 +471,7 @@ def _audit_inventory_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _audit_inventory(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    from store.commands import audit_inventory
+    from kvledger.store.commands import audit_inventory
 
     return audit_inventory(loaded.settings, args.worker, args.tier, args.at_seq, args.at_time, args.json)
 
@@ -482,7 +482,7 @@ def _audit_block_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _audit_block(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    from store.commands import audit_block
+    from kvledger.store.commands import audit_block
 
     return audit_block(loaded.settings, args.hash, args.json)
 
@@ -493,7 +493,7 @@ def _audit_decision_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _audit_decision(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    from store.commands import audit_decision
+    from kvledger.store.commands import audit_decision
 
     return audit_decision(loaded.settings, args.request_id, args.json)
 
@@ -504,7 +504,7 @@ def _audit_gaps_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _audit_gaps(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    from store.commands import audit_gaps
+    from kvledger.store.commands import audit_gaps
 
     return audit_gaps(loaded.settings, args.worker, args.json)
 
@@ -515,13 +515,13 @@ def _audit_dead_letters_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _audit_dead_letters(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    from store.commands import audit_dead_letters
+    from kvledger.store.commands import audit_dead_letters
 
     return audit_dead_letters(loaded.settings, args.limit, args.json)
 
 
 def _audit_workers(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    from store.commands import audit_workers
+    from kvledger.store.commands import audit_workers
 
     return audit_workers(loaded.settings, args.json)
 
@@ -533,7 +533,7 @@ def _audit_stream_losses_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _audit_stream_losses(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    from store.commands import audit_stream_losses
+    from kvledger.store.commands import audit_stream_losses
 
     return audit_stream_losses(loaded.settings, args.batches, args.json)
 
@@ -556,7 +556,7 @@ def _audit_quality_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _audit_quality(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    from store.commands import audit_quality
+    from kvledger.store.commands import audit_quality
 
     return audit_quality(loaded.settings, args.horizon_ms, args.by, args.decisions, args.json, args.judged,
                          ceiling=args.ceiling)

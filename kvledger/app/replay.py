@@ -51,9 +51,9 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    from store import database
-    from store.commands import _parse_time, print_table
-    from store.replay import ReplayRefused
+    from kvledger.store import database
+    from kvledger.store.commands import _parse_time, print_table
+    from kvledger.store.replay import ReplayRefused
 
     settings = loaded.settings
     sweep = []
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, loaded: LoadedSettings) -> int:
             print(f"\n{tally.name}: {tally.changed} decisions change")
             print_table(tally.changes, ("request_id", "recorded", "replayed"))
     if ceiling_rows is not None:
-        from store.commands import _CEILING_COLUMNS
+        from kvledger.store.commands import _CEILING_COLUMNS
 
         print("\nceiling of the same window (store/ceiling.py; docs/audit.md, \"Ceiling\"): "
               "the configured [reuse] settings, capacity as held")
@@ -140,9 +140,9 @@ def run(args: argparse.Namespace, loaded: LoadedSettings) -> int:
 
 def _ceiling(settings, from_ts: float, to_ts: float) -> tuple[list[dict] | None, str | None]:
     """The window's ceiling rows (oracle, round_robin, achieved) from SQL, or why SQL cannot give them."""
-    from store import database
-    from store.ceiling import ceiling
-    from store.replay import ReplayRefused
+    from kvledger.store import database
+    from kvledger.store.ceiling import ceiling
+    from kvledger.store.replay import ReplayRefused
 
     engine = database.create_engine(settings.db.url)
     try:
@@ -176,12 +176,12 @@ async def _from_streams(settings, sweep: list, options: dict):
 def replay(connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
            from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False):
     """`store.replay.replay`'s report, from SQL, answered by decide's kernels in a batch per inventory seq."""
-    from store.replay import read_window, report_of, stays_of, workers_of
+    from kvledger.store.replay import read_window, report_of, stays_of, workers_of
 
     window = read_window(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts, horizons_in_sql=False)
     judged = []
     if window.decisions:  # an empty window loads no kernel and reads no stay
-        from decide.whatif import StayTimeline
+        from kvledger.decide.whatif import StayTimeline
 
         stays = stays_of(connection, window.first_seq, window.last_seq)
         timeline = StayTimeline.of_stays(workers_of(connection), stays.placements, stays.placement,
@@ -195,13 +195,13 @@ async def replay_stream(js, streams, settings: Sequence[tuple[str, ReuseSettings
                         from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
                         timeout_s: float = 300.0):
     """`store.replay.replay_stream`'s report, KV_EVENTS folded by decide's own index, answered by its kernels."""
-    from store.replay import read_streams, report_of
+    from kvledger.store.replay import read_streams, report_of
 
     decisions, unreplayable, batches = await read_streams(js, streams, horizon_s=horizon_s, from_ts=from_ts,
                                                           to_ts=to_ts, timeout_s=timeout_s)
     judged = []
     if decisions:
-        from decide.whatif import FoldTimeline
+        from kvledger.decide.whatif import FoldTimeline
 
         judged = _answered(decisions, settings, placed, FoldTimeline(batches), lambda decision: decision.horizon_seq)
     return report_of((from_ts, to_ts), horizon_s, "stream", decisions, judged, unreplayable, settings)
@@ -210,10 +210,10 @@ async def replay_stream(js, streams, settings: Sequence[tuple[str, ReuseSettings
 def _answered(decisions: Sequence, settings: Sequence[tuple[str, ReuseSettings]], placed: bool, timeline,
               horizon_of) -> list:
     """Each decision's recorded outcome and its replayed ones (store.replay.Outcome), judged at its horizon."""
-    from decide.ranked import REASONS
-    from decide.whatif import FALLBACK, NAMED, Requests, recorded_outcomes
+    from kvledger.decide.ranked import REASONS
+    from kvledger.decide.whatif import FALLBACK, NAMED, Requests, recorded_outcomes
     from kvledger.events import Tier
-    from store.replay import Outcome
+    from kvledger.store.replay import Outcome
 
     targets, fallbacks = [], []
     for decision in decisions:

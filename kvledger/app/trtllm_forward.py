@@ -53,7 +53,7 @@ def build_llm(spec: str) -> object:
 
 def run(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     """Forward the LLM's KV-cache events until stopped (exit 0), 2 when --llm or the sockets are unusable."""
-    from ingest.trtllm_forwarder import TrtllmForwarder, forward_kv_events
+    from kvledger.ingest.trtllm_forwarder import TrtllmForwarder, forward_kv_events
     from kvledger.runtime.entry import run_stage
     from kvledger.runtime.system import install_stop_signals
 

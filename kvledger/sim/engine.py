@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from ingest.endpoints import with_port_offset
-from ingest.wire import END_OF_REPLAY_SEQ
+from kvledger.ingest.endpoints import with_port_offset
+from kvledger.ingest.wire import END_OF_REPLAY_SEQ
 from kvledger.sim.vllm import VllmEvent, encode_vllm_batch, publisher_frames
 
 DEFAULT_BUFFER_STEPS = 10_000
