@@ -2,12 +2,12 @@
 
     python bench/codecs.py [--repeats 5]
 
-- canonical records (`kvledger.events`): one batch of 16 stored blocks (with local
+- canonical records (`kvledger.core.events`): one batch of 16 stored blocks (with local
   hashes) and 16 removed blocks, encoded and decoded;
 - decision requests (`decide.media`): a single request of 8 blocks as token ids, one of 64
   local hashes, and a batch of 1 024 such token-id requests, decoded into `ReuseRequest`s
   (hashing the token ids included);
-- decision answers (`kvledger.decision_codec.ANSWER_DECODER`): one answer with two
+- decision answers (`kvledger.core.decision_codec.ANSWER_DECODER`): one answer with two
   candidates, as store reads each KV_DECISIONS record.
 
 Printed: the best of `--repeats` timings per path in µs, and the ratio to the untyped
@@ -32,8 +32,8 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Pa
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvledger.decide.media import parse_batch, parse_single  # noqa: E402
-from kvledger.decision_codec import ANSWER_DECODER, Answer, Candidate, Overlap  # noqa: E402
-from kvledger.events import (  # noqa: E402
+from kvledger.core.decision_codec import ANSWER_DECODER, Answer, Candidate, Overlap  # noqa: E402
+from kvledger.core.events import (  # noqa: E402
     EventBatch, Provenance, Removed, Stored, Tier, WorkerId, decode_batch, encode_batch,
 )
 

@@ -28,12 +28,12 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from kvledger.decision_codec import decision_to_json
-from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
-from kvledger.fold import InventoryFold
-from kvledger.hashing import local_block_hashes, sequence_hashes
-from kvledger.reuse import ReuseRequest, decide
-from kvledger.settings import ReuseSettings
+from kvledger.core.decision_codec import decision_to_json
+from kvledger.core.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.core.fold import InventoryFold
+from kvledger.core.hashing import local_block_hashes, sequence_hashes
+from kvledger.core.reuse import ReuseRequest, decide
+from kvledger.core.settings import ReuseSettings
 
 REPO = Path(__file__).resolve().parent.parent
 # Run as a script, this file's folder comes first on sys.path and its own name would
@@ -300,7 +300,7 @@ async def service_figures(batches: list[EventBatch], queries: list[ReuseRequest]
 
     from kvledger.decide.service import DecideService
     from kvledger.runtime.embedded import EmbeddedNats
-    from kvledger.settings import load_settings
+    from kvledger.core.settings import load_settings
     from kvledger.runtime.streams import (
         DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, ensure_stream, events_stream, publish_batches,
     )
@@ -519,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvledger.decide.cpu import rank_batch
     from kvledger.decide.recorder import request_header_texts, request_texts
     from kvledger.decide.shadow import ShadowDecisions
-    from kvledger.decision_codec import request_header
-    from kvledger.settings import enabled_reuse
+    from kvledger.core.decision_codec import request_header
+    from kvledger.core.settings import enabled_reuse
 
     untargeted = [attrs.evolve(q, target=None) for q in queries]
     reuse_off = ReuseSettings()

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvledger.client import DecideClient, DecideRequest, RetryPolicy  # noqa: E402
 from kvledger.runtime.embedded import EmbeddedNats  # noqa: E402
-from kvledger.settings import StreamSettings  # noqa: E402
+from kvledger.core.settings import StreamSettings  # noqa: E402
 from kvledger.runtime.streams import DECIDE_SUBJECT, DECISIONS_SUBJECT, message_ids  # noqa: E402
 
 BLOCK_SIZE = 16

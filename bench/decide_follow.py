@@ -35,8 +35,8 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Pa
 import nats  # noqa: E402
 from nats.js.api import ConsumerConfig, DeliverPolicy  # noqa: E402
 
-from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId, decode_batch, encode_batch  # noqa: E402
-from kvledger.hashing import sequence_hashes  # noqa: E402
+from kvledger.core.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId, decode_batch, encode_batch  # noqa: E402
+from kvledger.core.hashing import sequence_hashes  # noqa: E402
 
 BLOCKS_PER_PROMPT = 16
 HELD_PROMPTS = 32
@@ -117,7 +117,7 @@ async def main(argv: list[str] | None = None) -> int:
     from kvledger.decide.cpu import compile_kernels
     from kvledger.runtime.embedded import EmbeddedNats
     from kvledger.runtime.streams import EVENTS_SUBJECT_PREFIX, ensure_stream, events_stream, publish_batches
-    from kvledger.settings import ReuseSettings, load_settings
+    from kvledger.core.settings import ReuseSettings, load_settings
 
     compile_kernels(ReuseSettings())  # so the in-process index is not timed compiling
     batches = fleet_batches(args.batches, args.workers)

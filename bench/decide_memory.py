@@ -42,7 +42,7 @@ def resident_bytes() -> int:
 
 def stored_prompts(residencies: int, workers: int, chain: int, seed: int):
     """(worker number, engine hashes, local hashes) per stored prompt, until `residencies` are held."""
-    from kvledger.hashing import sequence_hashes
+    from kvledger.core.hashing import sequence_hashes
 
     rng = random.Random(seed)
     pool_size = max(residencies // chain // 4, 1)  # on average each prompt is held by four workers
@@ -62,12 +62,12 @@ def stored_prompts(residencies: int, workers: int, chain: int, seed: int):
 
 
 def build_decide(residencies: int, workers: int, chain: int, seed: int) -> dict[str, float]:
-    from kvledger.events import EventBatch, Provenance, Stored, Tier, WorkerId
+    from kvledger.core.events import EventBatch, Provenance, Stored, Tier, WorkerId
 
     from kvledger.decide.index import InventoryIndex
 
     from kvledger.decide.cpu import compile_kernels
-    from kvledger.settings import ReuseSettings
+    from kvledger.core.settings import ReuseSettings
 
     names = [WorkerId(f"w{number:04d}") for number in range(workers)]
     sequences = [0] * workers

@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import services  # noqa: E402  (the test suite's throwaway servers)
 
-from kvledger.settings import ReuseSettings, load_settings  # noqa: E402
+from kvledger.core.settings import ReuseSettings, load_settings  # noqa: E402
 from kvledger.store import database  # noqa: E402
 
 

@@ -83,9 +83,9 @@ import services  # noqa: E402  (the test suite's throwaway servers)
 from kvledger.sim.engine import SimulatedEngine  # noqa: E402
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored  # noqa: E402
 from kvledger.client import DecideClient, DecideError, DecideRequest  # noqa: E402
-from kvledger.events import Gap, Removed, Stored, decode_batch  # noqa: E402
+from kvledger.core.events import Gap, Removed, Stored, decode_batch  # noqa: E402
 from kvledger.runtime.lifetime import cancel_and_wait, stop_process  # noqa: E402
-from kvledger.settings import load_settings  # noqa: E402
+from kvledger.core.settings import load_settings  # noqa: E402
 from kvledger.runtime.streams import EVENTS_SUBJECT_PREFIX, ensure_stream, events_stream  # noqa: E402
 from kvledger.store import database  # noqa: E402
 from kvledger.store.sharding import Shard  # noqa: E402

@@ -63,7 +63,7 @@ PY
 step "build: NVRTC compiles every kernel for sm_80 and sm_90 (as CI does)" \
   timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_decide_nvrtc.py
 step "compiled CPU kernels (numba; both backends share them): compiled once, then cached" \
-  timeout 180 "$PY" -c "from decide.cpu import compile_kernels; from kvledger.settings import ReuseSettings; compile_kernels(ReuseSettings())"
+  timeout 180 "$PY" -c "from decide.cpu import compile_kernels; from kvledger.core.settings import ReuseSettings; compile_kernels(ReuseSettings())"
 parity() {
   timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_decide_parity.py \
     tests/test_decide_service.py::test_auto_picks_cuda_only_when_a_device_answers_and_says_which \

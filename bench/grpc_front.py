@@ -50,8 +50,8 @@ def request_tokens(blocks: int) -> list[int]:
 
 def build_index(workers: int, blocks: int):
     from kvledger.decide.index import InventoryIndex
-    from kvledger.events import EventBatch, Provenance, Stored, Tier, WorkerId
-    from kvledger.hashing import local_block_hashes
+    from kvledger.core.events import EventBatch, Provenance, Stored, Tier, WorkerId
+    from kvledger.core.hashing import local_block_hashes
 
     tokens = request_tokens(blocks)
     engines = [h % (1 << 64) for h in sglang_hashes(tokens)]

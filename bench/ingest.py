@@ -49,8 +49,8 @@ from kvledger.sim.engine import SimulatedEngine  # noqa: E402
 from kvledger.ingest.wire import decode_payload  # noqa: E402
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored, encode_vllm_batch  # noqa: E402
 from kvledger.runtime.embedded import EmbeddedNats  # noqa: E402
-from kvledger.events import EventBatch, Provenance, WorkerId, encode_batch  # noqa: E402
-from kvledger.settings import load_settings  # noqa: E402
+from kvledger.core.events import EventBatch, Provenance, WorkerId, encode_batch  # noqa: E402
+from kvledger.core.settings import load_settings  # noqa: E402
 
 BLOCKS, TOKENS = 16, 16
 

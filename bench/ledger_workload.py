@@ -3,7 +3,7 @@
 `publish_ledger` plays a fleet of simulated workers (publishers × dp ranks) serving requests
 that share system prompts, and publishes straight into JetStream what ingest and decide
 would have: each served request is one engine batch on `kv.ev.<publisher>.<dp_rank>`
-(the record codec of kvledger/events.py, with its Msg-Id), and every request is first
+(the record codec of kvledger/core/events.py, with its Msg-Id), and every request is first
 answered by decide's own CPU backend (decide/cpu.py) against decide's index folded from
 exactly the batches published so far, its record appended to KV_DECISIONS by decide's own
 recorder (decide/recorder.py: the answer, `Kvledger-Relied-Prefix`, `Kvledger-Request`, and
@@ -37,10 +37,10 @@ import attrs
 import msgspec
 import nats
 
-from kvledger.events import EventBatch, Gap, GapReason, Provenance, Removed, Stored, Tier, WorkerId, encode_batch
-from kvledger.reuse import ReuseRequest
+from kvledger.core.events import EventBatch, Gap, GapReason, Provenance, Removed, Stored, Tier, WorkerId, encode_batch
+from kvledger.core.reuse import ReuseRequest
 from kvledger.runtime.streams import DECISIONS_SUBJECT, decisions_stream, ensure_stream, events_stream
-from kvledger.settings import ReuseSettings, StreamSettings
+from kvledger.core.settings import ReuseSettings, StreamSettings
 
 CLOSING_AFTER_S = 60.0  # stream time between the last decision and the batch that settles it
 

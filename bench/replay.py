@@ -28,7 +28,7 @@ import sqlalchemy as sa
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 from kvledger.app import replay as fast  # noqa: E402
-from kvledger.settings import ReuseSettings  # noqa: E402
+from kvledger.core.settings import ReuseSettings  # noqa: E402
 from kvledger.store import replay as reference  # noqa: E402
 
 SWEEP = (
@@ -78,7 +78,7 @@ async def _events(demo_nats: Path) -> list:
     """The demo's KV_EVENTS batches, in stream order (seq, batch)."""
     import nats
 
-    from kvledger.events import decode_batch
+    from kvledger.core.events import decode_batch
     from kvledger.runtime.embedded import EmbeddedNats
 
     with tempfile.TemporaryDirectory() as copy:

@@ -60,8 +60,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import services  # noqa: E402  (the test suite's throwaway servers)
 
-from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId  # noqa: E402
-from kvledger.settings import load_settings  # noqa: E402
+from kvledger.core.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId  # noqa: E402
+from kvledger.core.settings import load_settings  # noqa: E402
 from kvledger.runtime.streams import events_stream  # noqa: E402
 from kvledger.store import audit, database  # noqa: E402
 from kvledger.runtime.streams import ensure_stream, publish_batches  # noqa: E402
@@ -261,7 +261,7 @@ def database_bytes(engine) -> int:
 
 def size_under_window(db_url: str, blocks: int) -> dict[str, float]:
     """Bytes per million block events, then after keeping only the newer half of the history."""
-    from kvledger.settings import StoreSettings
+    from kvledger.core.settings import StoreSettings
     from kvledger.store.pruning import prune_once
 
     with database.opened(db_url) as engine:

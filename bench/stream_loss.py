@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvledger.decide.service import DecideService  # noqa: E402
 from kvledger.ingest.bridge import Bridge  # noqa: E402
 from kvledger.ingest.endpoints import StreamSource  # noqa: E402
-from kvledger.events import Provenance  # noqa: E402
+from kvledger.core.events import Provenance  # noqa: E402
 from kvledger.runtime.embedded import EmbeddedNats  # noqa: E402
-from kvledger.settings import load_settings  # noqa: E402
+from kvledger.core.settings import load_settings  # noqa: E402
 from kvledger.sim.fleet import SimulatedFleet  # noqa: E402
 from kvledger.sim.workload import synthetic_requests  # noqa: E402
 from kvledger.store import database  # noqa: E402

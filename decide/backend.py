@@ -6,8 +6,8 @@ import time
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from kvledger.reuse import Decision, ReuseRequest
-from kvledger.settings import ReuseSettings
+from kvledger.core.reuse import Decision, ReuseRequest
+from kvledger.core.settings import ReuseSettings
 
 from kvledger.decide.cpu import CpuBackend
 from kvledger.decide.index import InventoryIndex

@@ -31,8 +31,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kvledger.events import Provenance, Tier, WorkerId
-from kvledger.fold import BlockRecord
+from kvledger.core.events import Provenance, Tier, WorkerId
+from kvledger.core.fold import BlockRecord
 from kvledger.runtime.memory import mapped_zeros
 
 from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined
@@ -465,7 +465,7 @@ def plain_records(records: list[BlockRecord]) -> tuple[str | None, int | None] |
 def warm_up() -> None:
     """Compile (or load from the kernel cache) every kernel here, as `decide.cpu.compile_kernels` does the rest."""
     from kvledger.decide.index import InventoryIndex
-    from kvledger.events import EventBatch, Removed, Stored
+    from kvledger.core.events import EventBatch, Removed, Stored
 
     index = InventoryIndex()
     worker = WorkerId("warm-up")

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from kvledger.decision_codec import MAX_RELIED_BLOCKS
-from kvledger.reuse import Decision, ReuseRequest
-from kvledger.settings import ReuseSettings
+from kvledger.core.decision_codec import MAX_RELIED_BLOCKS
+from kvledger.core.reuse import Decision, ReuseRequest
+from kvledger.core.settings import ReuseSettings
 
 from kvledger.decide import compact, rows
 from kvledger.decide.index import InventoryIndex

@@ -21,8 +21,8 @@ import attrs
 import numpy as np
 
 from kvledger.runtime.resources import data_dir
-from kvledger.reuse import Decision, ReuseRequest
-from kvledger.settings import ReuseSettings
+from kvledger.core.reuse import Decision, ReuseRequest
+from kvledger.core.settings import ReuseSettings
 
 from kvledger.decide.cpu import WARM_UP_REQUEST
 from kvledger.decide.index import CLASSES, InventoryIndex

@@ -26,8 +26,8 @@ import attrs
 import msgspec
 import numpy as np
 
-from kvledger.events import WorkerId, validate_publisher
-from kvledger.hashing import local_block_hashes
+from kvledger.core.events import WorkerId, validate_publisher
+from kvledger.core.hashing import local_block_hashes
 from kvledger.runtime.http import Request, Response, Route
 
 from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined

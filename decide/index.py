@@ -12,7 +12,7 @@ fold's `holds` for the (worker, sequence hash) pairs the batch touched, so every
 (retained conflicts, reference counting, restarts, groups) is inherited rather than
 re-implemented.
 
-A worker whose engine ingest cannot reach (a liveness record, kvledger.events.Reachability)
+A worker whose engine ingest cannot reach (a liveness record, kvledger.core.events.Reachability)
 is not credited: it is promoted, its native bits cleared, and they are set again from the
 fold's records when it is reachable again (after which ingest's incarnation check has said
 whether they still stand). Answers list it among the uncertain workers meanwhile.
@@ -28,10 +28,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvledger.events import (
+from kvledger.core.events import (
     Cleared, EventBatch, GapReason, Provenance, Reachability, Removed, Stored, Tier, WorkerId, is_liveness,
 )
-from kvledger.fold import (
+from kvledger.core.fold import (
     BlockRecord,
     BlockRemovedFact,
     BlockStoredFact,
@@ -42,7 +42,7 @@ from kvledger.fold import (
     RetainedConflictFact,
     UncertaintyFact,
 )
-from kvledger.reuse import unvouched_names
+from kvledger.core.reuse import unvouched_names
 
 from kvledger.runtime.memory import mapped_zeros
 
@@ -220,7 +220,7 @@ class InventoryIndex:
                             touched[(slot, sequence_hash, position)] = None
         if facts and self._residency_rules(worker) != rules_before:
             # A group appeared on a tier or declared another kind: what its other blocks count
-            # as changed too (kvledger.residency), so every record of the worker is re-read.
+            # as changed too (kvledger.core.residency), so every record of the worker is re-read.
             slot = slot_of_worker[worker]
             for record in self.fold.iter_worker_records(worker):
                 position = _CLASS_OF.get((record.provenance, record.tier))
@@ -466,7 +466,7 @@ class InventoryIndex:
             if position is None or not record.indexable:
                 continue  # external tier, or audit-only records (retained conflicts, unresolved stores)
             if not holds(record.worker, record.provenance, record.tier, record.sequence_hash):
-                continue  # a group that does not decide residency (kvledger.residency)
+                continue  # a group that does not decide residency (kvledger.core.residency)
             slot = self._slot_of_worker[record.worker]
             row = self.row_of(record.sequence_hash)
             if row == MISSING_ROW:

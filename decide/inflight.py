@@ -33,10 +33,10 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from kvledger.decision_codec import MAX_RELIED_BLOCKS, Inflight, hashes_text, with_inflight
-from kvledger.events import WorkerId
-from kvledger.reuse import ReuseRequest
-from kvledger.settings import ReuseSettings
+from kvledger.core.decision_codec import MAX_RELIED_BLOCKS, Inflight, hashes_text, with_inflight
+from kvledger.core.events import WorkerId
+from kvledger.core.reuse import ReuseRequest
+from kvledger.core.settings import ReuseSettings
 
 from kvledger.decide.backend import RankingBackend
 from kvledger.decide.ranked import PREFIX_ANY, REASONS, AnswerBatch, AnswerTexts, Clock, sequence_hashes_of

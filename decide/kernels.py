@@ -5,7 +5,7 @@ on disk, so a service pays the compilation once per machine, not once per start.
 cpu backend runs all three kernels; the cuda backend runs `chain_hashes` before its
 launch and `write_answers` after it, so only the table and the ranking are on the device.
 
-Every kernel computes exactly what `kvledger.reuse.decide` computes, in the same order of
+Every kernel computes exactly what `kvledger.core.reuse.decide` computes, in the same order of
 float operations, so the answers are equal to the reference's bit for bit; the parity
 suite checks it.
 """
@@ -19,8 +19,8 @@ import struct
 import numba
 import numpy as np
 
-from kvledger import cost
-from kvledger.hashing import HASH_SEED
+from kvledger.core import cost
+from kvledger.core.hashing import HASH_SEED
 
 # Sets numba's kernel cache folder before any kernel below is decorated.
 from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined, kernel_cache_dir  # noqa: F401
@@ -72,7 +72,7 @@ def _wide_product(a, b):
 
 @_inlined
 def chain_hash(parent, local):
-    """`kvledger.hashing.chain_hash`: xxh3_64(parent ‖ local as little-endian u64s, seed 1337)."""
+    """`kvledger.core.hashing.chain_hash`: xxh3_64(parent ‖ local as little-endian u64s, seed 1337)."""
     low = parent ^ _BITFLIP_PARENT
     high = local ^ _BITFLIP_LOCAL
     product_high, product_low = _wide_product(low, high)
@@ -199,7 +199,7 @@ def _sort_ranks(ranks, count):
 
 @_inlined
 def _ranks_before(first, second, saving, prefix, tier, rank):
-    """`kvledger.reuse.ranking_key` order: saving (higher first), longer prefix, tier, worker order."""
+    """`kvledger.core.reuse.ranking_key` order: saving (higher first), longer prefix, tier, worker order."""
     if saving[first] != saving[second]:
         return saving[first] > saving[second]
     if prefix[first] != prefix[second]:

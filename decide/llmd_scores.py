@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 import attrs
 import numpy as np
 
-from kvledger.events import WorkerId
-from kvledger.hashing import local_block_hashes, sequence_hashes
+from kvledger.core.events import WorkerId
+from kvledger.core.hashing import local_block_hashes, sequence_hashes
 
 from kvledger.decide.compact import lookup_rows
 from kvledger.decide.index import NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, InventoryIndex

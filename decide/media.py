@@ -1,6 +1,6 @@
 """Request bodies in and answers out of the decide service, by media type.
 
-Bodies decode straight into the decision API's schema (`kvledger.decision_codec`): a
+Bodies decode straight into the decision API's schema (`kvledger.core.decision_codec`): a
 single request into a `ReuseRequest` or the `RequestError` naming its failing field, a
 batch element by element, so one bad request never takes the others with it.
 """
@@ -12,8 +12,8 @@ import json
 import attrs
 import msgspec
 
-from kvledger.decision_codec import JSON, MSGPACK, RequestError, decode_request, not_decodable
-from kvledger.reuse import ReuseRequest
+from kvledger.core.decision_codec import JSON, MSGPACK, RequestError, decode_request, not_decodable
+from kvledger.core.reuse import ReuseRequest
 from kvledger.runtime.http import Response
 
 MAX_BATCH_REQUESTS = 65536

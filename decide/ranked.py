@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
-from kvledger.decision_codec import MAX_RELIED_BLOCKS
-from kvledger.events import Tier, WorkerId
-from kvledger.reuse import Candidate, Decision, Overlap, Reason, ReuseRequest, enabled_source_tiers
-from kvledger.settings import ReuseSettings, settings_digest
+from kvledger.core.decision_codec import MAX_RELIED_BLOCKS
+from kvledger.core.events import Tier, WorkerId
+from kvledger.core.reuse import Candidate, Decision, Overlap, Reason, ReuseRequest, enabled_source_tiers
+from kvledger.core.settings import ReuseSettings, settings_digest
 
 from kvledger.decide.index import InventoryIndex
 from kvledger.decide.kernels import chain_hashes, relied_prefix_texts, repr_positions, write_ranked_answers
@@ -310,7 +310,7 @@ class AnswerBatch:
         return target.name if target is not None and self.ranked.target[position] < 0 else None
 
     def decisions(self) -> list[Decision]:
-        """The answers as `Decision` values, field for field as `kvledger.reuse.decide` would build them."""
+        """The answers as `Decision` values, field for field as `kvledger.core.reuse.decide` would build them."""
         ranked, workers = self.ranked, self.workers
         overlap_bounds, candidate_bounds = ranked.overlap_bounds.tolist(), ranked.candidate_bounds.tolist()
         overlap_lengths, overlap_slots = ranked.overlap_lengths.tolist(), ranked.overlap_slot.tolist()
@@ -355,7 +355,7 @@ class AnswerBatch:
     def relied_prefixes(self) -> list[bytes]:
         """Per answer, the sequence hashes of the blocks it relies on (the chosen source's prefix,
         or the target's credited prefix, whichever is longer) as little-endian u64 in hex
-        (`kvledger.decision_codec.RELIED_PREFIX_HEADER`), b"" when none: what store needs to
+        (`kvledger.core.decision_codec.RELIED_PREFIX_HEADER`), b"" when none: what store needs to
         tell later whether the chosen source and the target still held them."""
         ranked, count = self.ranked, len(self.requests)
         if not count:

@@ -32,10 +32,10 @@ import nats.errors
 import numpy as np
 from nats.aio.msg import Msg
 
-from kvledger.decision_codec import (
+from kvledger.core.decision_codec import (
     MAX_RELIED_BLOCKS, RELIED_PREFIX_HEADER, REQUEST_HEADER, SHADOW_HEADER, request_header,
 )
-from kvledger.reuse import ReuseRequest
+from kvledger.core.reuse import ReuseRequest
 from kvledger.runtime.jetstream_ack import AckError, read_ack
 
 from kvledger.decide.compiled import compiled as _compiled
@@ -375,7 +375,7 @@ def write_frames(hpub, reply_prefix, ack_to, ack_bounds, ids, id_bounds, stream_
 
 # --- each record's request, written for a whole batch at once ------------------------------
 
-# `kvledger.decision_codec.request_header` wrote one request in about 5.5 µs (a struct.pack,
+# `kvledger.core.decision_codec.request_header` wrote one request in about 5.5 µs (a struct.pack,
 # a hex and a msgspec encoding), more than ranking it with reuse off. Here the batch's local
 # hashes, as the backend already converted them (`AnswerTexts.arrays`), are written by one
 # compiled call into the same JSON, byte for byte, which `write_frames` copies into the
@@ -417,7 +417,7 @@ _fallback = operator.attrgetter("fallback")
 
 
 def request_header_texts(requests: Sequence[ReuseRequest], arrays: RequestArrays | None = None) -> Texts:
-    """Each request's `REQUEST_HEADER` value (`kvledger.decision_codec.request_header`'s text), from the
+    """Each request's `REQUEST_HEADER` value (`kvledger.core.decision_codec.request_header`'s text), from the
     batch's arrays (made here when the backend did not keep them)."""
     count = len(requests)
     if not count:
@@ -438,7 +438,7 @@ def request_header_texts(requests: Sequence[ReuseRequest], arrays: RequestArrays
 def compile_record_kernels() -> None:
     """Compile (or load from the kernel cache) the kernels that write records, as the service calls them,
     so the first large batch does not wait for them."""
-    from kvledger.events import WorkerId
+    from kvledger.core.events import WorkerId
 
     warm = [ReuseRequest("warm-up", (1, 2, 3), 16, WorkerId("w")), ReuseRequest("warm-up-2", (), 16)]
     requests = request_header_texts(warm)

@@ -31,17 +31,17 @@ from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy
 import uvloop
 
-from kvledger.decision_codec import (
+from kvledger.core.decision_codec import (
     REQUEST_FIELDS, RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, RequestError, error_reply,
     record_ack_subject,
 )
-from kvledger.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
+from kvledger.core.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
 from kvledger.runtime.http import HttpFront, HttpLimits, Request, Response, Route, health_routes
 from kvledger.runtime.lifetime import AsyncLifetime
 from kvledger.runtime.nats_options import auth_failure, connect_options, is_auth_error
-from kvledger.reuse import Reason, ReuseRequest
-from kvledger.settings import Settings
-from kvledger.snapshot import StreamPosition
+from kvledger.core.reuse import Reason, ReuseRequest
+from kvledger.core.settings import Settings
+from kvledger.core.snapshot import StreamPosition
 from kvledger.runtime.streams import (
     ensure_stream,
     DECIDE_BATCH_SUBJECT,

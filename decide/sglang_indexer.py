@@ -24,7 +24,7 @@ import attrs
 import grpc
 import numpy as np
 
-from kvledger.events import Provenance, Tier, WorkerId
+from kvledger.core.events import Provenance, Tier, WorkerId
 
 from kvledger.decide.compact import TIER_CODE, find_entry, lookup_rows
 from kvledger.decide.compiled import compiled

@@ -12,7 +12,7 @@ A shadow answer needs the live one's target and every worker's prefix per tier, 
 live ranking has already walked: where the shadow's target is the live one's (no request
 names a fallback, the credit weights are the live ones, no in-flight credit, the cpu
 backend), `answer_with_shadow` ranks the batch once and derives the shadow's candidates
-from the live ranking's overlaps with the shadow's cost settings (`kvledger.cost`, as the
+from the live ranking's overlaps with the shadow's cost settings (`kvledger.core.cost`, as the
 ranking does), in the same compiled call. Otherwise the batch is ranked a second time.
 """
 
@@ -26,9 +26,9 @@ import attrs
 import numba
 import numpy as np
 
-from kvledger.decision_codec import MAX_RELIED_BLOCKS, shadow_header
-from kvledger.reuse import ReuseRequest
-from kvledger.settings import ReuseSettings, Settings, enabled_reuse, reuse_settings_from, settings_digest, SettingsError
+from kvledger.core.decision_codec import MAX_RELIED_BLOCKS, shadow_header
+from kvledger.core.reuse import ReuseRequest
+from kvledger.core.settings import ReuseSettings, Settings, enabled_reuse, reuse_settings_from, settings_digest, SettingsError
 
 from kvledger.decide.backend import RankingBackend
 from kvledger.decide.compiled import compiled as _compiled
@@ -261,7 +261,7 @@ def _live_and_shadow(
                         saving_ms = recompute_ms - transfer_ms
                         if transfer_blocks < s_minimum_blocks or not saving_ms >= s_minimum_saving_ms:
                             continue
-                        # `kvledger.reuse.ranking_key`: saving, longer prefix, tier, worker order (earlier kept).
+                        # `kvledger.core.reuse.ranking_key`: saving, longer prefix, tier, worker order (earlier kept).
                         if (best < 0 or saving_ms > best_saving
                                 or (saving_ms == best_saving and (prefix > best_prefix
                                                                   or (prefix == best_prefix and tier < best_tier)))):
@@ -292,7 +292,7 @@ def _live_and_shadow(
 def _shadow_headers(opening, reasons, reason_bounds, names, name_bounds, unknown, unknown_bounds, sources,
                     source_bounds, target, baseline, reason, c_slot, c_tier, c_prefix, c_transfer, floats, items,
                     repr_texts, repr_bounds):
-    """Each `ShadowAnswer` as JSON (`kvledger.decision_codec.shadow_header`'s fields, in its order)."""
+    """Each `ShadowAnswer` as JSON (`kvledger.core.decision_codec.shadow_header`'s fields, in its order)."""
     count = target.size
     longest_name = 0
     for slot in range(name_bounds.size - 1):

@@ -18,7 +18,7 @@ import nats.errors
 import nats.js
 import nats.js.errors
 
-from kvledger.snapshot import SnapshotError, StreamPosition, decode_snapshot, snapshot_position
+from kvledger.core.snapshot import SnapshotError, StreamPosition, decode_snapshot, snapshot_position
 from kvledger.runtime.streams import SNAPSHOTS_BUCKET, snapshot_seq
 
 from kvledger.decide.index import InventoryIndex

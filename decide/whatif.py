@@ -31,9 +31,9 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from kvledger.decision_codec import MAX_RELIED_BLOCKS
-from kvledger.events import EventBatch, Provenance, Tier, WorkerId
-from kvledger.settings import ReuseSettings
+from kvledger.core.decision_codec import MAX_RELIED_BLOCKS
+from kvledger.core.events import EventBatch, Provenance, Tier, WorkerId
+from kvledger.core.settings import ReuseSettings
 
 from kvledger.decide.compiled import compiled as _compiled
 from kvledger.decide.cpu import KernelSettings
@@ -473,7 +473,7 @@ class StayTimeline:
                    stored_seq: Sequence[int], removed_seq: Sequence[int | None],
                    conflict_since: Sequence[int | None]) -> StayTimeline:
         """From `block_residency`'s columns (sequence hashes signed, as SQL keeps them). A retained stay stops
-        being indexed at conflict_since (kvledger/precedence.py, rule 1); retained host and disk stays are never
+        being indexed at conflict_since (kvledger/core/precedence.py, rule 1); retained host and disk stays are never
         read (neither credit nor baseline counts them), so they are left out."""
         workers = list(workers)
         item_of = {(worker.publisher, worker.dp_rank): item for item, (worker, _first) in enumerate(workers)}

@@ -39,7 +39,7 @@ from kvledger.ingest.sequence import Emit, SequenceTracker
 from kvledger.ingest.stream_loss import AckedPositions, LostBatch, Position, plan_repair
 from kvledger.ingest.subscriber import EngineSubscriber
 from kvledger.ingest.wire import EngineBatch, WireError, decode_payload, split_publisher_frames, well_framed_seq
-from kvledger.events import (
+from kvledger.core.events import (
     DeadLetter, EventBatch, Gap, GapReason, Provenance, Reachability, decode_batch, encode_batch,
     encode_dead_letter, events_subject, liveness_subject,
 )
@@ -47,7 +47,7 @@ from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.http import HttpFront, health_routes
 from kvledger.runtime.lifetime import AsyncLifetime, cancel_and_wait
 from kvledger.runtime.nats_options import connect_options
-from kvledger.settings import Settings
+from kvledger.core.settings import Settings
 from kvledger.runtime.streams import dead_letter_subject, dead_letters_stream, events_stream
 
 if TYPE_CHECKING:

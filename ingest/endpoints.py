@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import attrs
 
 from kvledger.ingest.wire import Engine
-from kvledger.events import Provenance, WorkerId, validate_publisher
+from kvledger.core.events import Provenance, WorkerId, validate_publisher
 
 
 def with_port_offset(endpoint: str, offset: int) -> str:

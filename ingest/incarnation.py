@@ -28,7 +28,7 @@ from collections.abc import Callable
 import attrs
 
 from kvledger.ingest.wire import Engine, WireError, decode_payload
-from kvledger.events import EventBatch, Gap, GapReason
+from kvledger.core.events import EventBatch, Gap, GapReason
 
 
 class Incarnation(enum.Enum):

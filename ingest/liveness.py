@@ -13,7 +13,7 @@ An engine is **unreachable** once its SUB connection has been down for `ingest.e
 and its replay socket has not answered since (an engine without a replay socket: once the
 connection has been down that long; it is reachable again only with its first batch, as
 nothing else can tell what it holds). ingest then publishes a liveness record
-(`kvledger.events.Reachability`, reachable false) to KV_EVENTS; when the engine answers
+(`kvledger.core.events.Reachability`, reachable false) to KV_EVENTS; when the engine answers
 again (its SUB reconnects or its replay socket answers), a record saying reachable, then the
 incarnation check (ingest/incarnation.py) decides continuation or restart.
 
@@ -31,10 +31,10 @@ import time
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.ingest.replay import ReplayClient
 from kvledger.ingest.subscriber import EngineSubscriber
-from kvledger.events import EventBatch, Reachability
+from kvledger.core.events import EventBatch, Reachability
 from kvledger.runtime.lifetime import cancel_and_wait
 
-# Reasons fit kvledger.fold.REASON_LIMIT (SQL sizes unreachable_periods.reason by it).
+# Reasons fit kvledger.core.fold.REASON_LIMIT (SQL sizes unreachable_periods.reason by it).
 DISCONNECTED = "pub down, replay silent"
 NEVER_CONNECTED = "no pub connection, replay silent"
 PUB_CONNECTED = "pub connected"

@@ -26,7 +26,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from kvledger.runtime.nats_options import is_refusal, tls_context
-from kvledger.settings import NatsSettings
+from kvledger.core.settings import NatsSettings
 
 _CRLF = b"\r\n"
 _HEADER_START = b"NATS/1.0"

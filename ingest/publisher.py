@@ -50,7 +50,7 @@ from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.jetstream_ack import AckError, read_ack
 from kvledger.runtime.lifetime import cancel_and_wait
 from kvledger.runtime.nats_options import auth_failure, connect_options, describe_server, is_auth_error
-from kvledger.settings import NatsSettings
+from kvledger.core.settings import NatsSettings
 from kvledger.runtime.streams import StreamConflictError, StreamSpec, ensure_stream
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 import xxhash
 
-from kvledger.events import Gap, GapReason
+from kvledger.core.events import Gap, GapReason
 from kvledger.runtime.memory import mapped_words
 
 # seq -> payload, as the engine's replay buffer returns them from a start seq on

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import EndpointError, parse_endpoints, stream_sources
 from kvledger.runtime.nats_options import describe_server
-from kvledger.settings import Settings
+from kvledger.core.settings import Settings
 from kvledger.runtime.entry import run_stage
 from kvledger.runtime.system import install_stop_signals
 

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import attrs
 
 from kvledger.ingest.sequence import Emit
-from kvledger.events import Gap, GapReason
+from kvledger.core.events import Gap, GapReason
 from kvledger.runtime.memory import mapped_words
 
 # (epoch, seq, stream seq) of one acknowledged batch

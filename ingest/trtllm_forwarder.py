@@ -65,7 +65,7 @@ def engine_hash(value: object) -> int:
 
 
 def mm_identifier(value: int) -> str:
-    """A multimodal key as an extra-keys identifier whose hash is `value` (kvledger.hashing.mm_hash reads
+    """A multimodal key as an extra-keys identifier whose hash is `value` (kvledger.core.hashing.mm_hash reads
     the first 16 of 64 hex digits: Dynamo's form)."""
     return f"{value % U64:016x}".ljust(64, "0")
 

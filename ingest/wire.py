@@ -20,8 +20,8 @@ import attrs
 import msgspec
 import xxhash
 
-from kvledger.events import Cleared, Event, Removed, Stored, Tier
-from kvledger.hashing import BlockKeys, block_seed, local_block_hashes, parse_extra_keys
+from kvledger.core.events import Cleared, Event, Removed, Stored, Tier
+from kvledger.core.hashing import BlockKeys, block_seed, local_block_hashes, parse_extra_keys
 
 _encoder = msgspec.msgpack.Encoder()  # a rejected event's raw form, for its dead letter
 
@@ -533,7 +533,7 @@ def _token_packer(count: int) -> Callable[..., bytes]:
 
 
 def _local_hashes(tokens: tuple[int, ...], block_size: int, seed: int) -> list[int]:
-    """`kvledger.hashing.local_block_hashes` for whole blocks of checked ints, with a cached packer."""
+    """`kvledger.core.hashing.local_block_hashes` for whole blocks of checked ints, with a cached packer."""
     raw = _token_packer(len(tokens))(*tokens)  # struct.error (a token >= 2**32) leaves it to the generic path
     step = block_size * 4
     return [_xxh3(raw[offset : offset + step], seed) for offset in range(0, len(raw), step)]

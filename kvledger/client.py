@@ -33,7 +33,7 @@ import nats
 import nats.errors
 
 # The values on the wire are the decision API's one schema.
-from kvledger.decision_codec import (
+from kvledger.core.decision_codec import (
     JSON, MSGPACK, RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, Answer, Candidate, DecideRequest, ErrorReply, Overlap,
     new_request_id,
 )
@@ -114,7 +114,7 @@ class _Replies:
     """Single requests' replies and their records' acks, on one subscription of the client's own.
 
     An attempt's answer comes on `<inbox>.<token>`, JetStream's ack of its record on
-    `kvledger.decision_codec.record_ack_subject` of that; whichever comes first waits for the other's reader.
+    `kvledger.core.decision_codec.record_ack_subject` of that; whichever comes first waits for the other's reader.
     """
 
     def __init__(self, inbox: str) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 import sqlalchemy as sa
 
-from kvledger.events import Tier, WorkerId
+from kvledger.core.events import Tier, WorkerId
 from kvledger.store.pruning import DECISIONS_PRUNED, HistoryPruned, pruned_through, refuse_pruned
 from kvledger.store.sharding import sharded_events_checkpoint
 from kvledger.store import tables

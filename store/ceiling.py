@@ -1,6 +1,6 @@
 """The ceiling of a window of recorded decisions, read from SQL (docs/audit.md, "Ceiling: what an oracle
 would have reached"): the requests, the fleet's capacity and its holdings at the window's start, handed to
-the pure computation in `kvledger/ceiling.py`.
+the pure computation in `kvledger/core/ceiling.py`.
 
 - Requests: every decision of the window with its recorded request (`decision_requests`), in KV_DECISIONS
   order, as sequence hashes chained from the recorded local hashes; decisions recorded without their
@@ -25,11 +25,11 @@ import attrs
 import numpy as np
 import sqlalchemy as sa
 
-from kvledger import ceiling as model
-from kvledger.events import Tier, WorkerId
-from kvledger.hashing import sequence_hashes
-from kvledger.reuse import LOCAL_TIERS
-from kvledger.settings import ReuseSettings
+from kvledger.core import ceiling as model
+from kvledger.core.events import Tier, WorkerId
+from kvledger.core.hashing import sequence_hashes
+from kvledger.core.reuse import LOCAL_TIERS
+from kvledger.core.settings import ReuseSettings
 from kvledger.store.audit import Query
 from kvledger.store.replay import ReplayRefused, sql_refusal
 
@@ -81,7 +81,7 @@ QUERIES = (CEILING_REQUESTS, CEILING_UNREPLAYABLE, CEILING_STAYS, CEILING_GENERA
 
 @attrs.frozen
 class CeilingReport:
-    """A window's ceiling: the three figures (`kvledger.ceiling.Ceiling`) and what they were read from."""
+    """A window's ceiling: the three figures (`kvledger.core.ceiling.Ceiling`) and what they were read from."""
 
     window: tuple[float, float]
     figures: model.Ceiling

@@ -18,8 +18,8 @@ from itertools import repeat
 
 import attrs
 
-from kvledger.events import Cleared, EventBatch, Gap, Provenance, Reachability, Removed, Stored, Tier, WorkerId
-from kvledger.fold import (
+from kvledger.core.events import Cleared, EventBatch, Gap, Provenance, Reachability, Removed, Stored, Tier, WorkerId
+from kvledger.core.fold import (
     BlockKey,
     BlockReferencedFact,
     BlockRemovedFact,

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 
-from kvledger.events import Tier, WorkerId
-from kvledger.settings import Settings
+from kvledger.core.events import Tier, WorkerId
+from kvledger.core.settings import Settings
 from kvledger.store import database
 from kvledger.store.audit import Audit
 from kvledger.store.pruning import HistoryPruned

@@ -15,7 +15,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.nats_options import NatsAuthError, auth_failure, connect_options, describe_server, is_auth_error
-from kvledger.settings import NatsSettings
+from kvledger.core.settings import NatsSettings
 
 log = logging.getLogger("kvledger.store")
 

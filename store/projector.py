@@ -30,17 +30,17 @@ import sqlalchemy as sa
 import sqlalchemy.exc
 from nats.js import JetStreamContext
 
-from kvledger.decision_codec import (
+from kvledger.core.decision_codec import (
     ANSWER_DECODER, RELIED_PREFIX_HEADER, REQUEST_HEADER, SHADOW_HEADER, relied_prefix_from_header,
     request_from_header, shadow_from_header,
 )
-from kvledger.events import Provenance, RecordError, WorkerId, decode_batch, decode_dead_letter
-from kvledger.snapshot import StreamPosition
-from kvledger.fold import InventoryFold
+from kvledger.core.events import Provenance, RecordError, WorkerId, decode_batch, decode_dead_letter
+from kvledger.core.snapshot import StreamPosition
+from kvledger.core.fold import InventoryFold
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.http import HttpFront, health_routes
 from kvledger.runtime.metrics import MetricSet
-from kvledger.settings import Settings
+from kvledger.core.settings import Settings
 from kvledger.runtime.streams import dead_letters_stream, decisions_stream, ensure_stream, events_stream
 from kvledger.store import tables
 from kvledger.store.changes import ChangeBuilder, ChangeSet, ResidencyIndex

@@ -22,7 +22,7 @@ import time
 import attrs
 import sqlalchemy as sa
 
-from kvledger.settings import StoreSettings
+from kvledger.core.settings import StoreSettings
 from kvledger.store import tables
 
 log = logging.getLogger("kvledger.store")

@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
-from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
-from kvledger.fold import BlockRemovedFact, BlockStoredFact, InventoryClearedFact, InventoryFold
-from kvledger.reuse import LOCAL_TIERS
+from kvledger.core.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.core.fold import BlockRemovedFact, BlockStoredFact, InventoryClearedFact, InventoryFold
+from kvledger.core.reuse import LOCAL_TIERS
 from kvledger.runtime.metrics import MetricSet
 
 NATIVE = Provenance.NATIVE

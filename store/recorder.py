@@ -6,8 +6,8 @@ import json
 
 import sqlalchemy as sa
 
-from kvledger.events import Provenance, Tier, WorkerId
-from kvledger.fold import BlockRecord, InventoryFold, ProvenancePosition
+from kvledger.core.events import Provenance, Tier, WorkerId
+from kvledger.core.fold import BlockRecord, InventoryFold, ProvenancePosition
 from kvledger.store import tables
 from kvledger.store.changes import PLACEMENT_COLUMNS, ResidencyIndex
 from kvledger.store.sharding import SINGLE, Shard

@@ -7,7 +7,7 @@ record's `Kvledger-Request` header) and the inventory seq it was answered at. Fr
 that overlaps the window (`block_residency`); from the streams (`replay_stream`, for a window
 whose SQL history was pruned), it reads the records of KV_DECISIONS and folds KV_EVENTS from
 its first seq. Either way it answers each request with the reference model
-(`kvledger/reuse.py`) against the inventory as of its own inventory seq, once per settings
+(`kvledger/core/reuse.py`) against the inventory as of its own inventory seq, once per settings
 file, and judges every answer at its horizon with the quality rule (`store.quality.judge`),
 against what was held at the audit's horizon seq: the replayed decisions get the stale-hint
 and lost-credit rates they would have had, judged as `decision_quality` judges the recorded
@@ -39,16 +39,16 @@ import numpy as np
 import sqlalchemy as sa
 from nats.js import JetStreamContext
 
-from kvledger import reuse
-from kvledger.decision_codec import (
+from kvledger.core import reuse
+from kvledger.core.decision_codec import (
     ANSWER_DECODER, MAX_RELIED_BLOCKS, RELIED_PREFIX_HEADER, REQUEST_HEADER, relied_prefix_from_header,
     request_from_header,
 )
-from kvledger.events import EVENTS_SUBJECT_PREFIX, EventBatch, Provenance, RecordError, Tier, WorkerId, decode_batch
-from kvledger.fold import InventoryFold
-from kvledger.reuse import Decision, ReuseRequest
+from kvledger.core.events import EVENTS_SUBJECT_PREFIX, EventBatch, Provenance, RecordError, Tier, WorkerId, decode_batch
+from kvledger.core.fold import InventoryFold
+from kvledger.core.reuse import Decision, ReuseRequest
 from kvledger.runtime.streams import DECISIONS_SUBJECT
-from kvledger.settings import ReuseSettings, StreamSettings, settings_digest
+from kvledger.core.settings import ReuseSettings, StreamSettings, settings_digest
 from kvledger.store.audit import Query, run
 from kvledger.store import tables
 from kvledger.store.pruning import DECISIONS_PRUNED, pruned_through
@@ -112,7 +112,7 @@ WHERE d.decided_ts >= :from_ts AND d.decided_ts < :to_ts
 )
 
 # Every stay on a local tier that was open at some seq of [:first_seq, :last_seq]. A retained
-# stay stops being indexed at conflict_since (kvledger/precedence.py, rule 1).
+# stay stops being indexed at conflict_since (kvledger/core/precedence.py, rule 1).
 REPLAY_STAYS = Query(
     "replay_stays",
     "Stays on local tiers open at some seq of a window: the timeline a replay answers and judges against",
@@ -192,7 +192,7 @@ class Timeline:
 
 
 class _InventoryAt:
-    """The inventory as of one seq, as `kvledger.reuse.decide` reads it (each answer is looked up once)."""
+    """The inventory as of one seq, as `kvledger.core.reuse.decide` reads it (each answer is looked up once)."""
 
     def __init__(self, timeline: Timeline, seq: int) -> None:
         self.timeline, self.inventory_seq = timeline, seq
@@ -486,7 +486,7 @@ def stays_of(connection: sa.Connection, first_seq: int, last_seq: int) -> Stays:
     parsed by numpy, the stays read off `ix_stays_sequence_hash`, whose entries carry the table's key; PostgreSQL:
     `COPY … (FORMAT binary)` read as one numpy record array), and each stay is matched to its removal run (same
     placement and stored seq, first_slot <= slot <= last_slot) by a binary search in numpy. A conflict_since is
-    read for retained placements only: it ends nothing else (kvledger/precedence.py, rule 1)."""
+    read for retained placements only: it ends nothing else (kvledger/core/precedence.py, rule 1)."""
     rows = connection.exec_driver_sql(
         "SELECT placement_id, publisher, dp_rank, provenance, tier FROM placements ORDER BY placement_id").all()
     rows = [row for row in rows if row[4] in _LOCAL_TIERS]
@@ -646,7 +646,7 @@ def replay(
     from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
 ) -> Report:
     """Answer every recorded request decided in [from_ts, to_ts) again under each of `settings` (name, value),
-    from SQL, with the reference model (kvledger/reuse.py, one request at a time): the reference the fast replay
+    from SQL, with the reference model (kvledger/core/reuse.py, one request at a time): the reference the fast replay
     (kvledger/app/replay.py) is tested against. Raises ReplayRefused when SQL no longer holds the window
     (`replay_stream` reads the streams).
 
@@ -719,7 +719,7 @@ def _recorded_from_record(message: _Message) -> Recorded | None:
 
 
 class _FoldView:
-    """The fold as it stands, as `kvledger.reuse.decide` reads an inventory at one seq (as `_InventoryAt`)."""
+    """The fold as it stands, as `kvledger.core.reuse.decide` reads an inventory at one seq (as `_InventoryAt`)."""
 
     def __init__(self, fold: InventoryFold, seq: int) -> None:
         self.fold, self.inventory_seq = fold, seq
@@ -790,7 +790,7 @@ async def replay_stream(
     timeout_s: float = 300.0,
 ) -> Report:
     """`replay` from the streams instead of SQL (the reference, as `replay`): the window's records from
-    KV_DECISIONS, and KV_EVENTS folded from its first seq (`kvledger.fold.InventoryFold`), each request answered by
+    KV_DECISIONS, and KV_EVENTS folded from its first seq (`kvledger.core.fold.InventoryFold`), each request answered by
     the fold as it stood right after its inventory seq and judged by the fold as it stood at its horizon seq.
     Raises ReplayRefused when the streams no longer hold the window (their retention dropped messages it needs)."""
     decisions, unreplayable, batches = await read_streams(js, streams, horizon_s=horizon_s, from_ts=from_ts,

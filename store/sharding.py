@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import attrs
 import xxhash
 
-from kvledger.settings import SettingsError, StoreSettings
+from kvledger.core.settings import SettingsError, StoreSettings
 
 _PUBLISHER_TOKEN = 2  # kv.ev.<publisher>.<dp_rank>[.<provenance>]
 

@@ -16,9 +16,9 @@ from nats.js import JetStreamContext
 from nats.js.api import StorageType
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from kvledger.fold import InventoryFold
-from kvledger.settings import StoreSettings
-from kvledger.snapshot import StreamPosition, encode_snapshot
+from kvledger.core.fold import InventoryFold
+from kvledger.core.settings import StoreSettings
+from kvledger.core.snapshot import StreamPosition, encode_snapshot
 from kvledger.runtime.streams import SNAPSHOTS_BUCKET, snapshot_object_name, snapshot_seq
 from kvledger.store import tables
 

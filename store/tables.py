@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from kvledger.fold import REASON_LIMIT
+from kvledger.core.fold import REASON_LIMIT
 
 U64 = 1 << 64
 I64_LIMIT = 1 << 63

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvledger.events import (
+from kvledger.core.events import (
     Cleared, EventBatch, Gap, GapReason, Provenance, Removed, Stored, Tier, WorkerId, encode_batch,
 )
-from kvledger.hashing import local_block_hashes
+from kvledger.core.hashing import local_block_hashes
 
 BLOCK_SIZE = 4
 

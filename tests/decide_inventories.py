@@ -9,9 +9,9 @@ from __future__ import annotations
 import xxhash
 from hypothesis import strategies as st
 
-from kvledger.events import Cleared, EventBatch, Gap, GapReason, Provenance, Removed, Stored, Tier, WorkerId
-from kvledger.reuse import ReuseRequest
-from kvledger.settings import ReuseSettings
+from kvledger.core.events import Cleared, EventBatch, Gap, GapReason, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.core.reuse import ReuseRequest
+from kvledger.core.settings import ReuseSettings
 from builders import BLOCK_SIZE, local_hashes
 
 # Token paths as block ids; shared beginnings make shared prefixes.
@@ -32,7 +32,7 @@ def engine_hash(path: tuple[int, ...], upto: int, salt: int = 0) -> int:
 
 
 # KV-cache groups of a hybrid model: (group_idx, declared kind). Most events are group 0
-# with no kind (a plain model); the rest exercise kvledger.residency's rule.
+# with no kind (a plain model); the rest exercise kvledger.core.residency's rule.
 GROUPS = ((0, None),) * 6 + ((0, "full_attention"), (1, "sliding_window"), (1, None), (2, "full_attention"), (3, "mamba"))
 OWNERSHIPS = (None,) * 5 + ("kvcr",)
 

@@ -22,8 +22,8 @@ import zmq
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvledger.sim.vllm import VllmBlockStored
-from kvledger.events import EventBatch, decode_batch
-from kvledger.settings import Settings, load_settings
+from kvledger.core.events import EventBatch, decode_batch
+from kvledger.core.settings import Settings, load_settings
 from services import free_ports
 
 

@@ -21,9 +21,9 @@ from engines import http_get, wait_until
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.sim.fleet import SimulatedFleet
-from kvledger.events import Provenance, Tier, WorkerId
+from kvledger.core.events import Provenance, Tier, WorkerId
 from kvledger.runtime.nats_options import connect_options
-from kvledger.settings import Settings, load_settings
+from kvledger.core.settings import Settings, load_settings
 from kvledger.runtime.streams import DECIDE_SUBJECT
 from services import free_ports
 from kvledger.store import database

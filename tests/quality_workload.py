@@ -17,7 +17,7 @@ import attrs
 import nats
 import sqlalchemy as sa
 
-from kvledger.events import WorkerId
+from kvledger.core.events import WorkerId
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
 from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
 from kvledger.store import database

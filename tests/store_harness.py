@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from builders import BLOCK_SIZE, local_hashes
 from engines import wait_until
-from kvledger.events import (
+from kvledger.core.events import (
     Cleared,
     EventBatch,
     Gap,
@@ -33,8 +33,8 @@ from kvledger.events import (
     WorkerId,
     encode_batch,
 )
-from kvledger.fold import InventoryFold
-from kvledger.settings import Settings, load_settings
+from kvledger.core.fold import InventoryFold
+from kvledger.core.settings import Settings, load_settings
 from kvledger.runtime.streams import events_stream
 from kvledger.store import audit, database
 from kvledger.runtime.streams import ensure_stream

@@ -1,4 +1,4 @@
-"""The ceiling (kvledger/ceiling.py, store/ceiling.py): MIN against brute force, the oracle against every
+"""The ceiling (kvledger/core/ceiling.py, store/ceiling.py): MIN against brute force, the oracle against every
 routing brute force can try, round-robin against the demo's own caches, and the SQL reading on the scripted
 decision workload whose truth is known (tests/quality_workload.py), on SQLite and PostgreSQL."""
 
@@ -15,9 +15,9 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvledger.ceiling import Policy, Requests, belady_hits, ceiling, oracle, round_robin
-from kvledger.hashing import local_block_hashes, sequence_hashes
-from kvledger.settings import ReuseSettings
+from kvledger.core.ceiling import Policy, Requests, belady_hits, ceiling, oracle, round_robin
+from kvledger.core.hashing import local_block_hashes, sequence_hashes
+from kvledger.core.settings import ReuseSettings
 from kvledger.sim.workload import EngineCache, block_tokens, synthetic_requests
 
 REUSE = ReuseSettings()  # 50 µs a token
@@ -248,7 +248,7 @@ def test_round_robin_lru_against_a_plain_one_with_warm_starts() -> None:
 
 
 def test_capacity_is_the_most_distinct_blocks_held_at_once() -> None:
-    from kvledger.events import WorkerId
+    from kvledger.core.events import WorkerId
     from kvledger.store.ceiling import _OPEN, _Stays, held_at, most_held
 
     # (worker, hash, stored, slot, removed): worker 0 holds block 1 on device over [1, 5) and on host from

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import kvledger
-from kvledger.settings import SETTINGS_REGISTRY
+from kvledger.core.settings import SETTINGS_REGISTRY
 
 
 def clean_environment(**extra: str) -> dict[str, str]:
@@ -162,7 +162,7 @@ def test_main_returns_exit_codes_in_process(capsys: pytest.CaptureFixture[str]) 
 
 def test_core_imports_no_stage_package(tmp_path: Path) -> None:
     probe = (
-        "import sys, kvledger.app.cli, kvledger.settings; "
+        "import sys, kvledger.app.cli, kvledger.core.settings; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ingest', 'store', 'decide')))"
     )
     result = subprocess.run(

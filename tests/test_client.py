@@ -25,10 +25,10 @@ from kvledger.client import (
     MSGPACK, Answer, DecideClient, DecideClientSync, DecideRequest, DecideUnavailable, RequestRefused, RetryPolicy,
 )
 from kvledger.app.demo import decide_asker, run_closed_loop
-from kvledger.events import WorkerId
+from kvledger.core.events import WorkerId
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.lifetime import cancel_and_wait
-from kvledger.settings import Settings
+from kvledger.core.settings import Settings
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, decisions_stream, ensure_stream
 from kvledger.runtime.streams import events_stream, message_ids
 from kvledger.sim.workload import CacheChange, EngineCache, Request

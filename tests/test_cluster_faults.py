@@ -26,11 +26,11 @@ from cluster import LocalNatsCluster
 from kvledger.decide.service import DecideService
 from engines import read_stream, wait_until
 from kvledger.sim.fleet import SimulatedFleet
-from kvledger.decision_codec import decision_to_json
-from kvledger.events import Gap, decode_batch
-from kvledger.fold import InventoryFold
+from kvledger.core.decision_codec import decision_to_json
+from kvledger.core.events import Gap, decode_batch
+from kvledger.core.fold import InventoryFold
 from kvledger.runtime.nats_options import connect_options
-from kvledger.reuse import ReuseRequest, decide
+from kvledger.core.reuse import ReuseRequest, decide
 from kvledger.sim.workload import DEMO_BLOCK_SIZE, Request, request_tokens, synthetic_requests
 from pipeline import IngestProcess, Pipeline, pipeline_settings, truth_inventory
 from kvledger.store import database

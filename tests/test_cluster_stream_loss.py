@@ -49,7 +49,7 @@ from cluster import (
     truncate_block,
 )
 from engines import read_batches, read_stream, wait_until
-from kvledger.events import GapReason
+from kvledger.core.events import GapReason
 from kvledger.sim.fleet import SimulatedFleet
 from kvledger.sim.workload import DEMO_BLOCK_SIZE, synthetic_requests
 from pipeline import Pipeline, pipeline_settings, truth_inventory

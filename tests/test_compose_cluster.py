@@ -19,7 +19,7 @@ import sqlalchemy as sa
 
 from conftest import _service_or_skip
 from engines import wait_until
-from kvledger.events import WorkerId
+from kvledger.core.events import WorkerId
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.fleet import SimulatedWorker, free_tcp_port
 from kvledger.sim.workload import DEMO_BLOCK_SIZE, EngineCache, synthetic_requests

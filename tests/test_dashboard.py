@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from kvledger.decide.metrics import DecideMetrics
 from kvledger.ingest.metrics import IngestMetrics
 from kvledger.ingest.publisher import JetStreamPublisher
-from kvledger.settings import NatsSettings
+from kvledger.core.settings import NatsSettings
 from kvledger.store.projector import StoreMetrics
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
@@ -80,8 +80,8 @@ def test_prometheus_scrapes_every_stage_and_compose_provisions_grafana() -> None
 def test_label_values_known_up_front_show_at_zero_before_their_first_event() -> None:
     """rate() misses a series that appears with its first increment: the first dead letter, gap,
     rewind or refused request must find its series already there, at 0."""
-    from kvledger.decision_codec import REQUEST_FIELDS
-    from kvledger.settings import Settings
+    from kvledger.core.decision_codec import REQUEST_FIELDS
+    from kvledger.core.settings import Settings
     from kvledger.store.projector import StoreService
 
     settings = Settings()

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
-from kvledger.reuse import ReuseRequest
-from kvledger.settings import ReuseSettings
+from kvledger.core.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.core.reuse import ReuseRequest
+from kvledger.core.settings import ReuseSettings
 from builders import BLOCK_SIZE, local_hashes
 
 from kvledger.decide.cpu import CpuBackend

@@ -13,8 +13,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.hashing import HASH_SEED, sequence_hashes
-from kvledger.reuse import ReuseRequest
+from kvledger.core.hashing import HASH_SEED, sequence_hashes
+from kvledger.core.reuse import ReuseRequest
 
 from kvledger.decide.kernels import chain_hash, chain_hashes
 from kvledger.decide.packed import packed_requests, split_text_pairs, split_texts, unpacked_requests

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from decide_inventories import batches, plain_batches
-from kvledger.events import Cleared, Provenance, Removed, Stored, Tier, WorkerId
-from kvledger.fold import BlockRecord, InventoryFold
-from kvledger.hashing import sequence_hashes
+from kvledger.core.events import Cleared, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.core.fold import BlockRecord, InventoryFold
+from kvledger.core.hashing import sequence_hashes
 from builders import BLOCK_SIZE, Stream, local_hashes
 
 from kvledger.decide.compact import REFS_MAX
@@ -172,7 +172,7 @@ def test_an_index_started_from_a_fold_takes_its_plain_workers_out_of_it(stream, 
 
 def test_a_restored_worker_whose_tier_saw_another_group_stays_in_the_fold() -> None:
     """Group 1 stored on the device tier and left it: the tier's rule still wants group 1 too
-    (kvledger.residency), which the compact arrays cannot express, so the worker is not taken out."""
+    (kvledger.core.residency), which the compact arrays cannot express, so the worker is not taken out."""
     stream, fold = Stream(), InventoryFold()
     worker = WorkerId("hybrid")
     local = local_hashes([1, 2, 3])

@@ -19,10 +19,10 @@ import nats
 import pytest
 import sqlalchemy as sa
 
-from kvledger.decision_codec import ANSWER_DECODER
-from kvledger.events import WorkerId
+from kvledger.core.decision_codec import ANSWER_DECODER
+from kvledger.core.events import WorkerId
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, ensure_stream, events_stream
-from kvledger.settings import load_settings
+from kvledger.core.settings import load_settings
 from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
 from engines import wait_until
 from kvledger.store import database

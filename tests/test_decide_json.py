@@ -8,11 +8,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.events import WorkerId
+from kvledger.core.events import WorkerId
 
 from kvledger.decide.index import InventoryIndex
 from kvledger.decide.ranked import AnswerBatch, RankedBatch
-from kvledger.reuse import ReuseRequest
+from kvledger.core.reuse import ReuseRequest
 
 EMPTY_INTS = np.zeros(0, dtype=np.int32)
 EMPTY_FLOATS = np.zeros(0, dtype=np.float64)
@@ -92,9 +92,9 @@ def test_seventeen_digit_floats_are_written_by_the_kernel_as_python_writes_them(
 
 def test_ids_and_worker_names_are_escaped_as_json_escapes_them() -> None:
     from kvledger.decide.cpu import CpuBackend
-    from kvledger.decision_codec import decision_to_json
-    from kvledger.reuse import decide
-    from kvledger.settings import ReuseSettings
+    from kvledger.core.decision_codec import decision_to_json
+    from kvledger.core.reuse import decide
+    from kvledger.core.settings import ReuseSettings
 
     index = InventoryIndex()
     ids = ["plain", 'q"1\\', "tab\there", "\x00\x1f\x7f", "é", "☃", "😀", "mixed é 😀 \"x\""]

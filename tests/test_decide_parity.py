@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvledger.events import Provenance, Stored, Tier, WorkerId
-from kvledger.decision_codec import decision_to_json
-from kvledger.fold import InventoryFold
-from kvledger.reuse import Reason, ReuseRequest, decide
-from kvledger.settings import ReuseSettings
+from kvledger.core.events import Provenance, Stored, Tier, WorkerId
+from kvledger.core.decision_codec import decision_to_json
+from kvledger.core.fold import InventoryFold
+from kvledger.core.reuse import Reason, ReuseRequest, decide
+from kvledger.core.settings import ReuseSettings
 from builders import BLOCK_SIZE, Stream, local_hashes, stored
 
 from kvledger.decide.index import InventoryIndex

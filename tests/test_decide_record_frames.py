@@ -14,9 +14,9 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-from kvledger.decision_codec import RELIED_PREFIX_HEADER, REQUEST_HEADER, SHADOW_HEADER
-from kvledger.events import WorkerId
-from kvledger.reuse import ReuseRequest
+from kvledger.core.decision_codec import RELIED_PREFIX_HEADER, REQUEST_HEADER, SHADOW_HEADER
+from kvledger.core.events import WorkerId
+from kvledger.core.reuse import ReuseRequest
 
 from kvledger.decide import recorder as recorder_module
 from kvledger.decide.recorder import DecisionRecorder, DecisionsNotRecorded, RecordBatch, Texts, request_header_texts

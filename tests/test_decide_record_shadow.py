@@ -13,10 +13,10 @@ import attrs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvledger.decision_codec import shadow_from_header, shadow_header
-from kvledger.events import WorkerId
-from kvledger.reuse import ReuseRequest
-from kvledger.settings import ReuseSettings
+from kvledger.core.decision_codec import shadow_from_header, shadow_header
+from kvledger.core.events import WorkerId
+from kvledger.core.reuse import ReuseRequest
+from kvledger.core.settings import ReuseSettings
 
 from kvledger.decide.cpu import CpuBackend
 from kvledger.decide.index import InventoryIndex

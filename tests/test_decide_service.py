@@ -14,16 +14,16 @@ import nats
 import pytest
 
 from engines import wait_until
-from kvledger.decision_codec import (
+from kvledger.core.decision_codec import (
     ANSWER_DECODER, RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, answer_of, decision_to_json, record_ack_subject,
     request_from_json,
 )
 from kvledger.runtime.jetstream_ack import read_ack
-from kvledger.events import WorkerId
-from kvledger.fold import InventoryFold
-from kvledger.reuse import ReuseRequest, decide
-from kvledger.settings import DecideSettings, load_settings
-from kvledger.snapshot import encode_snapshot
+from kvledger.core.events import WorkerId
+from kvledger.core.fold import InventoryFold
+from kvledger.core.reuse import ReuseRequest, decide
+from kvledger.core.settings import DecideSettings, load_settings
+from kvledger.core.snapshot import encode_snapshot
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, SNAPSHOTS_BUCKET, snapshot_object_name
 from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
 

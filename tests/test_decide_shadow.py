@@ -16,8 +16,8 @@ import json
 import pytest
 import sqlalchemy as sa
 
-from kvledger.decision_codec import SHADOW_HEADER, request_from_header, REQUEST_HEADER
-from kvledger.settings import ReuseSettings, enabled_reuse, load_settings, reuse_settings_from, settings_digest
+from kvledger.core.decision_codec import SHADOW_HEADER, request_from_header, REQUEST_HEADER
+from kvledger.core.settings import ReuseSettings, enabled_reuse, load_settings, reuse_settings_from, settings_digest
 from builders import BLOCK_SIZE, local_hashes
 from kvledger.store import audit as audit_queries
 from kvledger.store import database

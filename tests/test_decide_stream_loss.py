@@ -17,15 +17,15 @@ import pytest
 import services
 from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
 from engines import wait_until
-from kvledger.decision_codec import decision_to_json
-from kvledger.events import WorkerId, decode_batch
-from kvledger.fold import InventoryFold
-from kvledger.reuse import ReuseRequest, decide
+from kvledger.core.decision_codec import decision_to_json
+from kvledger.core.events import WorkerId, decode_batch
+from kvledger.core.fold import InventoryFold
+from kvledger.core.reuse import ReuseRequest, decide
 from kvledger.runtime.streams import (
     DECIDE_SUBJECT, SNAPSHOTS_BUCKET, decisions_stream, ensure_stream, events_stream, snapshot_object_name,
 )
-from kvledger.settings import load_settings
-from kvledger.snapshot import StreamPosition, encode_snapshot
+from kvledger.core.settings import load_settings
+from kvledger.core.snapshot import StreamPosition, encode_snapshot
 
 from kvledger.decide.service import DecideService
 from kvledger.decide.stream_loss import stream_regression

@@ -8,14 +8,14 @@ import attrs
 import msgspec
 import pytest
 
-from kvledger.decision_codec import (
+from kvledger.core.decision_codec import (
     ANSWER_DECODER, RequestError, answer_of, decision_to_json, decode_request, request_from_json,
 )
-from kvledger.events import Tier, WorkerId
-from kvledger.fold import InventoryFold
-from kvledger.hashing import local_block_hashes
-from kvledger.reuse import decide
-from kvledger.settings import ReuseSettings
+from kvledger.core.events import Tier, WorkerId
+from kvledger.core.fold import InventoryFold
+from kvledger.core.hashing import local_block_hashes
+from kvledger.core.reuse import decide
+from kvledger.core.settings import ReuseSettings
 from builders import BLOCK_SIZE, Stream, stored, tokens_for
 
 

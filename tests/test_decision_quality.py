@@ -25,7 +25,7 @@ from kvledger.store import database
 
 from kvledger.store.audit import Audit
 from kvledger.store.quality import QualityMetrics, QualityTracker
-from kvledger.settings import load_settings
+from kvledger.core.settings import load_settings
 from kvledger.store import audit as audit_queries
 from store_harness import assert_shell_agrees, checkpoint
 from quality_workload import DEADLINE_S, decided_workload

@@ -1,5 +1,5 @@
 """Each KV_DECISIONS record's request header: the batch writer (decide/recorder.py) writes
-`kvledger.decision_codec.request_header`'s text, byte for byte, and store reads it back."""
+`kvledger.core.decision_codec.request_header`'s text, byte for byte, and store reads it back."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from kvledger.decision_codec import MAX_RELIED_BLOCKS, request_from_header, request_header
-from kvledger.events import WorkerId
-from kvledger.reuse import ReuseRequest
+from kvledger.core.decision_codec import MAX_RELIED_BLOCKS, request_from_header, request_header
+from kvledger.core.events import WorkerId
+from kvledger.core.reuse import ReuseRequest
 
 from kvledger.decide.ranked import RequestArrays
 from kvledger.decide.recorder import request_texts

@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from builders import Stream, local_hashes, publish, removed, stored
 from kvledger.decide.service import DecideService
 from engines import wait_until
-from kvledger.events import Cleared, Tier, WorkerId
+from kvledger.core.events import Cleared, Tier, WorkerId
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
-from kvledger.settings import load_settings
+from kvledger.core.settings import load_settings
 from quality_reference import reference_verdicts
 from kvledger.store import database, tables
 from kvledger.store.changes import VERDICT_COLUMNS

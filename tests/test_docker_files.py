@@ -24,7 +24,7 @@ import pytest
 import yaml  # PyYAML, in the test extra
 
 from kvledger.app.cli import COMMANDS, build_parser
-from kvledger.settings import ENV_REGISTRY, load_settings
+from kvledger.core.settings import ENV_REGISTRY, load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"

@@ -29,10 +29,10 @@ from engines import engine_endpoints, wait_until
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.ingest.wire import Engine
-from kvledger.decision_codec import request_from_json
-from kvledger.events import Provenance, Tier, WorkerId
-from kvledger.fold import InventoryFold
-from kvledger.hashing import local_block_hashes, sequence_hashes
+from kvledger.core.decision_codec import request_from_json
+from kvledger.core.events import Provenance, Tier, WorkerId
+from kvledger.core.fold import InventoryFold
+from kvledger.core.hashing import local_block_hashes, sequence_hashes
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored, encode_vllm_batch
 from pipeline import pipeline_settings

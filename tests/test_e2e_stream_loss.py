@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 from engines import read_batches, wait_until
-from kvledger.events import GapReason
+from kvledger.core.events import GapReason
 from kvledger.sim.fleet import SimulatedFleet
 from kvledger.sim.workload import DEMO_BLOCK_SIZE, synthetic_requests
 from pipeline import Pipeline, pipeline_settings, truth_inventory

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.events import (
+from kvledger.core.events import (
     SCHEMA_VERSION,
     Cleared,
     EventBatch,
@@ -160,7 +160,7 @@ def test_worker_identity_names_subjects_and_message_ids() -> None:
 
 
 def test_dead_letters_round_trip_with_raw_frames() -> None:
-    from kvledger.events import DeadLetter, decode_dead_letter, encode_dead_letter
+    from kvledger.core.events import DeadLetter, decode_dead_letter, encode_dead_letter
 
     letter = DeadLetter("vllm-a", 1, "unknown medium 'TAPE'", (b"topic", b"\x00" * 8, b"\xc1garbage"), 3.5, "tcp://h:1")
     assert decode_dead_letter(encode_dead_letter(letter)) == letter

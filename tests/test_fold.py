@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.events import Cleared, GapReason, Provenance, Tier, WorkerId
-from kvledger.fold import (
+from kvledger.core.events import Cleared, GapReason, Provenance, Tier, WorkerId
+from kvledger.core.fold import (
     BlockRemovedFact,
     BlockStoredFact,
     InventoryClearedFact,
@@ -18,8 +18,8 @@ from kvledger.fold import (
     UncertaintyFact,
     hole_reason,
 )
-from kvledger.hashing import chain_hash, sequence_hashes
-from kvledger.snapshot import decode_snapshot, encode_snapshot
+from kvledger.core.hashing import chain_hash, sequence_hashes
+from kvledger.core.snapshot import decode_snapshot, encode_snapshot
 from builders import Stream, gap, local_hashes, removed, stored
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED

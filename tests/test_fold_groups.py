@@ -3,7 +3,7 @@
 Covers: block identity (tier, group, ownership, engine hash) and parents that survive a
 sliding-window removal; reference counting of repeated stores; stores without tokens
 (resolved from the worker's engine-hash map, else kept unresolved); the residency rule
-`holds` applies (kvledger/residency.py); tier-scoped clears and the uncertainty they end;
+`holds` applies (kvledger/core/residency.py); tier-scoped clears and the uncertainty they end;
 snapshots of all of it; version-1 records read as group 0, no ownership, clear all.
 """
 
@@ -13,16 +13,16 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.events import (
+from kvledger.core.events import (
     Cleared, GapReason, Provenance, Removed, Stored, Tier, WorkerId, decode_batch, encode_batch,
 )
-from kvledger.fold import (
+from kvledger.core.fold import (
     BlockReferencedFact, BlockRemovedFact, BlockStoredFact, InventoryClearedFact, InventoryFold, RemovalCause,
     UncertaintyFact,
 )
-from kvledger.hashing import chain_hash, sequence_hashes
-from kvledger.residency import ResidencyRule, decides, rule_for
-from kvledger.snapshot import decode_snapshot, encode_snapshot
+from kvledger.core.hashing import chain_hash, sequence_hashes
+from kvledger.core.residency import ResidencyRule, decides, rule_for
+from kvledger.core.snapshot import decode_snapshot, encode_snapshot
 from builders import BLOCK_SIZE, Stream, gap, local_hashes
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED

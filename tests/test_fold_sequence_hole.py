@@ -12,7 +12,7 @@ import json
 import pytest
 
 from builders import stored
-from kvledger.events import EventBatch, Provenance, WorkerId
+from kvledger.core.events import EventBatch, Provenance, WorkerId
 from kvledger.store import audit, database
 from kvledger.store.recorder import load_fold
 from store_harness import RunningStore, checkpoint, publish, store_settings

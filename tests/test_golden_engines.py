@@ -24,10 +24,10 @@ from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.ingest.wire import Engine, _tier, decode_payload
-from kvledger.decision_codec import decision_to_json, request_from_json
-from kvledger.events import EventBatch, Provenance, Tier, WorkerId
-from kvledger.fold import InventoryFold
-from kvledger.reuse import decide, overlap_of
+from kvledger.core.decision_codec import decision_to_json, request_from_json
+from kvledger.core.events import EventBatch, Provenance, Tier, WorkerId
+from kvledger.core.fold import InventoryFold
+from kvledger.core.reuse import decide, overlap_of
 from kvledger.runtime.streams import DECIDE_SUBJECT
 from pipeline import pipeline_settings
 from kvledger.store import database

@@ -21,9 +21,9 @@ from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.ingest.trtllm_forwarder import LEVEL_MEDIUM, TrtllmEventMapper, TrtllmForwarder, encode_batch, forward_kv_events
 from kvledger.ingest.wire import Engine, decode_payload
-from kvledger.decision_codec import request_from_json
-from kvledger.events import EventBatch, Gap, GapReason, Provenance, Tier, WorkerId
-from kvledger.fold import InventoryFold
+from kvledger.core.decision_codec import request_from_json
+from kvledger.core.events import EventBatch, Gap, GapReason, Provenance, Tier, WorkerId
+from kvledger.core.fold import InventoryFold
 from kvledger.sim.engine import SimulatedEngine
 from pipeline import pipeline_settings
 from kvledger.store import database

@@ -7,7 +7,7 @@ import struct
 import pytest
 import xxhash
 
-from kvledger.hashing import HASH_SEED, block_seed, chain_hash, local_block_hashes, sequence_hashes
+from kvledger.core.hashing import HASH_SEED, block_seed, chain_hash, local_block_hashes, sequence_hashes
 
 
 def test_local_hashes_match_dynamo_compute_block_hash_for_seq() -> None:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.hashing import PLAIN_BLOCK, BlockKeys, local_block_hashes, mm_hash, parse_extra_keys
+from kvledger.core.hashing import PLAIN_BLOCK, BlockKeys, local_block_hashes, mm_hash, parse_extra_keys
 
 dynamo = pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is not installed")
 

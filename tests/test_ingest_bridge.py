@@ -20,7 +20,7 @@ from kvledger.ingest.replay import ReplayClient
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.ingest.subscriber import EngineSubscriber
 from kvledger.sim.vllm import VllmAllBlocksCleared, VllmBlockRemoved
-from kvledger.events import Gap, GapReason, Provenance, Stored, Tier, WorkerId, decode_dead_letter
+from kvledger.core.events import Gap, GapReason, Provenance, Stored, Tier, WorkerId, decode_dead_letter
 
 
 def source(worker: WorkerId, engine: SimulatedEngine) -> StreamSource:

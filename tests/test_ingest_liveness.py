@@ -27,14 +27,14 @@ from engines import (
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.ingest.liveness import BATCH_ARRIVED, DISCONNECTED, NEVER_CONNECTED, PUB_CONNECTED, REPLAY_ANSWERED, heartbeat_ms
-from kvledger.events import (
+from kvledger.core.events import (
     ENGINE_BATCH_VERSION, SCHEMA_VERSION, EventBatch, Gap, GapReason, Provenance, Reachability, RecordError, Stored,
     Tier, WorkerId, decode_batch, encode_batch, is_liveness, liveness_subject,
 )
-from kvledger.fold import REASON_LIMIT, InventoryFold, ReachabilityFact
+from kvledger.core.fold import REASON_LIMIT, InventoryFold, ReachabilityFact
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import encode_vllm_batch
-from kvledger.snapshot import decode_snapshot, encode_snapshot
+from kvledger.core.snapshot import decode_snapshot, encode_snapshot
 from kvledger.decide.index import CLASSES, NATIVE_DEVICE, InventoryIndex
 from kvledger.store import audit, database
 from store_harness import project, store_settings

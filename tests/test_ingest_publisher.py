@@ -14,7 +14,7 @@ from kvledger.ingest.publish_connection import AckReply, PublishConnection, Publ
 from kvledger.ingest.publisher import JetStreamPublisher
 from kvledger.runtime.embedded import EmbeddedNats
 from kvledger.runtime.nats_options import NatsAuthError, is_auth_error
-from kvledger.settings import NatsSettings
+from kvledger.core.settings import NatsSettings
 from kvledger.runtime.streams import events_stream
 
 SUBJECT = "kv.ev.pub.0"

@@ -32,7 +32,7 @@ from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.ingest.wire import decode_event
-from kvledger.events import DeadLetter, Gap, GapReason, Provenance, WorkerId, decode_batch, decode_dead_letter
+from kvledger.core.events import DeadLetter, Gap, GapReason, Provenance, WorkerId, decode_batch, decode_dead_letter
 from kvledger.runtime.streams import DEAD_LETTERS_STREAM
 from kvledger.store import audit, database
 from kvledger.store.projector import StoreService

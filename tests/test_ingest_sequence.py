@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvledger.events import Gap, GapReason
+from kvledger.core.events import Gap, GapReason
 from kvledger.ingest.sequence import SequenceTracker
 
 

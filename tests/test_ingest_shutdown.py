@@ -18,7 +18,7 @@ from engines import engine_endpoints, http_get, one_block, settings_for, wait_un
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.sim.engine import SimulatedEngine
-from kvledger.events import Provenance, WorkerId
+from kvledger.core.events import Provenance, WorkerId
 from services import free_ports
 from test_ingest_bridge import IngestProcess
 

@@ -26,7 +26,7 @@ from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.ingest.sequence import Emit
 from kvledger.ingest.stream_loss import AckedPositions, Loss, LostBatch, LostRun, plan_repair
-from kvledger.events import Gap, GapReason, Provenance, WorkerId
+from kvledger.core.events import Gap, GapReason, Provenance, WorkerId
 from kvledger.runtime.streams import dead_letters_stream, ensure_stream, events_stream
 from kvledger.sim.engine import SimulatedEngine
 from services import copy_nats_store, restore_nats_store

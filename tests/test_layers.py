@@ -9,7 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("ingest", "store", "decide")
-CORE = tuple(sorted(path.stem for path in (ROOT / "kvledger").glob("*.py") if path.stem not in ("__init__", "client")))
+CORE_FOLDER = ROOT / "kvledger" / "core"
+CORE = tuple(sorted(path.stem for path in CORE_FOLDER.glob("*.py") if path.stem != "__init__"))
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -18,8 +19,8 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             modules.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "kvledger":  # `from kvledger import cost` imports kvledger.cost
-                modules.update(f"kvledger.{alias.name}" for alias in node.names)
+            if node.module in ("kvledger", "kvledger.core"):  # `from kvledger.core import cost` imports a module
+                modules.update(f"{node.module}.{alias.name}" for alias in node.names)
             else:
                 modules.add(node.module)
     return modules
@@ -41,14 +42,22 @@ def sources(folder: str) -> list[Path]:
 
 @pytest.mark.parametrize("name", CORE)
 def test_the_core_imports_only_the_core(name: str) -> None:
-    imported = first_party(imported_modules(ROOT / "kvledger" / f"{name}.py"))
-    outside = {module for module in imported if module.split(".")[0] != "kvledger" or module.split(".")[1] not in CORE}
-    assert outside == set(), f"kvledger/{name}.py imports {sorted(outside)}"
+    imported = first_party(imported_modules(CORE_FOLDER / f"{name}.py"))
+    outside = {module for module in imported if not module.startswith("kvledger.core.") or module.split(".")[2] not in CORE}
+    assert outside == set(), f"kvledger/core/{name}.py imports {sorted(outside)}"
+
+
+def test_nothing_in_the_core_folder_imports_a_stage_or_anything_beside_the_core() -> None:
+    # The layers are the folders: kvledger/core/ is the core, whole.
+    assert sorted(path.name for path in CORE_FOLDER.iterdir() if path.is_dir() and path.name != "__pycache__") == []
+    for path in sources("kvledger/core"):
+        bad = {m for m in first_party(imported_modules(path)) if not m.startswith("kvledger.core")}
+        assert bad == set(), f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
 def test_the_core_opens_no_sockets_processes_or_sql() -> None:
     worldly = {"socket", "subprocess", "asyncio", "nats", "zmq", "sqlalchemy", "aiohttp", "multiprocessing"}
-    found = {name: sorted(imported_modules(ROOT / "kvledger" / f"{name}.py") & worldly) for name in CORE}
+    found = {name: sorted(imported_modules(CORE_FOLDER / f"{name}.py") & worldly) for name in CORE}
     assert {name: modules for name, modules in found.items() if modules} == {}
 
 

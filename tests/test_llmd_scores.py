@@ -29,7 +29,7 @@ from kvledger.decide.service import DecideService
 from engines import engine_endpoints, wait_until
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
-from kvledger.events import Provenance, WorkerId
+from kvledger.core.events import Provenance, WorkerId
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored
 from pipeline import pipeline_settings

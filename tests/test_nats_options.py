@@ -9,7 +9,7 @@ import pytest
 
 import services
 from kvledger.runtime.nats_options import connect_options
-from kvledger.settings import NatsSettings
+from kvledger.core.settings import NatsSettings
 
 pytestmark = pytest.mark.service
 

@@ -18,9 +18,9 @@ from engines import wait_until
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.client import NO_RETRIES, DecideClient, DecideRequest
-from kvledger.events import Provenance, WorkerId
+from kvledger.core.events import Provenance, WorkerId
 from kvledger.runtime.streams import DECIDE_SUBJECT
-from kvledger.settings import load_settings
+from kvledger.core.settings import load_settings
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockStored
 from services import LocalNatsServer, free_ports

@@ -24,8 +24,8 @@ import pytest
 import sqlalchemy as sa
 
 from kvledger.app.cli import main as kvledger
-from kvledger.events import WorkerId
-from kvledger.settings import ReuseSettings, reuse_settings_from
+from kvledger.core.events import WorkerId
+from kvledger.core.settings import ReuseSettings, reuse_settings_from
 from builders import BLOCK_SIZE
 from kvledger.store import database
 from kvledger.store.audit import Audit
@@ -198,7 +198,7 @@ async def test_auto_reads_the_streams_once_sql_history_is_pruned(nats_server, sq
 
 
 def test_the_horizon_on_the_stream_is_the_seq_before_the_first_event_that_late() -> None:
-    from kvledger.events import EventBatch, Provenance
+    from kvledger.core.events import EventBatch, Provenance
     from kvledger.store.replay import _horizon_seqs
 
     def batch(ingest_ts: float) -> EventBatch:

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from kvledger.app.cli import main as kvledger
-from kvledger.settings import ReuseSettings
+from kvledger.core.settings import ReuseSettings
 from kvledger.store import database
 from kvledger.store.ceiling import ceiling
 from kvledger.store.commands import _parse_time

@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from kvledger.app import replay as fast
 from kvledger.app.cli import main as kvledger
 from kvledger.runtime.embedded import EmbeddedNats
-from kvledger.settings import ReuseSettings, StreamSettings, reuse_settings_from
+from kvledger.core.settings import ReuseSettings, StreamSettings, reuse_settings_from
 from kvledger.store import database
 from kvledger.store import replay as reference
 

@@ -7,10 +7,10 @@ import itertools
 import attrs
 import pytest
 
-from kvledger.events import GapReason, Provenance, Reachability, Tier, WorkerId
-from kvledger.fold import InventoryFold
-from kvledger.reuse import Candidate, Overlap, Reason, ReuseRequest, decide, ranking_key
-from kvledger.settings import ReuseSettings, settings_digest
+from kvledger.core.events import GapReason, Provenance, Reachability, Tier, WorkerId
+from kvledger.core.fold import InventoryFold
+from kvledger.core.reuse import Candidate, Overlap, Reason, ReuseRequest, decide, ranking_key
+from kvledger.core.settings import ReuseSettings, settings_digest
 from builders import BLOCK_SIZE, Stream, gap, local_hashes, removed, stored, tokens_for
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED

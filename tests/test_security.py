@@ -14,9 +14,9 @@ from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.runtime.embedded import EmbeddedNats
-from kvledger.events import Provenance, WorkerId
+from kvledger.core.events import Provenance, WorkerId
 from kvledger.runtime.nats_options import NatsAuthError
-from kvledger.settings import load_settings
+from kvledger.core.settings import load_settings
 
 SECRET = "hunter2-s3cr3t"
 

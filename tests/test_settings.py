@@ -9,7 +9,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from kvledger.settings import (
+from kvledger.core.settings import (
     ENV_REGISTRY,
     SETTINGS_REGISTRY,
     DecideSettings,
@@ -29,7 +29,7 @@ from kvledger.settings import (
 REPO_ROOT = Path(__file__).parents[1]
 DOC = REPO_ROOT / "docs" / "settings.md"
 PACKAGES = ("kvledger", "ingest", "store", "decide")
-SETTINGS_MODULE = Path("kvledger") / "settings.py"
+SETTINGS_MODULE = Path("kvledger") / "core" / "settings.py"
 
 
 def write(tmp_path: Path, text: str, name: str = "kvledger.toml") -> Path:
@@ -391,7 +391,7 @@ def test_only_the_settings_module_reads_the_environment() -> None:
         if path.relative_to(REPO_ROOT) != SETTINGS_MODULE
         for line, what in _environment_reads(path)
     ]
-    assert not offenders, "only kvledger/settings.py may read the environment:\n" + "\n".join(offenders)
+    assert not offenders, "only kvledger/core/settings.py may read the environment:\n" + "\n".join(offenders)
 
 
 def test_the_environment_scan_finds_reads(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from engines import engine_endpoints, wait_until
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.ingest.wire import Engine
-from kvledger.events import Provenance, WorkerId
+from kvledger.core.events import Provenance, WorkerId
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored
 from pipeline import pipeline_settings
@@ -309,8 +309,8 @@ def test_placements_are_by_engine_hash_per_worker_plain_promoted_or_joined_midwa
     """Every kind of worker the index holds is asked by its own engine hashes, as sgl-kv-indexer keys placements."""
     from kvledger.decide.index import InventoryIndex
     from kvledger.decide.sglang_indexer import SglangIndexer
-    from kvledger.events import EventBatch, Stored, Tier
-    from kvledger.hashing import local_block_hashes
+    from kvledger.core.events import EventBatch, Stored, Tier
+    from kvledger.core.hashing import local_block_hashes
 
     tokens = list(range(1, 4 * PAGE + 1))
     engines = [h % (1 << 64) for h in sglang_hashes(tokens)]

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.events import Cleared, GapReason, Provenance, Tier, WorkerId
-from kvledger.fold import InventoryFold
-from kvledger.snapshot import SnapshotError, decode_snapshot, encode_snapshot
+from kvledger.core.events import Cleared, GapReason, Provenance, Tier, WorkerId
+from kvledger.core.fold import InventoryFold
+from kvledger.core.snapshot import SnapshotError, decode_snapshot, encode_snapshot
 from builders import Stream, gap, removed, stored
 
 WORKERS = [WorkerId("a"), WorkerId("a", 1), WorkerId("b")]

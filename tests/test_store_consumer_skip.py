@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from builders import BLOCK_SIZE, local_hashes
-from kvledger.events import EventBatch, Provenance, Stored, Tier, WorkerId
+from kvledger.core.events import EventBatch, Provenance, Stored, Tier, WorkerId
 from kvledger.store import database, tables
 from kvledger.store.jetstream import _FAST_FETCH_ATTRIBUTES, fetch, first_gap, stream_seq
 from kvledger.store.projector import EVENTS_DURABLE

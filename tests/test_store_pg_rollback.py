@@ -25,7 +25,7 @@ import sqlalchemy as sa
 
 import services
 from engines import wait_until
-from kvledger.events import EventBatch
+from kvledger.core.events import EventBatch
 from services import LocalPostgresCluster, ServiceUnavailable, libpq_url
 from kvledger.store import database, tables
 from kvledger.store.changes import VERDICT_COLUMNS

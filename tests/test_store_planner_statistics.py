@@ -6,7 +6,7 @@ import pytest
 import sqlalchemy as sa
 
 from builders import Stream, stored
-from kvledger.events import WorkerId
+from kvledger.core.events import WorkerId
 from kvledger.store import database
 from kvledger.store.planner_statistics import LEAST_ROWS, analyze_due
 

@@ -15,9 +15,9 @@ import pytest
 import sqlalchemy as sa
 
 from builders import BLOCK_SIZE, local_hashes
-from kvledger.events import EventBatch, Gap, GapReason, Provenance, Stored, Tier, WorkerId
-from kvledger.fold import InventoryFold
-from kvledger.snapshot import decode_snapshot
+from kvledger.core.events import EventBatch, Gap, GapReason, Provenance, Stored, Tier, WorkerId
+from kvledger.core.fold import InventoryFold
+from kvledger.core.snapshot import decode_snapshot
 from kvledger.runtime.streams import SNAPSHOTS_BUCKET
 from kvledger.store import audit, database
 from kvledger.runtime.streams import ensure_stream
@@ -174,10 +174,10 @@ async def test_hashes_above_2_63_round_trip_and_the_audit_cli_finds_them_in_thre
 
 async def test_decisions_and_ingest_dead_letters_are_projected_and_audited(nats_server, db_url, capsys) -> None:
     from kvledger.app.cli import main
-    from kvledger.decision_codec import decision_to_json
-    from kvledger.events import DeadLetter, encode_dead_letter
-    from kvledger.reuse import ReuseRequest, decide
-    from kvledger.settings import ReuseSettings
+    from kvledger.core.decision_codec import decision_to_json
+    from kvledger.core.events import DeadLetter, encode_dead_letter
+    from kvledger.core.reuse import ReuseRequest, decide
+    from kvledger.core.settings import ReuseSettings
     from kvledger.runtime.streams import DECISIONS_SUBJECT, dead_letters_stream, decisions_stream
 
     prefill, decode = WorkerId("prefill"), WorkerId("decode", 1)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from builders import stored
-from kvledger.events import Cleared, EventBatch, Provenance, Removed, Tier, WorkerId
-from kvledger.fold import InventoryFold
+from kvledger.core.events import Cleared, EventBatch, Provenance, Removed, Tier, WorkerId
+from kvledger.core.fold import InventoryFold
 from kvledger.store.projector import StoreMetrics
 from kvledger.store.quality import QualityTracker, open_native_records
 

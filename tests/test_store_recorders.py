@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from kvledger.events import EventBatch, RecordError, decode_batch, encode_batch
-from kvledger.fold import InventoryFold
+from kvledger.core.events import EventBatch, RecordError, decode_batch, encode_batch
+from kvledger.core.fold import InventoryFold
 from kvledger.store import database
 from kvledger.store.changes import ChangeBuilder
 from kvledger.store.recorder import PlacementIds, load_fold, open_recorder, read_checkpoint

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from builders import BLOCK_SIZE, local_hashes
 from kvledger.app.cli import main
-from kvledger.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.core.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
 from kvledger.store import audit, database, tables
 from kvledger.store.pruning import DECISIONS_PRUNED, HISTORY_PRUNED, HistoryPruned, pruned_through, prune_once
 from store_harness import RunningStore, checkpoint, publish, store_settings

@@ -11,7 +11,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from kvledger.app.cli import main
-from kvledger.settings import Settings
+from kvledger.core.settings import Settings
 from kvledger.runtime.streams import StreamSpec, events_stream
 from kvledger.store import database
 from kvledger.store.database import SchemaError

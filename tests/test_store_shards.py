@@ -17,10 +17,10 @@ import pytest
 import sqlalchemy as sa
 
 from builders import BLOCK_SIZE, local_hashes
-from kvledger.decision_codec import decision_to_json
-from kvledger.events import Cleared, EventBatch, Provenance, WorkerId
-from kvledger.reuse import ReuseRequest, decide
-from kvledger.settings import ReuseSettings, Settings
+from kvledger.core.decision_codec import decision_to_json
+from kvledger.core.events import Cleared, EventBatch, Provenance, WorkerId
+from kvledger.core.reuse import ReuseRequest, decide
+from kvledger.core.settings import ReuseSettings, Settings
 from kvledger.runtime.streams import DECISIONS_SUBJECT, decisions_stream, ensure_stream
 from kvledger.store import database
 from kvledger.store.recorder import load_fold

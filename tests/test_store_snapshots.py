@@ -6,10 +6,10 @@ import nats
 import sqlalchemy as sa
 
 from builders import Stream, stored
-from kvledger.events import WorkerId
-from kvledger.fold import InventoryFold
-from kvledger.settings import StoreSettings
-from kvledger.snapshot import decode_snapshot
+from kvledger.core.events import WorkerId
+from kvledger.core.fold import InventoryFold
+from kvledger.core.settings import StoreSettings
+from kvledger.core.snapshot import decode_snapshot
 from kvledger.runtime.streams import SNAPSHOTS_BUCKET, snapshot_seq
 from kvledger.store import database
 from kvledger.store.snapshots import SnapshotWriter

@@ -18,8 +18,8 @@ import attrs
 import pytest
 import sqlalchemy as sa
 
-from kvledger.events import EventBatch
-from kvledger.fold import InventoryFold
+from kvledger.core.events import EventBatch
+from kvledger.core.fold import InventoryFold
 from services import LocalNatsServer, copy_nats_store, restore_nats_store
 from kvledger.store import audit, database, tables
 from store_harness import RunningStore, checkpoint, publish, recorded_stream, store_settings
@@ -221,10 +221,10 @@ async def _publish_decisions(url: str, request_ids: list[str]) -> int:
     import nats
 
     from builders import BLOCK_SIZE, local_hashes
-    from kvledger.decision_codec import decision_to_json
-    from kvledger.reuse import ReuseRequest, decide
+    from kvledger.core.decision_codec import decision_to_json
+    from kvledger.core.reuse import ReuseRequest, decide
     from kvledger.runtime.streams import DECISIONS_SUBJECT, decisions_stream, ensure_stream
-    from kvledger.settings import ReuseSettings, Settings
+    from kvledger.core.settings import ReuseSettings, Settings
 
     decision = decide(InventoryFold(), ReuseRequest("template", local_hashes([1, 2]), BLOCK_SIZE), ReuseSettings())
     template = decision_to_json(decision)

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 import services
 from conftest import _service_or_skip
 from images import IMAGE, REPO, kvledger_image
-from kvledger.events import EventBatch, Provenance, Stored, Tier, WorkerId
+from kvledger.core.events import EventBatch, Provenance, Stored, Tier, WorkerId
 from kvledger.testing import KvledgerStack
 
 pytestmark = [pytest.mark.container, pytest.mark.service]

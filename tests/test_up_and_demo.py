@@ -42,7 +42,7 @@ def _publish_one_batch(nats_url: str) -> None:
     import nats
 
     from builders import Stream, stored
-    from kvledger.events import WorkerId, encode_batch
+    from kvledger.core.events import WorkerId, encode_batch
 
     async def publish() -> None:
         nc = await nats.connect(nats_url)

@@ -21,7 +21,7 @@ import attrs
 import kvledger
 from kvledger.app import replay, trtllm_forward
 from kvledger.runtime.entry import REFUSED, configure_logging
-from kvledger.settings import (
+from kvledger.core.settings import (
     LoadedSettings,
     Settings,
     SettingsError,
@@ -259,7 +259,7 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
     from kvledger.sim.fleet import SimulatedFleet
     from kvledger.client import DecideClient
     from kvledger.app.demo import DemoScore, decide_asker, run_closed_loop
-    from kvledger.events import Provenance
+    from kvledger.core.events import Provenance
     from kvledger.runtime.nats_options import connect_options
     from kvledger.runtime.system import run_services
     from kvledger.sim.workload import DEMO_BLOCK_SIZE, mooncake_requests, synthetic_requests

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvledger.events import WorkerId
-from kvledger.settings import LoadedSettings, ReuseSettings, SettingsError, reuse_settings_from
+from kvledger.core.events import WorkerId
+from kvledger.core.settings import LoadedSettings, ReuseSettings, SettingsError, reuse_settings_from
 
 COLUMNS = ("settings", "digest", "decisions", "changed", "hints", "estimated_ttft_saved_ms", "blocks_moved",
            "tokens_moved", "judged_hints", "stale_hints", "stale_hint_rate", "fresh_ttft_saved_ms", "credited",
@@ -212,7 +212,7 @@ def _answered(decisions: Sequence, settings: Sequence[tuple[str, ReuseSettings]]
     """Each decision's recorded outcome and its replayed ones (store.replay.Outcome), judged at its horizon."""
     from kvledger.decide.ranked import REASONS
     from kvledger.decide.whatif import FALLBACK, NAMED, Requests, recorded_outcomes
-    from kvledger.events import Tier
+    from kvledger.core.events import Tier
     from kvledger.store.replay import Outcome
 
     targets, fallbacks = [], []

@@ -13,7 +13,7 @@ import asyncio
 import importlib
 import inspect
 
-from kvledger.settings import LoadedSettings
+from kvledger.core.settings import LoadedSettings
 
 
 class LlmFactoryError(ValueError):

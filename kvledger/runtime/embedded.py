@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from kvledger.runtime.lifetime import stop_process
-from kvledger.settings import NatsSettings
+from kvledger.core.settings import NatsSettings
 
 READY_LINE = "Server is ready"
 

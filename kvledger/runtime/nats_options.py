@@ -8,7 +8,7 @@ from __future__ import annotations
 import ssl
 from typing import Any
 
-from kvledger.settings import NatsSettings, SettingsError
+from kvledger.core.settings import NatsSettings, SettingsError
 
 
 def connect_options(settings: NatsSettings, *, name: str) -> dict[str, Any]:

@@ -17,8 +17,8 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, StorageType, StreamConfig
 
-from kvledger.events import DEAD_LETTER_SUBJECT_PREFIX, EVENTS_SUBJECT_PREFIX, EventBatch, encode_batch
-from kvledger.settings import StreamSettings
+from kvledger.core.events import DEAD_LETTER_SUBJECT_PREFIX, EVENTS_SUBJECT_PREFIX, EventBatch, encode_batch
+from kvledger.core.settings import StreamSettings
 
 log = logging.getLogger("kvledger.streams")
 

@@ -12,7 +12,7 @@ import signal
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
-from kvledger.settings import LoadedSettings
+from kvledger.core.settings import LoadedSettings
 
 log = logging.getLogger("kvledger.up")
 

@@ -12,7 +12,7 @@ import socket
 
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored
-from kvledger.events import WorkerId
+from kvledger.core.events import WorkerId
 from kvledger.runtime.lifetime import AsyncLifetime
 from kvledger.sim.workload import CacheChange, EngineCache, Request, block_tokens
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 import xxhash
 
-from kvledger.hashing import local_block_hashes, sequence_hashes
+from kvledger.core.hashing import local_block_hashes, sequence_hashes
 
 DEMO_BLOCK_SIZE = 16
 

@@ -14,7 +14,7 @@ Three policies over one ordered stream of requests (each a list of sequence hash
 
 Each gives requests, request blocks, hit blocks, the prefix hit rate (hit blocks / request
 blocks, the demo's definition) and the TTFT saving: the hit blocks' prefill, costed by
-`kvledger/cost.py` at `reuse.transfer_source_prefill_token_us`.
+`kvledger/core/cost.py` at `reuse.transfer_source_prefill_token_us`.
 
 Why the oracle is an upper bound on the prefix hits of any routing, with or without
 decode-to-prefill transfers, over per-worker caches of capacities c_w (sum C) fed by these
@@ -46,8 +46,8 @@ import attrs
 import numba
 import numpy as np
 
-from kvledger import cost
-from kvledger.settings import ReuseSettings
+from kvledger.core import cost
+from kvledger.core.settings import ReuseSettings
 
 
 class Policy(enum.Enum):

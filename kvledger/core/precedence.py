@@ -2,7 +2,7 @@
 
 A worker's blocks are announced by the engine itself (native provenance) and, optionally,
 by a retaining layer beside it (retained: e.g. an offload connector that keeps blocks the
-engine evicted). The two are folded side by side (`kvledger/fold.py`), and these rules
+engine evicted). The two are folded side by side (`kvledger/core/fold.py`), and these rules
 decide between them; every backend reads the fold through `holds`, so they all agree:
 
 1. The engine is authoritative for topology. Where a retained record of a block disagrees
@@ -22,7 +22,7 @@ decide between them; every backend reads the fold through `holds`, so they all a
 
 from __future__ import annotations
 
-from kvledger.events import Provenance, Tier
+from kvledger.core.events import Provenance, Tier
 
 NATIVE, RETAINED = Provenance.NATIVE, Provenance.RETAINED
 

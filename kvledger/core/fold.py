@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 import attrs
 import msgspec
 
-from kvledger.events import (
+from kvledger.core.events import (
     Cleared,
     Event,
     EventBatch,
@@ -26,9 +26,9 @@ from kvledger.events import (
     Tier,
     WorkerId,
 )
-from kvledger import precedence
-from kvledger.hashing import chain_hash, sequence_hashes
-from kvledger.residency import ResidencyRule, rule_for
+from kvledger.core import precedence
+from kvledger.core.hashing import chain_hash, sequence_hashes
+from kvledger.core.residency import ResidencyRule, rule_for
 
 NATIVE = Provenance.NATIVE
 RETAINED = Provenance.RETAINED
@@ -353,7 +353,7 @@ class InventoryFold:
         facts: list[Fact] = []
         events = batch.events
         if len(events) == 1 and type(events[0]) is Reachability:
-            # A liveness record sits outside the engine's sequence (kvledger.events.Reachability).
+            # A liveness record sits outside the engine's sequence (kvledger.core.events.Reachability).
             return facts, True
         if batch.epoch == own.epoch:
             if batch.seq <= own.seq:
@@ -460,7 +460,7 @@ class InventoryFold:
             if held is not None:
                 self._add_reference(state, own, held, stream_seq, facts)
             else:
-                # kvledger/precedence.py, rule 1: one that disagrees with the engine's own
+                # kvledger/core/precedence.py, rule 1: one that disagrees with the engine's own
                 # topology for this block is kept for audit and never indexed.
                 native_entry = native.topology.get(engine_hash)
                 conflict = native_entry is not None and precedence.contradicts(
@@ -601,7 +601,7 @@ class InventoryFold:
             self._count(state, "native_reparent")
         _attach_record(native, record)
         facts.append(BlockStoredFact(record))
-        # kvledger/precedence.py, rule 1: retained records of this block that disagree become audit-only.
+        # kvledger/core/precedence.py, rule 1: retained records of this block that disagree become audit-only.
         retained = state.by_provenance[RETAINED]
         if engine_hash not in retained.topology:
             return

@@ -138,7 +138,7 @@ def _optional_publisher() -> _Rule:
         if name is None:
             return None
         # Imported here so loading settings does not depend on the record codec being importable.
-        from kvledger.events import validate_publisher
+        from kvledger.core.events import validate_publisher
 
         try:
             validate_publisher(name)

@@ -15,9 +15,9 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvledger import reuse
-from kvledger.events import WorkerId
-from kvledger.hashing import local_block_hashes, parse_extra_keys
+from kvledger.core import reuse
+from kvledger.core.events import WorkerId
+from kvledger.core.hashing import local_block_hashes, parse_extra_keys
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"  # the two media types the API speaks, with the same Structs

@@ -15,8 +15,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from kvledger.events import Provenance, Tier, WorkerId
-from kvledger.fold import BlockRecord, InventoryFold, ProvenancePosition
+from kvledger.core.events import Provenance, Tier, WorkerId
+from kvledger.core.fold import BlockRecord, InventoryFold, ProvenancePosition
 
 SNAPSHOT_VERSION = 2  # 2: each record's group, ownership, cache spec, references, resolution
 _TIER_CODES = {tier: code for code, tier in enumerate(Tier)}
@@ -48,7 +48,7 @@ class _ProvenanceWire(msgspec.Struct, array_like=True):
     spec_kinds: bytes  # uint32
     sliding_windows: bytes  # int64, -1: none
     names: list[str]
-    kv_cache_groups: dict[str, dict]  # kvledger.fold.ProvenancePosition.groups
+    kv_cache_groups: dict[str, dict]  # kvledger.core.fold.ProvenancePosition.groups
 
 
 class _WorkerWire(msgspec.Struct, array_like=True):

@@ -12,10 +12,11 @@ from typing import Protocol
 
 import attrs
 
-from kvledger import cost, precedence
-from kvledger.events import Provenance, Tier, WorkerId
-from kvledger.hashing import BlockKeys, local_block_hashes, sequence_hashes
-from kvledger.settings import ReuseSettings, settings_digest
+from kvledger.core import precedence
+from kvledger.core import cost
+from kvledger.core.events import Provenance, Tier, WorkerId
+from kvledger.core.hashing import BlockKeys, local_block_hashes, sequence_hashes
+from kvledger.core.settings import ReuseSettings, settings_digest
 
 # Tiers that hold blocks locally on a worker, best first; external stores are not a worker's own.
 LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
@@ -142,7 +143,7 @@ def overlap_of(view: InventoryView, worker: WorkerId, sequence: Sequence[int]) -
             length += 1
         return length
 
-    # kvledger/precedence.py, rule 4: sources and credit count what the engine announced.
+    # kvledger/core/precedence.py, rule 4: sources and credit count what the engine announced.
     def native_on(tier: Tier) -> Callable[[int], bool]:
         return lambda h: view.holds(worker, precedence.CREDITED, tier, h)
 
@@ -151,7 +152,7 @@ def overlap_of(view: InventoryView, worker: WorkerId, sequence: Sequence[int]) -
         host=prefix(native_on(Tier.HOST)),
         disk=prefix(native_on(Tier.DISK)),
         any=prefix(lambda h: any(view.holds(worker, precedence.CREDITED, tier, h) for tier in LOCAL_TIERS)),
-        # kvledger/precedence.py, rule 5: retained device blocks still spare the target a transfer.
+        # kvledger/core/precedence.py, rule 5: retained device blocks still spare the target a transfer.
         retained_device=prefix(
             lambda h: any(view.holds(worker, provenance, tier, h) for provenance, tier in precedence.BASELINE_CLASSES)
         ),

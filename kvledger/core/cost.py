@@ -9,7 +9,7 @@ already holds) saves `recompute_ms - transfer_ms`:
   source's device tier, `reuse.transfer_source_estimated_block_us` from its host or disk.
 
 Every backend computes these very expressions in this order, so their floats agree bit for
-bit: the reference model (`kvledger/reuse.py`), the cpu kernels (which compile these
+bit: the reference model (`kvledger/core/reuse.py`), the cpu kernels (which compile these
 functions themselves with numba), the cuda kernel (`cuda/rank.cu`, the same expressions in
 C, checked against the cpu backend by `tests/test_decide_parity.py` on a GPU) and the demo.
 """

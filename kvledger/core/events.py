@@ -161,7 +161,7 @@ class Stored(msgspec.Struct, array_like=True, tag="S", frozen=True, gc=False):
     # Version 2 appended the fields from here on; a version-1 record's shorter array takes the defaults.
     ownership: str | None = None
     # The group's cache spec as the engine declares it (vLLM: "full_attention",
-    # "sliding_window", "mamba", ...); kvledger.residency decides what it means for a prefix.
+    # "sliding_window", "mamba", ...); kvledger.core.residency decides what it means for a prefix.
     spec_kind: str | None = None
     sliding_window: _NonNegative | None = None
 
