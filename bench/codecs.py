@@ -26,13 +26,13 @@ from pathlib import Path
 
 import msgspec
 
-# Run as a script, this file's folder comes first on sys.path and `decide.py` beside it
-# would shadow the `decide` package.
+# Run as a script, this folder would come first on sys.path: the benchmarks are scripts, loaded by
+# path where one uses another, and one is named like the standard library (bench/codecs.py).
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvledger.decide.media import parse_batch, parse_single  # noqa: E402
 from kvledger.core.decision_codec import ANSWER_DECODER, Answer, Candidate, Overlap  # noqa: E402
+from kvledger.decide.serving.media import parse_batch, parse_single  # noqa: E402
 from kvledger.core.events import (  # noqa: E402
     EventBatch, Provenance, Removed, Stored, Tier, WorkerId, decode_batch, encode_batch,
 )

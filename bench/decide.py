@@ -36,8 +36,8 @@ from kvledger.core.reuse import ReuseRequest, decide
 from kvledger.core.settings import ReuseSettings
 
 REPO = Path(__file__).resolve().parent.parent
-# Run as a script, this file's folder comes first on sys.path and its own name would
-# shadow the `decide` package; the package is what is benchmarked.
+# Run as a script, this folder would come first on sys.path: the benchmarks are scripts, loaded by
+# path where one uses another, and one is named like the standard library (bench/codecs.py).
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 DEFAULT_TRACE = REPO.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 TRACE_BLOCK = 512
@@ -116,7 +116,7 @@ def build_inventory(trace: list[list[int]], workers: int, seed: int, with_dynamo
     Returns the index, the queries, the canonical batches and, `with_dynamo`, the device
     events as Dynamo's RadixTree takes them: (worker number, event JSON).
     """
-    from kvledger.decide.index import InventoryIndex
+    from kvledger.decide.inventory.index import InventoryIndex
 
     rng = random.Random(seed)
     cache: dict[int, int] = {}
@@ -298,7 +298,7 @@ async def service_figures(batches: list[EventBatch], queries: list[ReuseRequest]
 
     import nats
 
-    from kvledger.decide.service import DecideService
+    from kvledger.decide.serving.service import DecideService
     from kvledger.runtime.embedded import EmbeddedNats
     from kvledger.core.settings import load_settings
     from kvledger.runtime.streams import (
@@ -346,8 +346,8 @@ def gpu_figures(index, queries: list[ReuseRequest], batches: list[EventBatch], w
     parity on every query, device bytes per indexed block, the time to apply dirty slots, and
     (with --gpu-profile) where one pass of full answers spends its host time. Returns the
     summary lines and how many answers differed from cpu's."""
-    from kvledger.decide.cpu import CpuBackend
-    from kvledger.decide.cuda import CudaBackend
+    from kvledger.decide.ranking.cpu import CpuBackend
+    from kvledger.decide.ranking.cuda import CudaBackend
 
     lines = []
     cpu = CpuBackend(index)
@@ -397,8 +397,8 @@ def dirty_apply_figures(batches: list[EventBatch], workers: int, chunk: int) -> 
     batches are applied `chunk` at a time, each followed by `sync_table` (scatter of the
     dirty table slots and rows, waited for). A change of the arrays' shape re-uploads all.
     """
-    from kvledger.decide.cuda import CudaBackend
-    from kvledger.decide.index import InventoryIndex
+    from kvledger.decide.ranking.cuda import CudaBackend
+    from kvledger.decide.inventory.index import InventoryIndex
 
     held_back = min(len(batches) // 2, 40 * chunk)
     mirror = InventoryIndex()
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dirty-chunk", type=int, default=16, help="event batches applied between device updates")
     args = parser.parse_args(argv)
 
-    from kvledger.decide.cpu import CpuBackend
+    from kvledger.decide.ranking.cpu import CpuBackend
 
     trace = load_trace(args.trace)
     # Reuse on, default thresholds and budget: full decisions with candidates and ranking.
@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     answers = cpu.decide_batch(queries, reuse)
     batch_json = cpu.answer_batch(queries, reuse).encoded()
     # The service's one-call path writes the same bytes, and the same relied-on prefixes.
-    from kvledger.decide.ranked import AnswerTexts
+    from kvledger.decide.ranking.ranked import AnswerTexts
 
     mismatches += sum(cpu.answer_texts(chunk, reuse) != AnswerTexts.of(cpu.answer_batch(chunk, reuse))
                       for chunk in (queries[start:start + args.batch] for start in range(0, len(queries), args.batch)))
@@ -516,9 +516,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'ok' if not mismatches else f'{mismatches} MISMATCHES'}; reasons {reasons}; "
           f"mean {candidates:.1f} candidates and {overlapping:.1f} workers in overlaps per answer")
 
-    from kvledger.decide.cpu import rank_batch
-    from kvledger.decide.recorder import request_header_texts, request_texts
-    from kvledger.decide.shadow import ShadowDecisions
+    from kvledger.decide.ranking.cpu import rank_batch
+    from kvledger.decide.serving.recorder import request_header_texts, request_texts
+    from kvledger.decide.serving.shadow import ShadowDecisions
     from kvledger.core.decision_codec import request_header
     from kvledger.core.settings import enabled_reuse
 
@@ -569,10 +569,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{args.workers} workers",
                       lambda: time_batches(lambda qs: recorded(qs, None, None), queries, args.batch, args.rounds)),
         "recorded": (f"cpu, batches of {args.batch}, reuse off: the same, plus each record's request header "
-                     f"(decide.recorder.request_header_texts, one compiled call a batch, one buffer), {args.workers} workers",
+                     f"(decide.serving.recorder.request_header_texts, one compiled call a batch, one buffer), {args.workers} workers",
                      lambda: time_batches(lambda qs: recorded(qs, None, "batch"), queries, args.batch, args.rounds)),
         "recorded_str": (f"cpu, batches of {args.batch}, reuse off: the same, the request headers as a str each "
-                         f"(decide.recorder.request_texts), {args.workers} workers",
+                         f"(decide.serving.recorder.request_texts), {args.workers} workers",
                          lambda: time_batches(lambda qs: recorded(qs, None, "str"), queries, args.batch, args.rounds)),
         "recorded_python": (f"cpu, batches of {args.batch}, reuse off: the same, the request headers written one "
                             f"at a time (decision_codec.request_header), {args.workers} workers",
@@ -615,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu_lines = []
     if "cuda" in args.backends.split(","):
-        from kvledger.decide.cuda import CudaBackend, device_unavailable_reason
+        from kvledger.decide.ranking.cuda import CudaBackend, device_unavailable_reason
 
         reason = device_unavailable_reason()
         if reason is not None:

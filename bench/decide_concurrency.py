@@ -37,8 +37,8 @@ import nats
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvledger.client import DecideClient, DecideRequest, RetryPolicy  # noqa: E402
-from kvledger.runtime.embedded import EmbeddedNats  # noqa: E402
 from kvledger.core.settings import StreamSettings  # noqa: E402
+from kvledger.runtime.embedded import EmbeddedNats  # noqa: E402
 from kvledger.runtime.streams import DECIDE_SUBJECT, DECISIONS_SUBJECT, message_ids  # noqa: E402
 
 BLOCK_SIZE = 16

@@ -28,8 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and `decide.py` beside it
-# would shadow the `decide` package.
+# Run as a script, this folder would come first on sys.path: the benchmarks are scripts, loaded by
+# path where one uses another, and one is named like the standard library (bench/codecs.py).
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 import nats  # noqa: E402
@@ -88,7 +88,7 @@ async def bare_consumer(js, subject: str, count: int) -> float:
 
 async def decide_service(settings) -> float:
     """Seconds from starting DecideService to its being caught up, less its backend warm-up."""
-    from kvledger.decide.service import DecideService
+    from kvledger.decide.serving.service import DecideService
 
     started = time.perf_counter()
     async with DecideService(settings) as service:
@@ -97,7 +97,7 @@ async def decide_service(settings) -> float:
 
 
 def index_alone(batches: list[EventBatch]) -> float:
-    from kvledger.decide.index import InventoryIndex
+    from kvledger.decide.inventory.index import InventoryIndex
 
     encoded = [encode_batch(batch) for batch in batches]
     index = InventoryIndex()
@@ -114,7 +114,7 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="measurements of each, taken in turns")
     args = parser.parse_args(argv)
 
-    from kvledger.decide.cpu import compile_kernels
+    from kvledger.decide.ranking.cpu import compile_kernels
     from kvledger.runtime.embedded import EmbeddedNats
     from kvledger.runtime.streams import EVENTS_SUBJECT_PREFIX, ensure_stream, events_stream, publish_batches
     from kvledger.core.settings import ReuseSettings, load_settings

@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and `decide.py` beside it
-# would shadow the `decide` package.
+# Run as a script, this folder would come first on sys.path: the benchmarks are scripts, loaded by
+# path where one uses another, and one is named like the standard library (bench/codecs.py).
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 
@@ -64,9 +64,9 @@ def stored_prompts(residencies: int, workers: int, chain: int, seed: int):
 def build_decide(residencies: int, workers: int, chain: int, seed: int) -> dict[str, float]:
     from kvledger.core.events import EventBatch, Provenance, Stored, Tier, WorkerId
 
-    from kvledger.decide.index import InventoryIndex
+    from kvledger.decide.inventory.index import InventoryIndex
 
-    from kvledger.decide.cpu import compile_kernels
+    from kvledger.decide.ranking.cpu import compile_kernels
     from kvledger.core.settings import ReuseSettings
 
     names = [WorkerId(f"w{number:04d}") for number in range(workers)]
@@ -88,11 +88,8 @@ def build_decide(residencies: int, workers: int, chain: int, seed: int) -> dict[
     gc.collect()
     # What one full collection stalls decide for, with this inventory held.
     collect_ms = (time.perf_counter() - collect_started) * 1e3
-    arrays = {"compact": index.compact.nbytes(), "rows' holders": index.holders.nbytes,
-              "bitmask rows": index.spilled.nbytes,
-              "table": index.table_keys.nbytes + index.table_rows.nbytes}
-    return {"bytes": resident_bytes() - before, "seconds": elapsed, "hashes": index.size, "arrays": arrays,
-            "promoted": len(index.promoted_workers),
+    return {"bytes": resident_bytes() - before, "seconds": elapsed, "hashes": index.size, "arrays": index.array_parts(),
+            "promoted": index.promoted_count,
             "collect_ms": collect_ms, "tracked": len(gc.get_objects()), "full_collections": full_collections}
 
 

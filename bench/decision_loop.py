@@ -14,7 +14,7 @@ recorder (the answer, its relied-on prefix and its request). Stream time is wall
 
 Then, per database (SQLite; PostgreSQL in a throwaway cluster), in this order:
 
-- projection: the store service (store/projector.py, in this process) projects both streams
+- projection: the store service (store/service.py, in this process) projects both streams
   into an empty database until its checkpoints reach their ends, once with judging off
   (`store.quality_horizons_ms = []`) and once, into another empty database, with it on (the
   horizon; the clock also waits for every verdict to be in SQL). Yardstick: the rows store
@@ -50,7 +50,8 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# This folder holds store.py and decide.py, named like the packages: keep it off the path.
+# Run as a script, this folder would come first on sys.path: the benchmarks are scripts, loaded by
+# path where one uses another, and one is named like the standard library (bench/codecs.py).
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -132,7 +133,7 @@ def project_measured(nats_url: str, db_url: str, ledger, horizon_ms: float | Non
 async def project(nats_url: str, db_url: str, ledger, horizon_ms: float | None) -> float:
     """Seconds from starting the store service until both checkpoints reach the streams' ends
     (and, judging, until every settled decision has its verdict in SQL)."""
-    from kvledger.store.projector import StoreService
+    from kvledger.store.service import StoreService
 
     settings = store_settings(nats_url, db_url, horizon_ms)
     service = StoreService(settings)

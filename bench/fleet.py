@@ -72,21 +72,21 @@ import attrs
 import nats
 
 ROOT = Path(__file__).resolve().parent.parent
-# Run as a script, this folder comes first on sys.path, and bench/store.py and
-# bench/decide.py would shadow the `store` and `decide` packages.
+# Run as a script, this folder would come first on sys.path: the benchmarks are scripts, loaded by
+# path where one uses another, and one is named like the standard library (bench/codecs.py).
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import services  # noqa: E402  (the test suite's throwaway servers)
 
-from kvledger.sim.engine import SimulatedEngine  # noqa: E402
-from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored  # noqa: E402
 from kvledger.client import DecideClient, DecideError, DecideRequest  # noqa: E402
 from kvledger.core.events import Gap, Removed, Stored, decode_batch  # noqa: E402
-from kvledger.runtime.lifetime import cancel_and_wait, stop_process  # noqa: E402
 from kvledger.core.settings import load_settings  # noqa: E402
+from kvledger.runtime.lifetime import cancel_and_wait, stop_process  # noqa: E402
 from kvledger.runtime.streams import EVENTS_SUBJECT_PREFIX, ensure_stream, events_stream  # noqa: E402
+from kvledger.sim.engine import SimulatedEngine  # noqa: E402
+from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored  # noqa: E402
 from kvledger.store import database  # noqa: E402
 from kvledger.store.sharding import Shard  # noqa: E402
 

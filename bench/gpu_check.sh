@@ -41,7 +41,7 @@ step() {  # step NAME COMMAND...: run one step, note it when it fails, go on
 echo "== device"
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv || true
 "$PY" - <<'PY' || exit 1
-from decide.cuda import compile_source, device_unavailable_reason, kernel_sources
+from kvledger.decide.ranking.cuda import compile_source, device_unavailable_reason, kernel_sources
 
 reason = device_unavailable_reason()
 if reason is not None:
@@ -63,7 +63,7 @@ PY
 step "build: NVRTC compiles every kernel for sm_80 and sm_90 (as CI does)" \
   timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_decide_nvrtc.py
 step "compiled CPU kernels (numba; both backends share them): compiled once, then cached" \
-  timeout 180 "$PY" -c "from decide.cpu import compile_kernels; from kvledger.core.settings import ReuseSettings; compile_kernels(ReuseSettings())"
+  timeout 180 "$PY" -c "from kvledger.decide.ranking.cpu import compile_kernels; from kvledger.core.settings import ReuseSettings; compile_kernels(ReuseSettings())"
 parity() {
   timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_decide_parity.py \
     tests/test_decide_service.py::test_auto_picks_cuda_only_when_a_device_answers_and_says_which \

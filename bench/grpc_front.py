@@ -4,7 +4,7 @@
 
 A server process holds an index of `--workers` SGLang workers, each holding a random
 prefix (on HBM, DRAM or SSD) of one `--blocks`-page request, and serves it through
-`decide.grpc_front.GrpcFront`. N clients in this process, one channel each, ask
+`decide.routers.grpc_front.GrpcFront`. N clients in this process, one channel each, ask
 `MatchExternalKv` (with `--prefix`, `MatchExternalKvPrefix`, what SGLang's router asks)
 with the request's `--blocks` hashes, one call at a time, for a fixed time. The yardstick, measured in the same run with the same clients: a bare grpc.aio
 responder in its own process answering the same method with a fixed, already serialised
@@ -29,7 +29,7 @@ import grpc.aio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvledger.decide.protos import kv_indexer_pb2 as pb  # noqa: E402
+from kvledger.decide.routers.protos import kv_indexer_pb2 as pb  # noqa: E402
 
 PAGE = 16
 
@@ -49,7 +49,7 @@ def request_tokens(blocks: int) -> list[int]:
 
 
 def build_index(workers: int, blocks: int):
-    from kvledger.decide.index import InventoryIndex
+    from kvledger.decide.inventory.index import InventoryIndex
     from kvledger.core.events import EventBatch, Provenance, Stored, Tier, WorkerId
     from kvledger.core.hashing import local_block_hashes
 
@@ -68,7 +68,7 @@ def build_index(workers: int, blocks: int):
 
 def serve_front(port: multiprocessing.Value, ready: multiprocessing.Event, workers: int, blocks: int) -> None:
     async def main() -> None:
-        from kvledger.decide.grpc_front import GrpcFront, RouterSettings
+        from kvledger.decide.routers.grpc_front import GrpcFront, RouterSettings
         from kvledger.decide.metrics import DecideMetrics
 
         index = build_index(workers, blocks)

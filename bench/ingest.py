@@ -43,14 +43,14 @@ from nats.js.api import StorageType, StreamConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvledger.ingest.bridge import Bridge  # noqa: E402
-from kvledger.ingest.endpoints import StreamSource  # noqa: E402
-from kvledger.sim.engine import SimulatedEngine  # noqa: E402
-from kvledger.ingest.wire import decode_payload  # noqa: E402
-from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored, encode_vllm_batch  # noqa: E402
-from kvledger.runtime.embedded import EmbeddedNats  # noqa: E402
 from kvledger.core.events import EventBatch, Provenance, WorkerId, encode_batch  # noqa: E402
 from kvledger.core.settings import load_settings  # noqa: E402
+from kvledger.ingest.bridge import Bridge  # noqa: E402
+from kvledger.ingest.endpoints import StreamSource  # noqa: E402
+from kvledger.ingest.wire import decode_payload  # noqa: E402
+from kvledger.runtime.embedded import EmbeddedNats  # noqa: E402
+from kvledger.sim.engine import SimulatedEngine  # noqa: E402
+from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored, encode_vllm_batch  # noqa: E402
 
 BLOCKS, TOKENS = 16, 16
 

@@ -4,9 +4,9 @@
 that share system prompts, and publishes straight into JetStream what ingest and decide
 would have: each served request is one engine batch on `kv.ev.<publisher>.<dp_rank>`
 (the record codec of kvledger/core/events.py, with its Msg-Id), and every request is first
-answered by decide's own CPU backend (decide/cpu.py) against decide's index folded from
+answered by decide's own CPU backend (decide/ranking/cpu.py) against decide's index folded from
 exactly the batches published so far, its record appended to KV_DECISIONS by decide's own
-recorder (decide/recorder.py: the answer, `Kvledger-Relied-Prefix`, `Kvledger-Request`, and
+recorder (decide/serving/recorder.py: the answer, `Kvledger-Relied-Prefix`, `Kvledger-Request`, and
 `Kvledger-Shadow` when shadow settings are given). So each decision's inventory_seq is a
 real KV_EVENTS seq and its relied-on blocks are ones its target (or chosen source) held then.
 
@@ -39,8 +39,8 @@ import nats
 
 from kvledger.core.events import EventBatch, Gap, GapReason, Provenance, Removed, Stored, Tier, WorkerId, encode_batch
 from kvledger.core.reuse import ReuseRequest
-from kvledger.runtime.streams import DECISIONS_SUBJECT, decisions_stream, ensure_stream, events_stream
 from kvledger.core.settings import ReuseSettings, StreamSettings
+from kvledger.runtime.streams import DECISIONS_SUBJECT, decisions_stream, ensure_stream, events_stream
 
 CLOSING_AFTER_S = 60.0  # stream time between the last decision and the batch that settles it
 
@@ -237,10 +237,10 @@ async def publish_ledger(nats_url: str, decisions: int, shape: FleetShape, reuse
                          shadow: ReuseSettings | None = None, stream: StreamSettings | None = None,
                          progress: Callable[[int], None] | None = None) -> Ledger:
     """Publish a fleet's ledger of `decisions` recorded decisions into empty KV_EVENTS and KV_DECISIONS."""
-    from kvledger.decide.cpu import CpuBackend
-    from kvledger.decide.index import InventoryIndex
-    from kvledger.decide.recorder import DecisionRecorder, RecordBatch, Texts, request_header_texts
-    from kvledger.decide.shadow import ShadowDecisions
+    from kvledger.decide.ranking.cpu import CpuBackend
+    from kvledger.decide.inventory.index import InventoryIndex
+    from kvledger.decide.serving.recorder import DecisionRecorder, RecordBatch, Texts, request_header_texts
+    from kvledger.decide.serving.shadow import ShadowDecisions
 
     stream = stream or StreamSettings()
     workload = FleetWorkload(shape)

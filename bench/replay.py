@@ -1,12 +1,12 @@
-"""Benchmark of `kvledger replay` (kvledger/app/replay.py, decide/whatif.py) on a finished demo's ledger.
+"""Benchmark of `kvledger replay` (kvledger/app/replay.py, decide/ranking/whatif.py) on a finished demo's ledger.
 
 In one run, in turns, from SQL (the demo's ledger.db):
 
 - the replay at decide's speed for one settings file and for a sweep of four (one fold shared),
-  whole (SQL reads included) and its engine alone (fold, ranking and judging: decide/whatif.py);
-- the reference it replaced (store/replay.py's `replay`: the reference model one request at a
+  whole (SQL reads included) and its engine alone (fold, ranking and judging: decide/ranking/whatif.py);
+- the reference it replaced (store/whatif_reference.py's `replay`: the reference model one request at a
   time), unless --no-reference; the two reports are compared to the last float;
-- the yardstick: decide's own batched rate (`decide.cpu.rank_batch`, batches of 64) ranking the
+- the yardstick: decide's own batched rate (`decide.ranking.cpu.rank_batch`, batches of 64) ranking the
   same requests against decide's index folded from the demo's KV_EVENTS.
 
     kvledger demo --duration 20 --workers 4 --data-dir /tmp/demo
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+# Run as a script, this folder would come first on sys.path: the benchmarks are scripts, loaded by
+# path where one uses another, and one is named like the standard library (bench/codecs.py).
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 from kvledger.app import replay as fast  # noqa: E402
@@ -57,7 +59,7 @@ def whole(url: str, sweep, placed: bool, replay) -> tuple[float, object]:
 
 def engine_alone(url: str, sweep, placed: bool) -> tuple[float, float]:
     """(seconds reading SQL, seconds folding, ranking and judging) of the replay at decide's speed."""
-    from kvledger.decide.whatif import StayTimeline
+    from kvledger.decide.ranking.whatif import StayTimeline
 
     engine = sa.create_engine(url)
     with engine.connect() as connection:
@@ -92,8 +94,8 @@ async def _events(demo_nats: Path) -> list:
 
 def yardstick(url: str, demo_nats: Path, settings: ReuseSettings, repeats: int) -> float:
     """decide's own batched rate: the recorded requests ranked in batches of 64 against decide's index."""
-    from kvledger.decide.cpu import rank_batch
-    from kvledger.decide.index import InventoryIndex
+    from kvledger.decide.ranking.cpu import rank_batch
+    from kvledger.decide.inventory.index import InventoryIndex
 
     engine = sa.create_engine(url)
     with engine.connect() as connection:

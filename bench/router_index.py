@@ -40,8 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and `decide.py` beside it
-# would shadow the `decide` package.
+# Run as a script, this folder would come first on sys.path: the benchmarks are scripts, loaded by
+# path where one uses another, and one is named like the standard library (bench/codecs.py).
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

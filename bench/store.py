@@ -20,7 +20,7 @@ dicts, hashes unsigned); `inventory_at_seq_sql` the documented statement alone, 
 fetched by the driver as tuples; `inventory_at_seq_in_db` the statement executed by the
 database to its last row without sending the rows (PostgreSQL: EXPLAIN ANALYZE's execution
 time; SQLite: the statement counted). `restart_s`: rebuilding the fold from SQL, as store does
-when it starts (store.recorder.load_fold).
+when it starts (store.fold_loader.load_fold).
 
 Size: the database's bytes after the projection, per million block events; then history
 retention keeps the newer half of the stream (by ingest time) and the bytes the data
@@ -53,8 +53,8 @@ import nats
 import sqlalchemy as sa
 
 ROOT = Path(__file__).resolve().parent.parent
-# This file is named like the `store` package; keep its folder off the path so the
-# package, not this script, is what `import store` finds.
+# Run as a script, this folder would come first on sys.path: the benchmarks are scripts, loaded by
+# path where one uses another, and one is named like the standard library (bench/codecs.py).
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -63,9 +63,9 @@ import services  # noqa: E402  (the test suite's throwaway servers)
 from kvledger.core.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId  # noqa: E402
 from kvledger.core.settings import load_settings  # noqa: E402
 from kvledger.runtime.streams import events_stream  # noqa: E402
-from kvledger.store import audit, database  # noqa: E402
 from kvledger.runtime.streams import ensure_stream, publish_batches  # noqa: E402
-from kvledger.store.projector import StoreService  # noqa: E402
+from kvledger.store import audit, database  # noqa: E402
+from kvledger.store.service import StoreService  # noqa: E402
 
 BLOCKS_PER_BATCH = 16
 
@@ -240,8 +240,8 @@ def bytes_by_table(db_url: str) -> dict[str, int]:
 
 
 def restart_s(db_url: str) -> float:
-    """Seconds store takes to rebuild its fold from SQL, as after a restart (store.recorder.load_fold)."""
-    from kvledger.store.recorder import load_fold
+    """Seconds store takes to rebuild its fold from SQL, as after a restart (store.fold_loader.load_fold)."""
+    from kvledger.store.fold_loader import load_fold
 
     with database.opened(db_url) as engine:
         started = time.perf_counter()

@@ -38,16 +38,16 @@ import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvledger.decide.service import DecideService  # noqa: E402
+from kvledger.core.events import Provenance  # noqa: E402
+from kvledger.core.settings import load_settings  # noqa: E402
+from kvledger.decide.serving.service import DecideService  # noqa: E402
 from kvledger.ingest.bridge import Bridge  # noqa: E402
 from kvledger.ingest.endpoints import StreamSource  # noqa: E402
-from kvledger.core.events import Provenance  # noqa: E402
 from kvledger.runtime.embedded import EmbeddedNats  # noqa: E402
-from kvledger.core.settings import load_settings  # noqa: E402
 from kvledger.sim.fleet import SimulatedFleet  # noqa: E402
 from kvledger.sim.workload import synthetic_requests  # noqa: E402
 from kvledger.store import database  # noqa: E402
-from kvledger.store.projector import StoreService  # noqa: E402
+from kvledger.store.service import StoreService  # noqa: E402
 
 POLL_S = 0.01
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvledger.runtime.metrics import MetricSet
+from kvledger.runtime.metric_set import MetricSet
 
 
 class DecideMetrics(MetricSet):

@@ -1,5 +1,5 @@
 """What decide needs before it can answer: settled subscriptions, and how long the process
-has been starting (the snapshot it starts from: `decide.stream_loss.trusted_snapshot`)."""
+has been starting (the snapshot it starts from: `decide.serving.stream_check.trusted_snapshot`)."""
 
 from __future__ import annotations
 

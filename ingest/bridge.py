@@ -10,7 +10,7 @@ then. All publishing goes through one ordered publisher.
 Each stream remembers where JetStream stored what it acknowledged; on every connection to
 NATS, before the first write after a quiet spell and every `ingest.stream_check_interval_s`,
 the publisher pauses between writes while the streams check that KV_EVENTS still holds it,
-and puts what it lost back in front (`ingest/stream_loss.py`).
+and puts what it lost back in front (`ingest/stream_repair.py`).
 """
 
 from __future__ import annotations
@@ -34,20 +34,20 @@ from kvledger.ingest.incarnation import Incarnation, is_restart_marker, judge, s
 from kvledger.ingest.liveness import BATCH_ARRIVED, DISCONNECTED, NEVER_CONNECTED, EngineWatch, heartbeat_ms, liveness_batch
 from kvledger.ingest.metrics import IngestMetrics
 from kvledger.ingest.publisher import JetStreamPublisher, Queued, StreamCheckIncomplete
-from kvledger.ingest.replay import ReplayClient
+from kvledger.ingest.replay_client import ReplayClient
 from kvledger.ingest.sequence import Emit, SequenceTracker
-from kvledger.ingest.stream_loss import AckedPositions, LostBatch, Position, plan_repair
+from kvledger.ingest.stream_repair import AckedPositions, LostBatch, Position, plan_repair
 from kvledger.ingest.subscriber import EngineSubscriber
 from kvledger.ingest.wire import EngineBatch, WireError, decode_payload, split_publisher_frames, well_framed_seq
 from kvledger.core.events import (
     DeadLetter, EventBatch, Gap, GapReason, Provenance, Reachability, decode_batch, encode_batch,
     encode_dead_letter, events_subject, liveness_subject,
 )
+from kvledger.core.settings import Settings
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.http import HttpFront, health_routes
 from kvledger.runtime.lifetime import AsyncLifetime, cancel_and_wait
 from kvledger.runtime.nats_options import connect_options
-from kvledger.core.settings import Settings
 from kvledger.runtime.streams import dead_letter_subject, dead_letters_stream, events_stream
 
 if TYPE_CHECKING:

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvledger.ingest.wire import Engine
 from kvledger.core.events import Provenance, WorkerId, validate_publisher
+from kvledger.ingest.wire import Engine
 
 
 def with_port_offset(endpoint: str, offset: int) -> str:

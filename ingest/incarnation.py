@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import attrs
 
-from kvledger.ingest.wire import Engine, WireError, decode_payload
 from kvledger.core.events import EventBatch, Gap, GapReason
+from kvledger.ingest.wire import Engine, WireError, decode_payload
 
 
 class Incarnation(enum.Enum):

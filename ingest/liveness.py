@@ -28,10 +28,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvledger.ingest.endpoints import StreamSource
-from kvledger.ingest.replay import ReplayClient
-from kvledger.ingest.subscriber import EngineSubscriber
 from kvledger.core.events import EventBatch, Reachability
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.ingest.replay_client import ReplayClient
+from kvledger.ingest.subscriber import EngineSubscriber
 from kvledger.runtime.lifetime import cancel_and_wait
 
 # Reasons fit kvledger.core.fold.REASON_LIMIT (SQL sizes unreachable_periods.reason by it).

@@ -7,13 +7,27 @@ streams and the publisher count themselves is read from them at scrape time.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from kvledger.runtime.metrics import MetricSet
+from kvledger.runtime.metric_set import MetricSet
 
-if TYPE_CHECKING:
-    from kvledger.ingest.bridge import EngineStream
-    from kvledger.ingest.publisher import JetStreamPublisher
+
+class CountedStream(Protocol):
+    """What the metrics read of an engine stream (ingest.bridge.EngineStream) at scrape time."""
+
+    tracker: Any  # its sequence tracker (counters: replays, duplicates, restarts, replayed_batches), or None
+    replay: Any  # its replay client (incomplete_replays, malformed_replies, probes, unanswered_probes), or None
+    reachable: bool | None
+    ready: Any  # an asyncio.Event
+
+
+class CountingPublisher(Protocol):
+    """What the metrics read of the JetStream publisher (ingest.publisher.JetStreamPublisher)."""
+
+    counters: Any  # published, retries, reconnects
+    in_flight: int
+    buffered: int
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -21,8 +35,8 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 class IngestMetrics(MetricSet):
     def __init__(self) -> None:
         super().__init__()
-        self.streams: list[EngineStream] = []
-        self.publisher: JetStreamPublisher | None = None
+        self.streams: list[CountedStream] = []
+        self.publisher: CountingPublisher | None = None
         self.batches_in = self.counter("kvledger_ingest_batches_in", "engine batches received (SUB and replay)",
                                        ["publisher"])
         self.events = self.counter("kvledger_ingest_events", "canonical events published", ["kind"])
@@ -52,19 +66,22 @@ class IngestMetrics(MetricSet):
                    read=lambda: sum(stream.reachable is False for stream in self.streams))
         # What the engine streams count themselves (their sequence trackers and replay clients).
         for name, help_text, counter in (
-            ("kvledger_ingest_replays", "replay requests sent to engines", "replays"),
-            ("kvledger_ingest_duplicates", "engine batches dropped as already published", "duplicates"),
-            ("kvledger_ingest_engine_restarts", "engine restarts detected", "restarts"),
-            ("kvledger_ingest_replayed_batches", "engine batches received from replay sockets", "replayed_batches"),
+            ("kvledger_ingest_replays", "replay requests sent to engines", lambda counters: counters.replays),
+            ("kvledger_ingest_duplicates", "engine batches dropped as already published",
+             lambda counters: counters.duplicates),
+            ("kvledger_ingest_engine_restarts", "engine restarts detected", lambda counters: counters.restarts),
+            ("kvledger_ingest_replayed_batches", "engine batches received from replay sockets",
+             lambda counters: counters.replayed_batches),
         ):
             self.counter(name, help_text, read=functools.partial(self._trackers, counter))
         for name, help_text, counter in (
-            ("kvledger_ingest_replays_incomplete", "replays that timed out before the end marker", "incomplete_replays"),
+            ("kvledger_ingest_replays_incomplete", "replays that timed out before the end marker",
+             lambda replay: replay.incomplete_replays),
             ("kvledger_ingest_replay_malformed_replies", "replay replies with unreadable framing, dead-lettered",
-             "malformed_replies"),
-            ("kvledger_ingest_replay_probes", "liveness probes sent to replay sockets", "probes"),
+             lambda replay: replay.malformed_replies),
+            ("kvledger_ingest_replay_probes", "liveness probes sent to replay sockets", lambda replay: replay.probes),
             ("kvledger_ingest_replay_probes_unanswered", "liveness probes no replay socket answered in time",
-             "unanswered_probes"),
+             lambda replay: replay.unanswered_probes),
         ):
             self.counter(name, help_text, read=functools.partial(self._replays, counter))
         self.publish_latency = self.histogram(
@@ -76,9 +93,10 @@ class IngestMetrics(MetricSet):
         self.gauge("kvledger_ingest_ready_streams", "engine streams subscribed and caught up",
                    read=lambda: sum(stream.ready.is_set() for stream in self.streams))
         for name, help_text, counter in (
-            ("kvledger_ingest_batches_out", "canonical batches acknowledged by JetStream", "published"),
-            ("kvledger_ingest_publish_retries", "publishes sent again after a failure", "retries"),
-            ("kvledger_ingest_nats_reconnects", "NATS connections re-established", "reconnects"),
+            ("kvledger_ingest_batches_out", "canonical batches acknowledged by JetStream",
+             lambda counters: counters.published),
+            ("kvledger_ingest_publish_retries", "publishes sent again after a failure", lambda counters: counters.retries),
+            ("kvledger_ingest_nats_reconnects", "NATS connections re-established", lambda counters: counters.reconnects),
         ):
             self.counter(name, help_text, read=functools.partial(self._publisher, counter))
         self.gauge("kvledger_ingest_in_flight", "publishes awaiting an ack",
@@ -86,11 +104,11 @@ class IngestMetrics(MetricSet):
         self.gauge("kvledger_ingest_buffered", "batches buffered until acknowledged",
                    read=lambda: self.publisher.buffered if self.publisher else 0)
 
-    def _trackers(self, counter: str) -> int:
-        return sum(getattr(stream.tracker.counters, counter) for stream in self.streams if stream.tracker is not None)
+    def _trackers(self, count: Callable[[Any], int]) -> int:
+        return sum(count(stream.tracker.counters) for stream in self.streams if stream.tracker is not None)
 
-    def _replays(self, counter: str) -> int:
-        return sum(getattr(stream.replay, counter) for stream in self.streams if stream.replay is not None)
+    def _replays(self, count: Callable[[Any], int]) -> int:
+        return sum(count(stream.replay) for stream in self.streams if stream.replay is not None)
 
-    def _publisher(self, counter: str) -> int:
-        return getattr(self.publisher.counters, counter) if self.publisher is not None else 0
+    def _publisher(self, count: Callable[[Any], int]) -> int:
+        return count(self.publisher.counters) if self.publisher is not None else 0

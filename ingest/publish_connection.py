@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from kvledger.runtime.nats_options import is_refusal, tls_context
 from kvledger.core.settings import NatsSettings
+from kvledger.runtime.nats_options import is_refusal, tls_context
 
 _CRLF = b"\r\n"
 _HEADER_START = b"NATS/1.0"

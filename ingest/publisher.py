@@ -46,17 +46,17 @@ import nats.js.errors
 
 from kvledger.ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError, ServerPool, msg_id_header
 
+from kvledger.core.settings import NatsSettings
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.jetstream_ack import AckError, read_ack
 from kvledger.runtime.lifetime import cancel_and_wait
 from kvledger.runtime.nats_options import auth_failure, connect_options, describe_server, is_auth_error
-from kvledger.core.settings import NatsSettings
 from kvledger.runtime.streams import StreamConflictError, StreamSpec, ensure_stream
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
 
-    from kvledger.ingest.stream_loss import AckedPositions
+    from kvledger.ingest.stream_repair import AckedPositions
 
 log = logging.getLogger("kvledger.ingest.publisher")
 

@@ -6,11 +6,11 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from kvledger.core.settings import Settings
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import EndpointError, parse_endpoints, stream_sources
-from kvledger.runtime.nats_options import describe_server
-from kvledger.core.settings import Settings
 from kvledger.runtime.entry import run_stage
+from kvledger.runtime.nats_options import describe_server
 from kvledger.runtime.system import install_stop_signals
 
 log = logging.getLogger("kvledger.ingest")

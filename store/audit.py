@@ -16,9 +16,9 @@ import attrs
 import sqlalchemy as sa
 
 from kvledger.core.events import Tier, WorkerId
+from kvledger.store import tables
 from kvledger.store.pruning import DECISIONS_PRUNED, HistoryPruned, pruned_through, refuse_pruned
 from kvledger.store.sharding import sharded_events_checkpoint
-from kvledger.store import tables
 from kvledger.store.tables import to_signed, to_unsigned
 from kvledger.store.verdicts import horizon_ms_of, judge_into
 

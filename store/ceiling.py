@@ -31,7 +31,7 @@ from kvledger.core.hashing import sequence_hashes
 from kvledger.core.reuse import LOCAL_TIERS
 from kvledger.core.settings import ReuseSettings
 from kvledger.store.audit import Query
-from kvledger.store.replay import ReplayRefused, sql_refusal
+from kvledger.store.whatif_reference import ReplayRefused, sql_refusal
 
 CEILING_REQUESTS = Query(
     "ceiling_requests",
@@ -108,7 +108,7 @@ def _run(connection: sa.Connection, query: Query, **params: object) -> sa.Cursor
 
 def _ledger_seqs(connection: sa.Connection, inventory_seqs: np.ndarray, decided: np.ndarray) -> np.ndarray:
     """Decisions' inventory seqs (KV_EVENTS seqs) as ledger seqs, through the stream's generations as known
-    when each decision was made (store/replay.py maps them alike)."""
+    when each decision was made (store/whatif_reference.py maps them alike)."""
     offsets = np.zeros(len(inventory_seqs), dtype=np.int64)
     for first_stream_seq, ledger_offset, detected_ts in _run(connection, CEILING_GENERATIONS):
         known = (decided >= detected_ts) & (inventory_seqs >= first_stream_seq)

@@ -46,7 +46,7 @@ REMOVAL_COLUMNS = ("stored_seq", "removed_seq", "removed_ts", "placement_id", "f
 PLACEMENT_COLUMNS = (
     "publisher", "dp_rank", "provenance", "tier", "group_idx", "ownership", "kv_cache_spec_kind", "sliding_window",
 )  # fmt: skip
-PlacementIds = Callable[[tuple], int]  # a placement's values -> its id (store.recorder.PlacementIds)
+PlacementIds = Callable[[tuple], int]  # a placement's values -> its id (store.fold_loader.PlacementIds)
 _ALL_TIERS = tuple(tier.value for tier in Tier)
 EVENT_LOG_COLUMNS = (
     "stream_seq", "event_idx", "publisher", "dp_rank", "epoch", "engine_seq", "provenance", "kind", "tier",

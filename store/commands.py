@@ -23,7 +23,7 @@ from kvledger.store.tables import parse_hash
 
 def run_store(settings: Settings) -> int:
     from kvledger.runtime.entry import run_stage
-    from kvledger.store.projector import serve
+    from kvledger.store.service import serve
 
     return run_stage("store", lambda: serve(settings), refusals=(database.SchemaError,))
 
@@ -339,7 +339,7 @@ _CEILING_COLUMNS = ("policy", "requests", "request_blocks", "hit_blocks", "prefi
 def _ceiling(connection: sa.Connection, settings: Settings, as_json: bool) -> int:
     """kvledger's achieved prefix hits beside round-robin's and an oracle's on the same requests (store/ceiling.py)."""
     from kvledger.store.ceiling import ceiling
-    from kvledger.store.replay import ReplayRefused
+    from kvledger.store.whatif_reference import ReplayRefused
 
     try:
         report = ceiling(connection, settings.reuse)
@@ -353,7 +353,7 @@ def _ceiling(connection: sa.Connection, settings: Settings, as_json: bool) -> in
 def ceiling_figures(url: str, reuse) -> dict[str, object] | None:
     """The oracle's, round-robin's and kvledger's prefix hits on the ledger's recorded requests (None: none)."""
     from kvledger.store.ceiling import ceiling
-    from kvledger.store.replay import ReplayRefused
+    from kvledger.store.whatif_reference import ReplayRefused
 
     with database.opened(url) as engine, engine.connect() as connection:
         try:

@@ -13,9 +13,9 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 from nats.js.errors import APIError, NotFoundError
 
+from kvledger.core.settings import NatsSettings
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.nats_options import NatsAuthError, auth_failure, connect_options, describe_server, is_auth_error
-from kvledger.core.settings import NatsSettings
 
 log = logging.getLogger("kvledger.store")
 

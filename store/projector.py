@@ -35,31 +35,24 @@ from kvledger.core.decision_codec import (
     request_from_header, shadow_from_header,
 )
 from kvledger.core.events import Provenance, RecordError, WorkerId, decode_batch, decode_dead_letter
-from kvledger.core.snapshot import StreamPosition
 from kvledger.core.fold import InventoryFold
-from kvledger.runtime.backoff import Backoff
-from kvledger.runtime.http import HttpFront, health_routes
-from kvledger.runtime.metrics import MetricSet
 from kvledger.core.settings import Settings
-from kvledger.runtime.streams import dead_letters_stream, decisions_stream, ensure_stream, events_stream
+from kvledger.core.snapshot import StreamPosition
+from kvledger.runtime.backoff import Backoff
+from kvledger.runtime.metric_set import MetricSet
 from kvledger.store import tables
 from kvledger.store.changes import ChangeBuilder, ChangeSet, ResidencyIndex
-from kvledger.store.database import create_engine, require_current
-from kvledger.store.gc_policy import young_collections_deferred
-from kvledger.runtime.system import install_stop_signals
 from kvledger.store.cursor import SqlIdentity, StreamCursor, Verdict, ledger_high, msg_id_of
 from kvledger.store.jetstream import (
-    ConsumerWatch, SkippedMessagesError, StreamRegressedError, bind_consumer, connect, fetch, stream_seq,
+    ConsumerWatch, SkippedMessagesError, StreamRegressedError, bind_consumer, fetch, stream_seq,
 )
-from kvledger.store.recorder import PlacementIds, last_ingest_ts, load_fold, read_checkpoint
-from kvledger.store.transactions import CheckpointMoved, CheckpointRow
-from kvledger.store.writer import RecorderProcess, WriterError, encode_changes
+from kvledger.store.fold_loader import PlacementIds, last_ingest_ts, load_fold, read_checkpoint
 from kvledger.store.planner_statistics import PlannerStatistics
-from kvledger.store.pruning import HistoryPruner
 from kvledger.store.quality import QualityMetrics, QualityTracker, RelyOn, open_native_records
-from kvledger.store.verdicts import VerdictSweeper, pending_rows, register_horizons
 from kvledger.store.sharding import parse_shard
 from kvledger.store.snapshots import SnapshotWriter
+from kvledger.store.transactions import CheckpointMoved, CheckpointRow
+from kvledger.store.writer import RecorderProcess, WriterError, encode_changes
 
 log = logging.getLogger("kvledger.store")
 
@@ -157,6 +150,77 @@ async def _refuse_skips(
         metrics.rewinds.labels(stream).inc()
         raise
     return seqs
+
+
+
+@attrs.define(eq=False)
+class Fetched:
+    """One fetch from a projector's consumer: every message (the last one is acknowledged for all), and those at
+    ledger seqs not applied yet, as (message, stream seq, ledger seq)."""
+
+    messages: list
+    fresh: list[tuple[object, int, int]]
+
+
+class StreamReader:
+    """The fetch-and-skip loop both projectors read their stream with.
+
+    Each fetch's messages come in order, checked for a jump past messages the stream holds and for a
+    stream that went back (`_refuse_skips`); those at ledger seqs the projector applied already (a
+    redelivery) are counted as skipped and left out. With `prefetch`, the next fetch is requested before
+    the caller works on this one, so the server's reply arrives in the socket buffer meanwhile instead of
+    after a round trip; every fetched batch is still handed out in order (with AckPolicy.ALL a skipped
+    one would be acknowledged by the next ack). `close` cancels a fetch in flight.
+    """
+
+    def __init__(self, subscription, watch: ConsumerWatch, last_stream_seq: int, batch_size: int,
+                 metrics: StoreMetrics, stream: str, ledger: Callable[[int], int], *, prefetch: bool) -> None:
+        self.subscription, self.watch, self.batch_size = subscription, watch, batch_size
+        self.metrics, self.stream, self.ledger = metrics, stream, ledger
+        self.last_stream_seq = last_stream_seq
+        self._fetching = asyncio.ensure_future(self._fetch()) if prefetch else None
+
+    def _fetch(self):
+        return fetch(self.subscription, self.batch_size, FETCH_TIMEOUT_S)
+
+    async def next(self, applied: int) -> Fetched | None:
+        """The next fetch, less what is at or below ledger seq `applied`; None when the stream had nothing
+        (the fetch timed out: the caller does its idle work, then `idle`). An empty `messages`: a fetch cut short,
+        as on shutdown."""
+        try:
+            if self._fetching is None:
+                messages = await self._fetch()
+            else:
+                try:
+                    messages = await self._fetching
+                finally:
+                    self._fetching = asyncio.ensure_future(self._fetch())
+        except TimeoutError:  # nats-py raises its own and asyncio's; both are this
+            return None
+        self.watch.delivered()
+        if not messages:
+            return Fetched(messages, [])
+        seqs = await _refuse_skips(self.watch, messages, self.last_stream_seq, self.metrics, self.stream)
+        self.last_stream_seq = seqs[-1]
+        fresh, ledger, skipped = [], self.ledger, 0
+        for message, message_seq in zip(messages, seqs):
+            seq = ledger(message_seq)
+            if seq <= applied:
+                skipped += 1
+            else:
+                fresh.append((message, message_seq, seq))
+        if skipped:
+            self.metrics.skipped.labels(self.stream).inc(skipped)
+        return Fetched(messages, fresh)
+
+    async def idle(self) -> None:
+        await self.watch.idle(self.last_stream_seq)
+
+    async def close(self) -> None:
+        if self._fetching is not None:
+            self._fetching.cancel()
+            with contextlib.suppress(BaseException):
+                await self._fetching
 
 
 def _note_verdict(verdict: Verdict, stream: str, metrics: StoreMetrics) -> None:
@@ -393,40 +457,27 @@ class EventsProjector:
         batch_size = self.settings.store.batch_size
         writing: asyncio.Task | None = None  # the newest transaction's; it waits for those before it
         ahead: collections.deque[asyncio.Task] = collections.deque()  # transactions not known committed
-        # The next fetch is requested before this batch is folded, so the server's reply
-        # arrives in the socket buffer meanwhile instead of after a round trip. Every
-        # fetched batch is processed in order: with AckPolicy.ALL a skipped one would be
-        # acknowledged by the next ack.
-        fetching = asyncio.ensure_future(fetch(subscription, batch_size, FETCH_TIMEOUT_S))
+        # The next fetch is requested before this batch is folded (StreamReader's prefetch).
+        reader = StreamReader(subscription, watch, last_stream_seq, batch_size, self.metrics, self.stream,
+                              self.cursor.ledger, prefetch=True)
         try:
             while not stop.is_set():
-                try:
-                    messages = await fetching
-                except TimeoutError:  # nats-py raises its own and asyncio's; both are this
-                    messages = None
-                fetching = asyncio.ensure_future(fetch(subscription, batch_size, FETCH_TIMEOUT_S))
-                if messages is None:
+                fetched = await reader.next(fold.inventory_seq)
+                if fetched is None:
                     writing = await self._drain(writing, ahead)
                     if not recorder.ready:  # nothing to commit yet: a writer that cannot start is said now
                         await asyncio.to_thread(recorder.wait_ready)
                     await self._maybe_snapshot()
-                    await watch.idle(last_stream_seq)
+                    await reader.idle()
                     continue
-                watch.delivered()
+                messages = fetched.messages
                 if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                     continue
-                seqs = await _refuse_skips(watch, messages, last_stream_seq, self.metrics, self.stream)
-                last_stream_seq = seqs[-1]
                 changes = builder.begin(fold.inventory_seq + 1)
                 fresh = others = 0
-                ledger = self.cursor.ledger
                 duplicates_before = fold.counters["duplicate_batch"]
                 recovered: list[dict] = []
-                for message, message_seq in zip(messages, seqs):
-                    seq = ledger(message_seq)
-                    if seq <= fold.inventory_seq:
-                        self.metrics.skipped.labels(self.stream).inc()
-                        continue
+                for message, message_seq, seq in fetched.fresh:
                     self.last_folded = message
                     if owns is not None and not owns(message.subject):
                         # Another shard's: not decoded, but passed, so the checkpoint moves over it
@@ -506,9 +557,7 @@ class EventsProjector:
                     writing = await self._drain(writing, ahead)
                     await self._maybe_snapshot()
         finally:
-            fetching.cancel()
-            with contextlib.suppress(BaseException):
-                await fetching
+            await reader.close()
             # Let a transaction in flight finish either way, so shutdown never leaves it unacked
             # (a write that already failed raises again here, the same error).
             await asyncio.shield(self._drain(writing))
@@ -770,29 +819,23 @@ class RowProjector:
     async def _consume(
         self, subscription, watch: ConsumerWatch, checkpoint: int, last_stream_seq: int, stop: asyncio.Event,
     ) -> None:
-        ledger = self.cursor.ledger
+        reader = StreamReader(subscription, watch, last_stream_seq, self.batch_size, self.metrics, self.stream,
+                              self.cursor.ledger, prefetch=False)
         while not stop.is_set():
-            try:
-                messages = await fetch(subscription, self.batch_size, FETCH_TIMEOUT_S)
-            except TimeoutError:  # nats-py raises its own and asyncio's; both are this
+            fetched = await reader.next(checkpoint)
+            if fetched is None:
                 self.caught_up = True
                 self.progressed.set()
-                await watch.idle(last_stream_seq)
+                await reader.idle()
                 continue
-            watch.delivered()
+            messages = fetched.messages
             if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                 continue
             self.caught_up = False
-            seqs = await _refuse_skips(watch, messages, last_stream_seq, self.metrics, self.stream)
-            last_stream_seq = seqs[-1]
             rows: list[TableRow] = []
             fresh = 0
             committed = checkpoint  # where SQL's checkpoint must still be when this batch is written
-            for message, message_seq in zip(messages, seqs):
-                seq = ledger(message_seq)
-                if seq <= checkpoint:
-                    self.metrics.skipped.labels(self.stream).inc()
-                    continue
+            for message, _, seq in fetched.fresh:
                 fresh += 1
                 try:
                     rows += self.make_rows(message, seq)
@@ -842,143 +885,3 @@ def _save_checkpoint(connection: sa.Connection, name: str, stream: str, seq: int
     CheckpointRow(name, stream, seq, time.time(), "{}", after).write(
         lambda statement, values: connection.exec_driver_sql(statement if sqlite else statement.replace("?", "%s"), values)
     )
-
-
-# --- the service ----------------------------------------------------------------------
-
-
-class StoreService:
-    """Everything `kvledger store` runs: three projectors, snapshots, and the health/metrics front.
-
-    A shard other than 0 (`store.shard`) runs the events projector only: decisions, ingest's
-    dead letters and history pruning are database-wide, so one store (shard 0) does them.
-    """
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.metrics = StoreMetrics()
-        self.metrics.expect("stream", [
-            settings.stream.events_stream, settings.stream.decisions_stream, dead_letters_stream(settings.stream).name,
-        ])
-        self.engine = create_engine(settings.db.url)
-        self.horizons_ms = settings.store.quality_horizons_ms
-        # Judging as events are folded needs the whole inventory in one fold: one store, not
-        # shards (sharded, the SQL judge settles every decision once all shards are past it).
-        self.quality = QualityTracker(
-            self.metrics.quality, self.horizons_ms, settings.store.quality_max_pending,
-            settings.store.metrics_horizon_ms,
-        ) if parse_shard(settings.store.shard).single and self.horizons_ms else None
-        self.events = EventsProjector(settings, self.engine, self.metrics, self.quality)
-        # What each decision made into rows and not yet committed relies on, by ledger seq, for the tracker
-        self._rely_on: dict[int, RelyOn] = {}
-        batch = settings.store.batch_size
-        self.decisions = RowProjector(
-            "decisions", settings.stream.decisions_stream, DECISIONS_DURABLE, self._decision_rows,
-            self.engine, self.metrics, batch, self._decisions_committed if self.quality else None,
-            decision_identities, recorded_decisions,
-        )  # fmt: skip
-        if self.quality is not None:
-            self.events.hold = DecisionsHold(self.decisions, min(self.horizons_ms) / 1000)
-        self.dead_letters = RowProjector(
-            "dead_letters", dead_letters_stream(settings.stream).name, DEAD_LETTERS_DURABLE,
-            ingest_dead_letter_row, self.engine, self.metrics, batch,
-        )  # fmt: skip
-        self.leads = self.events.shard.index == 0
-        self.projectors = (self.events, self.decisions, self.dead_letters) if self.leads else (self.events,)
-        self.pruner = HistoryPruner(
-            self.engine, settings.store, events_stream=settings.stream.events_stream,
-            decisions_stream=settings.stream.decisions_stream, metrics=self.metrics,
-        )
-        self.http_port: int | None = None
-
-    def is_ready(self) -> bool:
-        return all(projector.ready for projector in self.projectors)
-
-    def _decision_rows(self, message, seq: int) -> list[TableRow]:
-        """A decision's rows, and a pending verdict per configured horizon beside them."""
-        if not self.horizons_ms:
-            return decision_rows(message, seq)
-        rows, rely_on = decision_parts(message, seq)
-        if self.quality is not None:
-            self._rely_on[seq] = rely_on
-        return rows + pending_rows(rows, self.horizons_ms)
-
-    def _decisions_committed(self, rows: list[TableRow]) -> None:
-        """Hand the tracker the decisions just committed, with what each relies on. (What was made into
-        rows for a transaction that failed is made again when its messages are fetched again.)"""
-        decisions = [row for table, row in rows if table is tables.decisions]
-        rely_on = self._rely_on
-        self.quality.decisions_committed(decisions, [rely_on.get(row["stream_seq"], {}) for row in decisions])
-        if decisions:
-            newest = max(row["stream_seq"] for row in decisions)
-            for seq in [seq for seq in rely_on if seq <= newest]:
-                del rely_on[seq]
-
-    async def run(self, stop: asyncio.Event) -> None:
-        with young_collections_deferred():
-            await self._run(stop)
-
-    async def _run(self, stop: asyncio.Event) -> None:
-        # Refuse an old schema before touching NATS: the fix is a command, not a retry.
-        await asyncio.to_thread(require_current, self.engine, self.settings.db.url)
-        router = health_routes(self.is_ready, self.metrics.text)
-        server = await HttpFront(router, self.settings.store.http_host, self.settings.store.http_port).start()
-        self.http_port = server.port
-        log.info("store http on port %d", self.http_port)
-        try:
-            connection = await connect(self.settings.nats, stop)
-            if connection is None:
-                return
-            try:
-                js = connection.jetstream()
-                await self._ensure_streams(js, stop)
-                if self.leads and self.horizons_ms:
-                    try:
-                        await asyncio.to_thread(register_horizons, self.engine, self.horizons_ms)
-                    except DATABASE_ERRORS as error:  # audits judge in SQL until a later start registers them
-                        log.warning("could not record the verdict horizons (%s); continuing without", error)
-                async with asyncio.TaskGroup() as group:
-                    for projector in self.projectors:
-                        group.create_task(projector.run(js, stop))
-                    if self.leads:
-                        group.create_task(self.pruner.run(stop))
-                        if self.horizons_ms:
-                            group.create_task(VerdictSweeper(self.engine, self.metrics.quality).run(stop))
-            finally:
-                # Not drain(): every ack has been awaited already, and drain would wait out
-                # the pull requests still parked on the server.
-                with contextlib.suppress(Exception):
-                    await connection.close()
-        finally:
-            await server.close()
-            self.engine.dispose()
-
-
-    async def _ensure_streams(self, js: JetStreamContext, stop: asyncio.Event) -> None:
-        """Make sure the three streams exist as specified, waiting out a NATS restart.
-
-        Connected is not yet served: a nats-server killed just after store connected (or one
-        still recovering JetStream) times the stream lookups out, and the store must then
-        wait like its projectors do, not end. A stream that differs from the spec stays fatal.
-        """
-        backoff = Backoff()
-        specs = (
-            events_stream(self.settings.stream), dead_letters_stream(self.settings.stream),
-            decisions_stream(self.settings.stream),
-        )
-        while not stop.is_set():
-            try:
-                for spec in specs:
-                    await ensure_stream(js, spec)
-                return
-            except NATS_ERRORS as error:
-                self.metrics.nats_errors.inc()
-                log.warning("NATS error while making sure the streams exist (%s); retrying", error)
-                await backoff.wait(stop)
-
-
-async def serve(settings: Settings) -> None:
-    """Run the store service until SIGTERM or SIGINT."""
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    await StoreService(settings).run(stop)

@@ -32,7 +32,7 @@ import attrs
 from kvledger.core.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
 from kvledger.core.fold import BlockRemovedFact, BlockStoredFact, InventoryClearedFact, InventoryFold
 from kvledger.core.reuse import LOCAL_TIERS
-from kvledger.runtime.metrics import MetricSet
+from kvledger.runtime.metric_set import MetricSet
 
 NATIVE = Provenance.NATIVE
 # The sequence hashes (unsigned, in position order) a decision relies on, by role: "source", "target",
@@ -87,7 +87,7 @@ def judge(
     there: (stale, lost). The hint is stale when the source no longer held every transferred block on its tier;
     the credit is lost when the target no longer held every credited block on some local tier. None: nothing to
     judge (no chosen source, or nothing credited). The live metrics ask the fold; a what-if replay
-    (store/replay.py) asks the recorded timeline at the audit's horizon seq."""
+    (store/whatif_reference.py) asks the recorded timeline at the audit's horizon seq."""
     stale = None
     if source is not None and source_hashes:
         stale = not all(holds(source, source_tier, h) for h in source_hashes)

@@ -79,7 +79,7 @@ event_log = sa.Table(
 
 # Where a block stays: one worker's tier, provenance, KV-cache group and ownership, with the
 # kind and window the group's stores declared. Kept once here, not on every stay: a stay
-# names its placement by `placement_id`, a small integer SQL assigns (store/recorder.py
+# names its placement by `placement_id`, a small integer SQL assigns (store/fold_loader.py
 # `PlacementIds`); a store shard adds only its own publishers' placements.
 placements = sa.Table(
     "placements",

@@ -21,9 +21,9 @@ import nats.js.errors
 import zmq
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from kvledger.sim.vllm import VllmBlockStored
 from kvledger.core.events import EventBatch, decode_batch
 from kvledger.core.settings import Settings, load_settings
+from kvledger.sim.vllm import VllmBlockStored
 from services import free_ports
 
 

@@ -16,18 +16,18 @@ import sys
 import nats
 import sqlalchemy as sa
 
-from kvledger.decide.service import DecideService
+from kvledger.decide.serving.service import DecideService
 from engines import http_get, wait_until
+from kvledger.core.events import Provenance, Tier, WorkerId
+from kvledger.core.settings import Settings, load_settings
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
-from kvledger.sim.fleet import SimulatedFleet
-from kvledger.core.events import Provenance, Tier, WorkerId
 from kvledger.runtime.nats_options import connect_options
-from kvledger.core.settings import Settings, load_settings
 from kvledger.runtime.streams import DECIDE_SUBJECT
+from kvledger.sim.fleet import SimulatedFleet
 from services import free_ports
 from kvledger.store import database
-from kvledger.store.projector import StoreService
+from kvledger.store.service import StoreService
 
 U64 = 1 << 64
 

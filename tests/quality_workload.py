@@ -24,7 +24,7 @@ from kvledger.store import database
 from engines import wait_until
 from store_harness import RunningStore, checkpoint, store_settings
 
-from kvledger.decide.service import DecideService
+from kvledger.decide.serving.service import DecideService
 
 SOURCE, TARGET, TARGET2, OTHER = WorkerId("source", 1), WorkerId("target"), WorkerId("target2"), WorkerId("other")
 HIGH = 1 << 63  # the source's engine hashes are >= 2^63

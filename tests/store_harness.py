@@ -36,9 +36,9 @@ from kvledger.core.events import (
 from kvledger.core.fold import InventoryFold
 from kvledger.core.settings import Settings, load_settings
 from kvledger.runtime.streams import events_stream
-from kvledger.store import audit, database
 from kvledger.runtime.streams import ensure_stream
-from kvledger.store.projector import StoreService
+from kvledger.store import audit, database
+from kvledger.store.service import StoreService
 from services import libpq_url
 
 DEADLINE_S = 60.0

@@ -163,7 +163,8 @@ def test_main_returns_exit_codes_in_process(capsys: pytest.CaptureFixture[str]) 
 def test_core_imports_no_stage_package(tmp_path: Path) -> None:
     probe = (
         "import sys, kvledger.app.cli, kvledger.core.settings; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ingest', 'store', 'decide')))"
+        "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['kvledger', 'ingest'], ['kvledger', 'store'], "
+        "['kvledger', 'decide'])))"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, env=clean_environment(), capture_output=True, text=True, timeout=30

@@ -26,9 +26,9 @@ from kvledger.client import (
 )
 from kvledger.app.demo import decide_asker, run_closed_loop
 from kvledger.core.events import WorkerId
+from kvledger.core.settings import Settings
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.lifetime import cancel_and_wait
-from kvledger.core.settings import Settings
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, decisions_stream, ensure_stream
 from kvledger.runtime.streams import events_stream, message_ids
 from kvledger.sim.workload import CacheChange, EngineCache, Request
@@ -36,7 +36,7 @@ from builders import BLOCK_SIZE, local_hashes, publish
 from engines import wait_until
 from test_decide_service import DEADLINE_S, ask, decide_settings, http, request_body, scenario
 
-from kvledger.decide.service import DecideService
+from kvledger.decide.serving.service import DecideService
 
 pytestmark = pytest.mark.service
 

@@ -23,14 +23,14 @@ import nats.errors
 import pytest
 
 from cluster import LocalNatsCluster
-from kvledger.decide.service import DecideService
+from kvledger.decide.serving.service import DecideService
 from engines import read_stream, wait_until
-from kvledger.sim.fleet import SimulatedFleet
 from kvledger.core.decision_codec import decision_to_json
 from kvledger.core.events import Gap, decode_batch
 from kvledger.core.fold import InventoryFold
-from kvledger.runtime.nats_options import connect_options
 from kvledger.core.reuse import ReuseRequest, decide
+from kvledger.runtime.nats_options import connect_options
+from kvledger.sim.fleet import SimulatedFleet
 from kvledger.sim.workload import DEMO_BLOCK_SIZE, Request, request_tokens, synthetic_requests
 from pipeline import IngestProcess, Pipeline, pipeline_settings, truth_inventory
 from kvledger.store import database

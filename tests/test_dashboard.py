@@ -10,10 +10,10 @@ from pathlib import Path
 import yaml
 from prometheus_client import generate_latest
 
+from kvledger.core.settings import NatsSettings
 from kvledger.decide.metrics import DecideMetrics
 from kvledger.ingest.metrics import IngestMetrics
 from kvledger.ingest.publisher import JetStreamPublisher
-from kvledger.core.settings import NatsSettings
 from kvledger.store.projector import StoreMetrics
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
@@ -82,7 +82,7 @@ def test_label_values_known_up_front_show_at_zero_before_their_first_event() -> 
     rewind or refused request must find its series already there, at 0."""
     from kvledger.core.decision_codec import REQUEST_FIELDS
     from kvledger.core.settings import Settings
-    from kvledger.store.projector import StoreService
+    from kvledger.store.service import StoreService
 
     settings = Settings()
     store = StoreService(settings).metrics.text().decode()

@@ -14,8 +14,8 @@ from kvledger.core.reuse import ReuseRequest
 from kvledger.core.settings import ReuseSettings
 from builders import BLOCK_SIZE, local_hashes
 
-from kvledger.decide.cpu import CpuBackend
-from kvledger.decide.index import InventoryIndex
+from kvledger.decide.inventory.index import InventoryIndex
+from kvledger.decide.ranking.cpu import CpuBackend
 from decide_inventories import PATHS, engine_hash
 
 dynamo_core = pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is not installed")
@@ -89,7 +89,7 @@ def test_device_overlaps_equal_dynamo_radix_tree_scores(data: st.DataObject) -> 
 
 from kvledger.runtime.http import Request  # noqa: E402
 
-from kvledger.decide.dynamo_indexer import DynamoIndexerApi  # noqa: E402
+from kvledger.decide.routers.dynamo_indexer import DynamoIndexerApi  # noqa: E402
 
 
 def _call(api: DynamoIndexerApi, method: str, path: str, body: object = None, query: str = "") -> tuple[int, object]:

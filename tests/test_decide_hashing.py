@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from kvledger.core.hashing import HASH_SEED, sequence_hashes
 from kvledger.core.reuse import ReuseRequest
 
-from kvledger.decide.kernels import chain_hash, chain_hashes
-from kvledger.decide.packed import packed_requests, split_text_pairs, split_texts, unpacked_requests
-from kvledger.decide.ranked import RequestArrays, local_hashes_of, request_ids_of
+from kvledger.decide.inventory.chain import chain_hash, chain_hashes
+from kvledger.decide.ranking.packed import packed_requests, split_text_pairs, split_texts, unpacked_requests
+from kvledger.decide.ranking.ranked import RequestArrays, local_hashes_of, request_ids_of
 
 U64 = st.integers(min_value=0, max_value=2**64 - 1)
 # Edges of the 64×64→128 multiply's limbs and of the sign bit, besides random words.

@@ -15,10 +15,10 @@ from kvledger.core.fold import BlockRecord, InventoryFold
 from kvledger.core.hashing import sequence_hashes
 from builders import BLOCK_SIZE, Stream, local_hashes
 
-from kvledger.decide.compact import REFS_MAX
-from kvledger.decide.index import CLASSES, MISSING_ROW, InventoryIndex
-from kvledger.decide.kernels import probe
-from kvledger.decide.rows import spilled_into
+from kvledger.decide.inventory.compact import REFS_MAX
+from kvledger.decide.inventory.index import CLASSES, MISSING_ROW, InventoryIndex
+from kvledger.decide.inventory.rows import spilled_into
+from kvledger.decide.inventory.table import probe
 
 
 def crowded_index() -> tuple[InventoryIndex, dict[int, int], list[int]]:
@@ -239,7 +239,7 @@ def test_a_block_stored_past_what_a_tag_counts_promotes_its_worker() -> None:
 
 
 def test_workers_past_the_owner_field_are_folded_as_objects(monkeypatch) -> None:
-    from kvledger.decide import index as decide_index
+    from kvledger.decide.inventory import index as decide_index
 
     monkeypatch.setattr(decide_index, "MAX_SLOTS", 2)
     stream, index, fold = Stream(), InventoryIndex(), InventoryFold()
@@ -255,7 +255,7 @@ def test_workers_past_the_owner_field_are_folded_as_objects(monkeypatch) -> None
 def test_clearing_a_worker_in_place_leaves_every_other_entry_reachable() -> None:
     """A full table (80 %, probe runs wrapping past its end): one worker's entries are dropped
     in place, and every other entry is still found where a lookup probes for it."""
-    from kvledger.decide.compact import CompactInventory
+    from kvledger.decide.inventory.compact import CompactInventory
 
     rng = random.Random(4)
     compact = CompactInventory()

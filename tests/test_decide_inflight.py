@@ -1,4 +1,4 @@
-"""In-flight credit (decide/inflight.py): a burst that shares a new prefix, routed by kvledger, lands on one worker.
+"""In-flight credit (decide/serving/inflight.py): a burst that shares a new prefix, routed by kvledger, lands on one worker.
 
 Scripted, with the truth known: workers a, b and c hold nothing of prefix P (12 blocks).
 The burst's first request names no target and falls back to `b` (nobody has credit): it
@@ -21,8 +21,8 @@ import sqlalchemy as sa
 
 from kvledger.core.decision_codec import ANSWER_DECODER
 from kvledger.core.events import WorkerId
-from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, ensure_stream, events_stream
 from kvledger.core.settings import load_settings
+from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, ensure_stream, events_stream
 from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
 from engines import wait_until
 from kvledger.store import database
@@ -30,7 +30,7 @@ from kvledger.store.audit import Audit
 from store_harness import RunningStore, checkpoint, store_settings
 from quality_workload import DEADLINE_S, at
 
-from kvledger.decide.service import DecideService
+from kvledger.decide.serving.service import DecideService
 
 pytestmark = pytest.mark.service
 

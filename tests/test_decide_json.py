@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from kvledger.core.events import WorkerId
 
-from kvledger.decide.index import InventoryIndex
-from kvledger.decide.ranked import AnswerBatch, RankedBatch
 from kvledger.core.reuse import ReuseRequest
+from kvledger.decide.inventory.index import InventoryIndex
+from kvledger.decide.ranking.ranked import AnswerBatch, RankedBatch
 
 EMPTY_INTS = np.zeros(0, dtype=np.int32)
 EMPTY_FLOATS = np.zeros(0, dtype=np.float64)
@@ -35,7 +35,7 @@ def credited_texts(values: list[float]) -> list[str]:
 
 
 def _texts_of(index: InventoryIndex):
-    from kvledger.decide.ranked import WorkerTexts
+    from kvledger.decide.ranking.ranked import WorkerTexts
 
     return WorkerTexts.of(index)
 
@@ -72,7 +72,7 @@ def test_costs_and_credit_as_the_cost_model_makes_them(decimals: list[float], bl
 def test_seventeen_digit_floats_are_written_by_the_kernel_as_python_writes_them() -> None:
     """A cost's rounding noise (153.35999999999999) needs 17 digits: the kernel computes them
     exactly, instead of handing the float to Python, and writes what `repr` writes."""
-    from kvledger.decide.kernels import needs_repr
+    from kvledger.decide.ranking.kernels import needs_repr
 
     rng = np.random.default_rng(12)
     blocks = rng.integers(1, 4_000, 20_000)
@@ -91,7 +91,7 @@ def test_seventeen_digit_floats_are_written_by_the_kernel_as_python_writes_them(
 
 
 def test_ids_and_worker_names_are_escaped_as_json_escapes_them() -> None:
-    from kvledger.decide.cpu import CpuBackend
+    from kvledger.decide.ranking.cpu import CpuBackend
     from kvledger.core.decision_codec import decision_to_json
     from kvledger.core.reuse import decide
     from kvledger.core.settings import ReuseSettings

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from kvledger.decide.cuda import KERNEL_NAMES, CompileError, compile_source, kernel_sources
+from kvledger.decide.ranking.cuda import KERNEL_NAMES, CompileError, compile_source, kernel_sources
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

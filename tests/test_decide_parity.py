@@ -17,15 +17,15 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvledger.core.events import Provenance, Stored, Tier, WorkerId
 from kvledger.core.decision_codec import decision_to_json
+from kvledger.core.events import Provenance, Stored, Tier, WorkerId
 from kvledger.core.fold import InventoryFold
 from kvledger.core.reuse import Reason, ReuseRequest, decide
 from kvledger.core.settings import ReuseSettings
 from builders import BLOCK_SIZE, Stream, local_hashes, stored
 
-from kvledger.decide.index import InventoryIndex
-from kvledger.decide.ranked import AnswerTexts
+from kvledger.decide.inventory.index import InventoryIndex
+from kvledger.decide.ranking.ranked import AnswerTexts
 from decide_inventories import batches, plain_batches, requests, reuse_settings
 
 BACKENDS = ("cpu", "cuda")
@@ -33,10 +33,10 @@ BACKENDS = ("cpu", "cuda")
 
 def make_backend(name: str, index: InventoryIndex):
     if name == "cpu":
-        from kvledger.decide.cpu import CpuBackend
+        from kvledger.decide.ranking.cpu import CpuBackend
 
         return CpuBackend(index)
-    from kvledger.decide.cuda import CudaBackend, device_unavailable_reason
+    from kvledger.decide.ranking.cuda import CudaBackend, device_unavailable_reason
 
     reason = device_unavailable_reason()
     if reason is not None:
@@ -47,7 +47,7 @@ def make_backend(name: str, index: InventoryIndex):
 @pytest.fixture(params=BACKENDS)
 def backend_name(request: pytest.FixtureRequest) -> str:
     if request.param == "cuda":
-        from kvledger.decide.cuda import device_unavailable_reason
+        from kvledger.decide.ranking.cuda import device_unavailable_reason
 
         reason = device_unavailable_reason()
         if reason is not None:

@@ -1,4 +1,4 @@
-"""decide's records as one write: `decide.recorder.write_frames` writes what nats-py's `publish` would.
+"""decide's records as one write: `decide.serving.recorder.write_frames` writes what nats-py's `publish` would.
 
 The same batch is recorded twice into a KV_DECISIONS of the test's own, once framed (the
 batch's protocol text written by one compiled call) and once published record by record
@@ -18,8 +18,8 @@ from kvledger.core.decision_codec import RELIED_PREFIX_HEADER, REQUEST_HEADER, S
 from kvledger.core.events import WorkerId
 from kvledger.core.reuse import ReuseRequest
 
-from kvledger.decide import recorder as recorder_module
-from kvledger.decide.recorder import DecisionRecorder, DecisionsNotRecorded, RecordBatch, Texts, request_header_texts
+from kvledger.decide.serving import recorder as recorder_module
+from kvledger.decide.serving.recorder import DecisionRecorder, DecisionsNotRecorded, RecordBatch, Texts, request_header_texts
 
 pytestmark = pytest.mark.service
 

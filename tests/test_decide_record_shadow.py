@@ -1,4 +1,4 @@
-"""The shadow read off the live ranking (`decide.shadow.answer_with_shadow`) equals the shadow ranked again.
+"""The shadow read off the live ranking (`decide.serving.shadow.answer_with_shadow`) equals the shadow ranked again.
 
 On hypothesis inventories and requests, under live and shadow settings that share their
 credit weights (the condition for one ranking): the live answers are byte for byte
@@ -18,9 +18,9 @@ from kvledger.core.events import WorkerId
 from kvledger.core.reuse import ReuseRequest
 from kvledger.core.settings import ReuseSettings
 
-from kvledger.decide.cpu import CpuBackend
-from kvledger.decide.index import InventoryIndex
-from kvledger.decide.shadow import ShadowDecisions, answer_with_shadow, shares_the_live_ranking
+from kvledger.decide.inventory.index import InventoryIndex
+from kvledger.decide.ranking.cpu import CpuBackend
+from kvledger.decide.serving.shadow import ShadowDecisions, answer_with_shadow, shares_the_live_ranking
 from builders import BLOCK_SIZE, local_hashes
 from decide_inventories import batches, plain_batches, requests, reuse_settings
 

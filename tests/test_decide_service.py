@@ -18,19 +18,19 @@ from kvledger.core.decision_codec import (
     ANSWER_DECODER, RECORD_ACK_HEADER, RECORD_ACK_TO_CALLER, answer_of, decision_to_json, record_ack_subject,
     request_from_json,
 )
-from kvledger.runtime.jetstream_ack import read_ack
 from kvledger.core.events import WorkerId
 from kvledger.core.fold import InventoryFold
 from kvledger.core.reuse import ReuseRequest, decide
 from kvledger.core.settings import DecideSettings, load_settings
 from kvledger.core.snapshot import encode_snapshot
+from kvledger.runtime.jetstream_ack import read_ack
 from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, DECIDE_SUBJECT, DECISIONS_SUBJECT, SNAPSHOTS_BUCKET, snapshot_object_name
 from builders import BLOCK_SIZE, Stream, local_hashes, publish, removed, stored
 
-from kvledger.decide.index import InventoryIndex
-from kvledger.decide.backend import RankingBackend, choose_backend
-from kvledger.decide.cpu import CpuBackend
-from kvledger.decide.service import DecideService
+from kvledger.decide.inventory.index import InventoryIndex
+from kvledger.decide.ranking.backend import RankingBackend, choose_backend
+from kvledger.decide.ranking.cpu import CpuBackend
+from kvledger.decide.serving.service import DecideService
 from kvledger.decide.startup import StartupError, seconds_since_process_start
 from kvledger.runtime.streams import StreamConflictError, ensure_stream
 from kvledger.runtime.streams import StreamSpec, decisions_stream, events_stream
@@ -302,7 +302,7 @@ async def test_a_conflicting_decisions_stream_is_a_clear_startup_error(nats_serv
 
 
 def test_auto_picks_cuda_only_when_a_device_answers_and_says_which() -> None:
-    from kvledger.decide.cuda import device_unavailable_reason
+    from kvledger.decide.ranking.cuda import device_unavailable_reason
 
     backend, line = choose_backend("auto", InventoryIndex())
     if device_unavailable_reason() is None:
@@ -317,7 +317,7 @@ def test_auto_picks_cuda_only_when_a_device_answers_and_says_which() -> None:
 def test_a_cuda_backend_that_cannot_start_says_why_at_startup() -> None:
     """Any failure while the backend starts (here: a device that does not exist) is a CudaUnavailable,
     which `auto` turns into cpu, instead of an error on every later request."""
-    from kvledger.decide.cuda import CudaBackend, CudaUnavailable, device_unavailable_reason
+    from kvledger.decide.ranking.cuda import CudaBackend, CudaUnavailable, device_unavailable_reason
 
     reason = device_unavailable_reason()
     if reason is not None:
@@ -408,7 +408,7 @@ async def test_the_backend_is_warmed_up_before_the_service_reports_ready(nats_se
 
 
 def test_both_backends_keep_the_ranking_backend_contract() -> None:
-    from kvledger.decide.cuda import CudaBackend, device_unavailable_reason
+    from kvledger.decide.ranking.cuda import CudaBackend, device_unavailable_reason
 
     index = InventoryIndex()
     assert isinstance(CpuBackend(index), RankingBackend)

@@ -27,8 +27,8 @@ from kvledger.runtime.streams import (
 from kvledger.core.settings import load_settings
 from kvledger.core.snapshot import StreamPosition, encode_snapshot
 
-from kvledger.decide.service import DecideService
-from kvledger.decide.stream_loss import stream_regression
+from kvledger.decide.serving.service import DecideService
+from kvledger.decide.serving.stream_check import stream_regression
 
 pytestmark = pytest.mark.service
 
@@ -200,7 +200,7 @@ async def test_a_consumer_resuming_on_reused_seqs_is_caught_by_the_position_befo
     """With no reconnect check and no periodic check in time, the ordered consumer re-created after the
     restart delivers the new messages at the reused seqs first; checking where the index then
     stands would compare a new message with itself. The position before the consumer resumed is checked."""
-    from kvledger.decide import service as decide_service
+    from kvledger.decide.serving import service as decide_service
 
     async def nothing(self) -> None:
         return None
@@ -313,9 +313,9 @@ def test_a_backend_switched_to_a_rebuilt_index_answers_as_one_made_for_it() -> N
     new index's generation and shapes may equal the old one's."""
     import attrs
 
-    from kvledger.decide.backend import choose_backend
-    from kvledger.decide.cpu import CpuBackend
-    from kvledger.decide.index import index_from_batches
+    from kvledger.decide.ranking.backend import choose_backend
+    from kvledger.decide.ranking.cpu import CpuBackend
+    from kvledger.decide.inventory.index import index_from_batches
 
     kept, lost, after = scenario()
     followed = index_from_batches(kept + lost)

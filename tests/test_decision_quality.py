@@ -19,14 +19,14 @@ import pytest
 import sqlalchemy as sa
 
 from kvledger.app.cli import main
-from kvledger.runtime.metrics import MetricSet
+from kvledger.runtime.metric_set import MetricSet
 from engines import wait_until
 from kvledger.store import database
 
-from kvledger.store.audit import Audit
-from kvledger.store.quality import QualityMetrics, QualityTracker
 from kvledger.core.settings import load_settings
 from kvledger.store import audit as audit_queries
+from kvledger.store.audit import Audit
+from kvledger.store.quality import QualityMetrics, QualityTracker
 from store_harness import assert_shell_agrees, checkpoint
 from quality_workload import DEADLINE_S, decided_workload
 

@@ -1,4 +1,4 @@
-"""Each KV_DECISIONS record's request header: the batch writer (decide/recorder.py) writes
+"""Each KV_DECISIONS record's request header: the batch writer (decide/serving/recorder.py) writes
 `kvledger.core.decision_codec.request_header`'s text, byte for byte, and store reads it back."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from kvledger.core.decision_codec import MAX_RELIED_BLOCKS, request_from_header,
 from kvledger.core.events import WorkerId
 from kvledger.core.reuse import ReuseRequest
 
-from kvledger.decide.ranked import RequestArrays
-from kvledger.decide.recorder import request_texts
+from kvledger.decide.ranking.ranked import RequestArrays
+from kvledger.decide.serving.recorder import request_texts
 
 
 def _requests(count: int, seed: int = 1) -> list[ReuseRequest]:

@@ -27,11 +27,11 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from builders import Stream, local_hashes, publish, removed, stored
-from kvledger.decide.service import DecideService
+from kvledger.decide.serving.service import DecideService
 from engines import wait_until
 from kvledger.core.events import Cleared, Tier, WorkerId
-from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
 from kvledger.core.settings import load_settings
+from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events_stream
 from quality_reference import reference_verdicts
 from kvledger.store import database, tables
 from kvledger.store.changes import VERDICT_COLUMNS

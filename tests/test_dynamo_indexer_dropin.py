@@ -24,15 +24,15 @@ import aiohttp
 import pytest
 import xxhash
 
-from kvledger.decide.service import DecideService
+from kvledger.decide.serving.service import DecideService
 from engines import engine_endpoints, wait_until
-from kvledger.ingest.bridge import Bridge
-from kvledger.ingest.endpoints import StreamSource
-from kvledger.ingest.wire import Engine
 from kvledger.core.decision_codec import request_from_json
 from kvledger.core.events import Provenance, Tier, WorkerId
 from kvledger.core.fold import InventoryFold
 from kvledger.core.hashing import local_block_hashes, sequence_hashes
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.ingest.wire import Engine
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored, encode_vllm_batch
 from pipeline import pipeline_settings

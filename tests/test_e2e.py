@@ -11,9 +11,9 @@ import itertools
 
 import nats.errors
 
-from kvledger.sim.fleet import SimulatedFleet
 from kvledger.core.decision_codec import decision_to_json
 from kvledger.core.reuse import ReuseRequest, decide
+from kvledger.sim.fleet import SimulatedFleet
 from kvledger.sim.workload import DEMO_BLOCK_SIZE, Request, request_tokens, synthetic_requests
 from pipeline import Pipeline, TruthView, pipeline_settings, truth_inventory
 from engines import wait_until

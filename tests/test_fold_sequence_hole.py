@@ -14,7 +14,7 @@ import pytest
 from builders import stored
 from kvledger.core.events import EventBatch, Provenance, WorkerId
 from kvledger.store import audit, database
-from kvledger.store.recorder import load_fold
+from kvledger.store.fold_loader import load_fold
 from store_harness import RunningStore, checkpoint, publish, store_settings
 
 pytestmark = pytest.mark.service

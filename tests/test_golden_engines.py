@@ -18,21 +18,21 @@ import nats
 import pytest
 import sqlalchemy as sa
 
-from kvledger.decide.service import DecideService
+from kvledger.decide.serving.service import DecideService
 from engines import engine_endpoints, wait_until
-from kvledger.ingest.bridge import Bridge
-from kvledger.ingest.endpoints import StreamSource
-from kvledger.sim.engine import SimulatedEngine
-from kvledger.ingest.wire import Engine, _tier, decode_payload
 from kvledger.core.decision_codec import decision_to_json, request_from_json
 from kvledger.core.events import EventBatch, Provenance, Tier, WorkerId
 from kvledger.core.fold import InventoryFold
 from kvledger.core.reuse import decide, overlap_of
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.ingest.wire import Engine, _tier, decode_payload
 from kvledger.runtime.streams import DECIDE_SUBJECT
+from kvledger.sim.engine import SimulatedEngine
 from pipeline import pipeline_settings
 from kvledger.store import database
-from kvledger.store.projector import StoreService
-from kvledger.store.recorder import load_fold
+from kvledger.store.fold_loader import load_fold
+from kvledger.store.service import StoreService
 from test_e2e import REUSE_ON
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -2,7 +2,7 @@
 
 `tests/golden/trtllm/*.json` come out of TensorRT-LLM's own code (`record_trtllm.py`):
 `zmq_*` are frames its ZMQ publisher sent; `pull_*` are what `get_kv_cache_events()` returned,
-poll by poll, which kvledger's forwarder (`ingest/trtllm_forwarder.py`) publishes. Each carries
+poll by poll, which kvledger's forwarder (`kvledger/engines/trtllm_forwarder.py`) publishes. Each carries
 the engine's own account of what it holds at the end; the fold, SQL and decide must agree.
 """
 
@@ -15,19 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.decide.service import DecideService
+from kvledger.decide.serving.service import DecideService
 from engines import engine_endpoints, wait_until
-from kvledger.ingest.bridge import Bridge
-from kvledger.ingest.endpoints import StreamSource
-from kvledger.ingest.trtllm_forwarder import LEVEL_MEDIUM, TrtllmEventMapper, TrtllmForwarder, encode_batch, forward_kv_events
-from kvledger.ingest.wire import Engine, decode_payload
 from kvledger.core.decision_codec import request_from_json
 from kvledger.core.events import EventBatch, Gap, GapReason, Provenance, Tier, WorkerId
 from kvledger.core.fold import InventoryFold
+from kvledger.engines.trtllm_forwarder import LEVEL_MEDIUM, TrtllmEventMapper, TrtllmForwarder, encode_batch, forward_kv_events
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.ingest.wire import Engine, decode_payload
 from kvledger.sim.engine import SimulatedEngine
 from pipeline import pipeline_settings
 from kvledger.store import database
-from kvledger.store.projector import StoreService
+from kvledger.store.service import StoreService
 from test_e2e import REUSE_ON
 from test_golden_engines import _checkpoint, _sql_inventory, _sql_scalar, decide_equals_reference, request_body
 

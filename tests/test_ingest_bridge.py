@@ -14,13 +14,13 @@ import zmq.asyncio
 
 from services import free_ports
 from engines import engine_endpoints, http_get, one_block, read_batches, read_stream, settings_for, wait_until
+from kvledger.core.events import Gap, GapReason, Provenance, Stored, Tier, WorkerId, decode_dead_letter
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
-from kvledger.ingest.replay import ReplayClient
-from kvledger.sim.engine import SimulatedEngine
+from kvledger.ingest.replay_client import ReplayClient
 from kvledger.ingest.subscriber import EngineSubscriber
+from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmAllBlocksCleared, VllmBlockRemoved
-from kvledger.core.events import Gap, GapReason, Provenance, Stored, Tier, WorkerId, decode_dead_letter
 
 
 def source(worker: WorkerId, engine: SimulatedEngine) -> StreamSource:

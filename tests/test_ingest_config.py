@@ -7,12 +7,12 @@ import pytest
 from nats.js.api import StorageType, StreamConfig
 
 from engines import settings_for
+from kvledger.core.events import Provenance, WorkerId
+from kvledger.core.settings import NatsSettings
 from kvledger.ingest.endpoints import EndpointError, EndpointSpec, parse_endpoint, parse_endpoints, stream_sources
 from kvledger.ingest.publisher import JetStreamPublisher, StreamConflictError
 from kvledger.ingest.wire import Engine
-from kvledger.core.events import Provenance, WorkerId
 from kvledger.runtime.nats_options import connect_options, describe_server
-from kvledger.core.settings import NatsSettings
 from kvledger.runtime.streams import events_stream
 
 

@@ -19,12 +19,12 @@ from engines import (
     SglangEngine, VllmEngine, engine_endpoints, engine_wheel, load_engine_kv_events, one_block, read_stream,
     settings_for, wait_until,
 )
+from kvledger.core.events import EventBatch, Gap, GapReason, Provenance, Tier, WorkerId, decode_batch, encode_batch
+from kvledger.core.fold import InventoryFold
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.ingest.incarnation import Incarnation, is_restart_marker, judge, same_engine_batch
 from kvledger.ingest.wire import Engine, decode_payload
-from kvledger.core.events import EventBatch, Gap, GapReason, Provenance, Tier, WorkerId, decode_batch, encode_batch
-from kvledger.core.fold import InventoryFold
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockRemoved, encode_vllm_batch
 

@@ -32,10 +32,10 @@ from kvledger.core.events import (
     Tier, WorkerId, decode_batch, encode_batch, is_liveness, liveness_subject,
 )
 from kvledger.core.fold import REASON_LIMIT, InventoryFold, ReachabilityFact
+from kvledger.core.snapshot import decode_snapshot, encode_snapshot
+from kvledger.decide.inventory.index import CLASSES, NATIVE_DEVICE, InventoryIndex
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import encode_vllm_batch
-from kvledger.core.snapshot import decode_snapshot, encode_snapshot
-from kvledger.decide.index import CLASSES, NATIVE_DEVICE, InventoryIndex
 from kvledger.store import audit, database
 from store_harness import project, store_settings
 from test_decide_index import held_by_class

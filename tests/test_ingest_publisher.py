@@ -10,11 +10,11 @@ import pytest
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from engines import read_stream, settings_for, wait_until
+from kvledger.core.settings import NatsSettings
 from kvledger.ingest.publish_connection import AckReply, PublishConnection, PublishConnectionError
 from kvledger.ingest.publisher import JetStreamPublisher
 from kvledger.runtime.embedded import EmbeddedNats
 from kvledger.runtime.nats_options import NatsAuthError, is_auth_error
-from kvledger.core.settings import NatsSettings
 from kvledger.runtime.streams import events_stream
 
 SUBJECT = "kv.ev.pub.0"

@@ -28,14 +28,14 @@ import pytest
 import sqlalchemy as sa
 
 from engines import engine_endpoints, http_get, one_block, read_batches, read_stream, settings_for, wait_until
+from kvledger.core.events import DeadLetter, Gap, GapReason, Provenance, WorkerId, decode_batch, decode_dead_letter
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
-from kvledger.sim.engine import SimulatedEngine
 from kvledger.ingest.wire import decode_event
-from kvledger.core.events import DeadLetter, Gap, GapReason, Provenance, WorkerId, decode_batch, decode_dead_letter
 from kvledger.runtime.streams import DEAD_LETTERS_STREAM
+from kvledger.sim.engine import SimulatedEngine
 from kvledger.store import audit, database
-from kvledger.store.projector import StoreService
+from kvledger.store.service import StoreService
 
 pytestmark = pytest.mark.service
 

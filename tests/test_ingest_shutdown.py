@@ -15,10 +15,10 @@ from collections.abc import Awaitable
 import pytest
 
 from engines import engine_endpoints, http_get, one_block, settings_for, wait_until
+from kvledger.core.events import Provenance, WorkerId
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.sim.engine import SimulatedEngine
-from kvledger.core.events import Provenance, WorkerId
 from services import free_ports
 from test_ingest_bridge import IngestProcess
 

@@ -22,11 +22,11 @@ import nats.js.errors
 import pytest
 
 from engines import engine_endpoints, one_block, read_batches, read_stream, settings_for, wait_until
+from kvledger.core.events import Gap, GapReason, Provenance, WorkerId
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.ingest.sequence import Emit
-from kvledger.ingest.stream_loss import AckedPositions, Loss, LostBatch, LostRun, plan_repair
-from kvledger.core.events import Gap, GapReason, Provenance, WorkerId
+from kvledger.ingest.stream_repair import AckedPositions, Loss, LostBatch, LostRun, plan_repair
 from kvledger.runtime.streams import dead_letters_stream, ensure_stream, events_stream
 from kvledger.sim.engine import SimulatedEngine
 from services import copy_nats_store, restore_nats_store

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvledger.core.events import Cleared, Removed, Stored, Tier
+from kvledger.core.hashing import local_block_hashes
 from kvledger.ingest import wire
 from kvledger.ingest.wire import MEDIUM_TIERS, WireError, block_hash, decode_payload, replay_request, split_publisher_frames, split_replay_frames
 from kvledger.sim.vllm import VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored, encode_vllm_batch
-from kvledger.core.events import Cleared, Removed, Stored, Tier
-from kvledger.core.hashing import local_block_hashes
 
 TOKENS = list(range(1, 33))
 LOCAL = tuple(local_block_hashes(TOKENS, 16))

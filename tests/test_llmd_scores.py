@@ -23,13 +23,13 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from tokenizers.processors import TemplateProcessing
 
-from kvledger.decide.protos import indexer_pb2 as pb
-from kvledger.decide.protos import indexer_pb2_grpc as pb_grpc
-from kvledger.decide.service import DecideService
+from kvledger.decide.routers.protos import indexer_pb2 as pb
+from kvledger.decide.routers.protos import indexer_pb2_grpc as pb_grpc
+from kvledger.decide.serving.service import DecideService
 from engines import engine_endpoints, wait_until
+from kvledger.core.events import Provenance, WorkerId
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
-from kvledger.core.events import Provenance, WorkerId
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored
 from pipeline import pipeline_settings
@@ -255,7 +255,7 @@ async def test_bad_input_gets_llmds_status_codes_and_is_counted(nats_server, tmp
 
 
 async def test_a_bad_routers_file_stops_decide_at_startup(tmp_path: Path) -> None:
-    from kvledger.decide.grpc_front import load_router_settings
+    from kvledger.decide.routers.grpc_front import load_router_settings
     from kvledger.decide.startup import StartupError
 
     routers = tmp_path / "routers.toml"

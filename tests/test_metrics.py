@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvledger.runtime.metrics import MetricSet
+from kvledger.runtime.metric_set import MetricSet
 
 
 class Example(MetricSet):

@@ -8,8 +8,8 @@ import nats
 import pytest
 
 import services
-from kvledger.runtime.nats_options import connect_options
 from kvledger.core.settings import NatsSettings
+from kvledger.runtime.nats_options import connect_options
 
 pytestmark = pytest.mark.service
 

@@ -13,19 +13,19 @@ import pytest
 import sqlalchemy as sa
 
 from cluster import cluster_binary
-from kvledger.decide.service import DecideService
+from kvledger.decide.serving.service import DecideService
 from engines import wait_until
-from kvledger.ingest.bridge import Bridge
-from kvledger.ingest.endpoints import StreamSource
 from kvledger.client import NO_RETRIES, DecideClient, DecideRequest
 from kvledger.core.events import Provenance, WorkerId
-from kvledger.runtime.streams import DECIDE_SUBJECT
 from kvledger.core.settings import load_settings
+from kvledger.ingest.bridge import Bridge
+from kvledger.ingest.endpoints import StreamSource
+from kvledger.runtime.streams import DECIDE_SUBJECT
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockStored
 from services import LocalNatsServer, free_ports
 from kvledger.store import database
-from kvledger.store.projector import StoreService
+from kvledger.store.service import StoreService
 
 pytestmark = pytest.mark.service
 

@@ -63,7 +63,7 @@ def test_the_installed_wheel_finds_its_data_and_runs_config_show(installed_wheel
     assert Path(migrations_dir) == installed_wheel / "kvledger" / "_data" / "migrations"
 
     stages = _run_from(installed_wheel, sys.executable, "-c",
-                       "import kvledger.ingest.bridge, kvledger.store.projector, kvledger.decide.service, sys; "
+                       "import kvledger.ingest.bridge, kvledger.store.projector, kvledger.decide.serving.service, sys; "
                        "print(sorted(name for name in sys.modules if name.split('.')[0] in ('ingest', 'store', 'decide')))")
     assert stages.returncode == 0, stages.stderr
     assert stages.stdout.strip() == "[]"  # nothing imported under a bare stage name

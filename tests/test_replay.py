@@ -1,4 +1,4 @@
-"""What-if replay (store/replay.py, `kvledger replay`) on a scripted workload whose truth is known.
+"""What-if replay (store/whatif_reference.py, `kvledger replay`) on a scripted workload whose truth is known.
 
 The scripted workload of tests/quality_workload.py, answered with reuse off: the source holds 8
 blocks, `target` 3 and `target2` 2; three requests (`hint` and `credit-only` to target,
@@ -30,7 +30,7 @@ from builders import BLOCK_SIZE
 from kvledger.store import database
 from kvledger.store.audit import Audit
 from kvledger.store.pruning import prune_once
-from kvledger.store.replay import ReplayRefused, replay, replay_stream
+from kvledger.store.whatif_reference import ReplayRefused, replay, replay_stream
 from store_harness import checkpoint, store_settings
 from quality_workload import decided_workload
 from test_decide_shadow import shadow_settings
@@ -117,7 +117,7 @@ async def test_the_command_prints_the_report(nats_server, sqlite_url, tmp_path, 
 def test_docs_audit_quotes_every_replay_query_verbatim() -> None:
     from pathlib import Path
 
-    from kvledger.store import replay as replay_queries
+    from kvledger.store import whatif_reference as replay_queries
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "audit.md").read_text()
     for query in replay_queries.QUERIES:
@@ -199,7 +199,7 @@ async def test_auto_reads_the_streams_once_sql_history_is_pruned(nats_server, sq
 
 def test_the_horizon_on_the_stream_is_the_seq_before_the_first_event_that_late() -> None:
     from kvledger.core.events import EventBatch, Provenance
-    from kvledger.store.replay import _horizon_seqs
+    from kvledger.store.whatif_reference import _horizon_seqs
 
     def batch(ingest_ts: float) -> EventBatch:
         return EventBatch(WorkerId("w", 0), 1, 0, 0.0, ingest_ts, Provenance.NATIVE, ())

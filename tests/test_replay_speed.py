@@ -1,7 +1,7 @@
-"""The replay at decide's speed (kvledger/app/replay.py, decide/whatif.py) against the reference it replaces.
+"""The replay at decide's speed (kvledger/app/replay.py, decide/ranking/whatif.py) against the reference it replaces.
 
 A demo ledger (`kvledger demo`, reuse off, recorded on SQLite or PostgreSQL) replayed under a
-sweep of settings by both: the reference model one request at a time (store/replay.py's
+sweep of settings by both: the reference model one request at a time (store/whatif_reference.py's
 `replay` and `replay_stream`) and decide's index and kernels in a batch per inventory seq. The
 reports must be equal to the last float, tallies and every changed decision (what
 `--decisions` lists), as asked and as placed, at horizons that judge and that leave pending,
@@ -25,10 +25,10 @@ import sqlalchemy as sa
 
 from kvledger.app import replay as fast
 from kvledger.app.cli import main as kvledger
-from kvledger.runtime.embedded import EmbeddedNats
 from kvledger.core.settings import ReuseSettings, StreamSettings, reuse_settings_from
+from kvledger.runtime.embedded import EmbeddedNats
 from kvledger.store import database
-from kvledger.store import replay as reference
+from kvledger.store import whatif_reference as reference
 
 pytestmark = pytest.mark.service
 
@@ -75,7 +75,7 @@ def test_a_demo_ledger_gives_the_reference_report_to_the_last_float(db_url, tmp_
                 got = fast.replay(connection, sweep, horizon_s=horizon_s, placed=placed)
                 assert got == expected, (placed, horizon_s)
                 assert got.replayed == decisions
-        # The stays read in bulk (store.replay.stays_of) are `replay_stays`' rows, every column.
+        # The stays read in bulk (store.whatif_reference.stays_of) are `replay_stays`' rows, every column.
         window = reference.read_window(connection, horizon_s=0.5, horizons_in_sql=False)
         stays = reference.stays_of(connection, window.first_seq, window.last_seq)
         rows = reference.stay_columns(connection, window.first_seq, window.last_seq)

@@ -10,13 +10,13 @@ import sys
 import pytest
 
 from engines import engine_endpoints, one_block, read_batches, wait_until
+from kvledger.core.events import Provenance, WorkerId
+from kvledger.core.settings import load_settings
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
-from kvledger.sim.engine import SimulatedEngine
 from kvledger.runtime.embedded import EmbeddedNats
-from kvledger.core.events import Provenance, WorkerId
 from kvledger.runtime.nats_options import NatsAuthError
-from kvledger.core.settings import load_settings
+from kvledger.sim.engine import SimulatedEngine
 
 SECRET = "hunter2-s3cr3t"
 
@@ -34,9 +34,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 async def test_the_pipeline_runs_against_a_server_that_requires_a_login(locked_nats, tmp_path) -> None:
-    from kvledger.decide.service import DecideService
+    from kvledger.decide.serving.service import DecideService
     from kvledger.store import database
-    from kvledger.store.projector import StoreService
+    from kvledger.store.service import StoreService
     import asyncio
 
     db_url = f"sqlite:///{tmp_path / 'ledger.db'}"

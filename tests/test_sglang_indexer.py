@@ -20,14 +20,14 @@ import grpc
 import grpc.aio
 import pytest
 
-from kvledger.decide.protos import kv_indexer_pb2 as pb
-from kvledger.decide.protos import kv_indexer_pb2_grpc as pb_grpc
-from kvledger.decide.service import DecideService
+from kvledger.decide.routers.protos import kv_indexer_pb2 as pb
+from kvledger.decide.routers.protos import kv_indexer_pb2_grpc as pb_grpc
+from kvledger.decide.serving.service import DecideService
 from engines import engine_endpoints, wait_until
+from kvledger.core.events import Provenance, WorkerId
 from kvledger.ingest.bridge import Bridge
 from kvledger.ingest.endpoints import StreamSource
 from kvledger.ingest.wire import Engine
-from kvledger.core.events import Provenance, WorkerId
 from kvledger.sim.engine import SimulatedEngine
 from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored
 from pipeline import pipeline_settings
@@ -291,9 +291,9 @@ async def test_bad_input_gets_sglangs_status_codes_and_is_counted(nats_server, t
 async def test_a_taken_port_stops_the_front_with_a_startup_error() -> None:
     import socket
 
-    from kvledger.decide.grpc_front import GrpcFront
+    from kvledger.decide.routers.grpc_front import GrpcFront
     from kvledger.decide.metrics import DecideMetrics
-    from kvledger.decide.index import InventoryIndex
+    from kvledger.decide.inventory.index import InventoryIndex
     from kvledger.decide.startup import StartupError
 
     with socket.socket() as taken:
@@ -307,8 +307,8 @@ async def test_a_taken_port_stops_the_front_with_a_startup_error() -> None:
 
 def test_placements_are_by_engine_hash_per_worker_plain_promoted_or_joined_midway() -> None:
     """Every kind of worker the index holds is asked by its own engine hashes, as sgl-kv-indexer keys placements."""
-    from kvledger.decide.index import InventoryIndex
-    from kvledger.decide.sglang_indexer import SglangIndexer
+    from kvledger.decide.inventory.index import InventoryIndex
+    from kvledger.decide.routers.sglang_indexer import SglangIndexer
     from kvledger.core.events import EventBatch, Stored, Tier
     from kvledger.core.hashing import local_block_hashes
 

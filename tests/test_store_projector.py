@@ -19,10 +19,10 @@ from kvledger.core.events import EventBatch, Gap, GapReason, Provenance, Stored,
 from kvledger.core.fold import InventoryFold
 from kvledger.core.snapshot import decode_snapshot
 from kvledger.runtime.streams import SNAPSHOTS_BUCKET
-from kvledger.store import audit, database
 from kvledger.runtime.streams import ensure_stream
-from kvledger.store.projector import StoreService
-from kvledger.store.recorder import load_fold
+from kvledger.store import audit, database
+from kvledger.store.fold_loader import load_fold
+from kvledger.store.service import StoreService
 from kvledger.store.tables import to_signed
 
 from store_harness import (

@@ -17,7 +17,7 @@ from kvledger.core.events import EventBatch, RecordError, decode_batch, encode_b
 from kvledger.core.fold import InventoryFold
 from kvledger.store import database
 from kvledger.store.changes import ChangeBuilder
-from kvledger.store.recorder import PlacementIds, load_fold, open_recorder, read_checkpoint
+from kvledger.store.fold_loader import PlacementIds, load_fold, open_recorder, read_checkpoint
 from store_harness import content_digest, fold_rows, fold_state, recorded_stream, reference_folds, sql_inventory_at
 
 pytestmark = pytest.mark.service

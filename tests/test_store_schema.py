@@ -13,10 +13,10 @@ from alembic.runtime.migration import MigrationContext
 from kvledger.app.cli import main
 from kvledger.core.settings import Settings
 from kvledger.runtime.streams import StreamSpec, events_stream
+from kvledger.runtime.streams import StreamConflictError, ensure_stream
 from kvledger.store import database
 from kvledger.store.database import SchemaError
-from kvledger.runtime.streams import StreamConflictError, ensure_stream
-from kvledger.store.projector import StoreService
+from kvledger.store.service import StoreService
 from kvledger.store.tables import metadata
 from store_harness import store_settings
 

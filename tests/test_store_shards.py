@@ -23,7 +23,7 @@ from kvledger.core.reuse import ReuseRequest, decide
 from kvledger.core.settings import ReuseSettings, Settings
 from kvledger.runtime.streams import DECISIONS_SUBJECT, decisions_stream, ensure_stream
 from kvledger.store import database
-from kvledger.store.recorder import load_fold
+from kvledger.store.fold_loader import load_fold
 from kvledger.store.sharding import Shard, ShardError, parse_shard
 from test_store_faults import TRANSACTION_MESSAGES, _writers_of
 from store_harness import (

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from kvledger.store import database
 from kvledger.store.changes import ChangeSet
-from kvledger.store.recorder import read_checkpoint
+from kvledger.store.fold_loader import read_checkpoint
 from kvledger.store.writer import RecorderProcess, WriterError, encode_changes
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.runtime.embedded import EmbeddedNats, locate_nats_server, sync_policy_config
 from kvledger.core.settings import NatsSettings, SettingsError, load_settings
+from kvledger.runtime.embedded import EmbeddedNats, locate_nats_server, sync_policy_config
 from services import missing_service
 
 KEY = "nats.embedded_sync_interval"

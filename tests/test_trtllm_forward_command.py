@@ -15,7 +15,7 @@ import msgspec
 import zmq
 
 from engines import engine_endpoints
-from kvledger.ingest.trtllm_forwarder import TrtllmEventMapper
+from kvledger.engines.trtllm_forwarder import TrtllmEventMapper
 from kvledger.ingest.wire import Engine, decode_payload, split_replay_frames
 
 HERE = Path(__file__).parent

@@ -106,7 +106,7 @@ def _decide_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _decide(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     """Run the reuse decision service (imported here: only the command composes stages)."""
-    from kvledger.decide.service import run
+    from kvledger.decide.serving.service import run
 
     return run(loaded.settings)
 
@@ -131,9 +131,9 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _stage_services(settings: Settings, sources: list) -> dict:
     """ingest (when there are engine streams), store and decide as services for kvledger.runtime.system."""
-    from kvledger.decide.service import DecideService
+    from kvledger.decide.serving.service import DecideService
     from kvledger.ingest.bridge import Bridge
-    from kvledger.store.projector import StoreService
+    from kvledger.store.service import StoreService
 
     async def store(stop: asyncio.Event) -> None:
         await StoreService(settings).run(stop)

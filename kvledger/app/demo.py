@@ -15,8 +15,8 @@ from typing import Protocol
 
 import attrs
 
-from kvledger.core import cost
 from kvledger.client import Answer, DecideClient, DecideError, DecideRequest
+from kvledger.core import cost
 from kvledger.core.events import WorkerId
 from kvledger.core.settings import ReuseSettings
 from kvledger.sim.workload import DEMO_BLOCK_SIZE, CacheChange, EngineCache, Request, request_tokens

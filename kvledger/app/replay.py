@@ -1,4 +1,4 @@
-"""`kvledger replay`: the recorded decision requests answered again under other reuse settings (store/replay.py).
+"""`kvledger replay`: the recorded decision requests answered again under other reuse settings (store/whatif_reference.py).
 
 Reads SQL (`db.url`): the window's requests from `decision_requests` and the timeline from
 `block_residency`; or the streams (`nats.url`): the requests from KV_DECISIONS records and the
@@ -53,7 +53,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     from kvledger.store import database
     from kvledger.store.commands import _parse_time, print_table
-    from kvledger.store.replay import ReplayRefused
+    from kvledger.store.whatif_reference import ReplayRefused
 
     settings = loaded.settings
     sweep = []
@@ -142,7 +142,7 @@ def _ceiling(settings, from_ts: float, to_ts: float) -> tuple[list[dict] | None,
     """The window's ceiling rows (oracle, round_robin, achieved) from SQL, or why SQL cannot give them."""
     from kvledger.store import database
     from kvledger.store.ceiling import ceiling
-    from kvledger.store.replay import ReplayRefused
+    from kvledger.store.whatif_reference import ReplayRefused
 
     engine = database.create_engine(settings.db.url)
     try:
@@ -167,21 +167,21 @@ async def _from_streams(settings, sweep: list, options: dict):
 
 # --- the replay at decide's speed ---------------------------------------------------------
 #
-# store/replay.py reads the window and tallies the report; decide/whatif.py folds the timeline into decide's
+# store/whatif_reference.py reads the window and tallies the report; decide/ranking/whatif.py folds the timeline into decide's
 # rows and answers with decide's kernels; here one is handed to the other (the stages never import each other).
-# store/replay.py's own `replay` and `replay_stream`, the reference model one request at a time, stay the
+# store/whatif_reference.py's own `replay` and `replay_stream`, the reference model one request at a time, stay the
 # reference the tests compare these with, to the last float.
 
 
 def replay(connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
            from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False):
-    """`store.replay.replay`'s report, from SQL, answered by decide's kernels in a batch per inventory seq."""
-    from kvledger.store.replay import read_window, report_of, stays_of, workers_of
+    """`store.whatif_reference.replay`'s report, from SQL, answered by decide's kernels in a batch per inventory seq."""
+    from kvledger.store.whatif_reference import read_window, report_of, stays_of, workers_of
 
     window = read_window(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts, horizons_in_sql=False)
     judged = []
     if window.decisions:  # an empty window loads no kernel and reads no stay
-        from kvledger.decide.whatif import StayTimeline
+        from kvledger.decide.ranking.whatif import StayTimeline
 
         stays = stays_of(connection, window.first_seq, window.last_seq)
         timeline = StayTimeline.of_stays(workers_of(connection), stays.placements, stays.placement,
@@ -194,14 +194,14 @@ def replay(connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon
 async def replay_stream(js, streams, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
                         from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
                         timeout_s: float = 300.0):
-    """`store.replay.replay_stream`'s report, KV_EVENTS folded by decide's own index, answered by its kernels."""
-    from kvledger.store.replay import read_streams, report_of
+    """`store.whatif_reference.replay_stream`'s report, KV_EVENTS folded by decide's own index, answered by its kernels."""
+    from kvledger.store.whatif_reference import read_streams, report_of
 
     decisions, unreplayable, batches = await read_streams(js, streams, horizon_s=horizon_s, from_ts=from_ts,
                                                           to_ts=to_ts, timeout_s=timeout_s)
     judged = []
     if decisions:
-        from kvledger.decide.whatif import FoldTimeline
+        from kvledger.decide.ranking.whatif import FoldTimeline
 
         judged = _answered(decisions, settings, placed, FoldTimeline(batches), lambda decision: decision.horizon_seq)
     return report_of((from_ts, to_ts), horizon_s, "stream", decisions, judged, unreplayable, settings)
@@ -209,11 +209,11 @@ async def replay_stream(js, streams, settings: Sequence[tuple[str, ReuseSettings
 
 def _answered(decisions: Sequence, settings: Sequence[tuple[str, ReuseSettings]], placed: bool, timeline,
               horizon_of) -> list:
-    """Each decision's recorded outcome and its replayed ones (store.replay.Outcome), judged at its horizon."""
-    from kvledger.decide.ranked import REASONS
-    from kvledger.decide.whatif import FALLBACK, NAMED, Requests, recorded_outcomes
+    """Each decision's recorded outcome and its replayed ones (store.whatif_reference.Outcome), judged at its horizon."""
+    from kvledger.decide.ranking.ranked import REASONS
+    from kvledger.decide.ranking.whatif import FALLBACK, NAMED, Requests, recorded_outcomes
     from kvledger.core.events import Tier
-    from kvledger.store.replay import Outcome
+    from kvledger.store.whatif_reference import Outcome
 
     targets, fallbacks = [], []
     for decision in decisions:

@@ -1,9 +1,9 @@
-"""`kvledger trtllm-forward`: TensorRT-LLM's pull API published as vLLM-format ZMQ (ingest/trtllm_forwarder.py).
+"""`kvledger trtllm-forward`: TensorRT-LLM's pull API published as vLLM-format ZMQ (kvledger/engines/trtllm_forwarder.py).
 
 The forwarder must run in the process that holds the `LLM`: `--llm MODULE:CALLABLE` names a
 function of yours that builds it (or returns any object with `get_kv_cache_events_async`); the
 command then polls it until SIGINT or SIGTERM. Serving code that owns its LLM calls
-`ingest.trtllm_forwarder.forward_kv_events(llm, forwarder, stop=...)` itself instead.
+`engines.trtllm_forwarder.forward_kv_events(llm, forwarder, stop=...)` itself instead.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def build_llm(spec: str) -> object:
 
 def run(args: argparse.Namespace, loaded: LoadedSettings) -> int:
     """Forward the LLM's KV-cache events until stopped (exit 0), 2 when --llm or the sockets are unusable."""
-    from kvledger.ingest.trtllm_forwarder import TrtllmForwarder, forward_kv_events
+    from kvledger.engines.trtllm_forwarder import TrtllmForwarder, forward_kv_events
     from kvledger.runtime.entry import run_stage
     from kvledger.runtime.system import install_stop_signals
 

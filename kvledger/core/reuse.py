@@ -49,7 +49,7 @@ class ReuseRequest:
     block_size: int
     target: WorkerId | None = None
     lora_name: str | None = None
-    # Where the caller places the request when nobody has credit (decide/inflight.py); the
+    # Where the caller places the request when nobody has credit (decide/serving/inflight.py); the
     # model itself never reads it.
     fallback: WorkerId | None = None
 

@@ -17,8 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from kvledger.runtime.lifetime import stop_process
 from kvledger.core.settings import NatsSettings
+from kvledger.runtime.lifetime import stop_process
 
 READY_LINE = "Server is ready"
 

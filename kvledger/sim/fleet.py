@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import socket
 
-from kvledger.sim.engine import SimulatedEngine
-from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored
 from kvledger.core.events import WorkerId
 from kvledger.runtime.lifetime import AsyncLifetime
+from kvledger.sim.engine import SimulatedEngine
+from kvledger.sim.vllm import VllmBlockRemoved, VllmBlockStored
 from kvledger.sim.workload import CacheChange, EngineCache, Request, block_tokens
 
 

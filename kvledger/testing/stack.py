@@ -22,8 +22,8 @@ import nats
 import psycopg
 
 from kvledger.core.events import EventBatch
-from kvledger.runtime.streams import ensure_stream, events_stream, publish_batches
 from kvledger.core.settings import Settings
+from kvledger.runtime.streams import ensure_stream, events_stream, publish_batches
 
 # Each image from its variable (as docker/compose.yml takes them), else the official one.
 IMAGE_VARIABLES = {"kvledger": ("KVLEDGER_IMAGE", "kvledger:latest"), "nats": ("KVLEDGER_NATS_IMAGE", "nats:2.15"),

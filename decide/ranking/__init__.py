@@ -1,0 +1,1 @@
+"""Ranking: the compiled kernels, the cpu and cuda backends, the answers' texts, and what-if replay."""

@@ -1,0 +1,702 @@
+"""What-if replay at decide's speed: recorded requests answered again by decide's own index and kernels.
+
+`kvledger replay` (docs/audit.md, "What-if replay") asks what the recorded requests would have
+been answered under other reuse settings, each at its own inventory seq, and whether those
+answers would still have held at their horizon. Here that is done the way decide answers: the
+recorded timeline becomes rows of decide's index (`decide.rows`: who holds each sequence hash,
+in which class), and the requests are ranked by `decide.ranking.kernels.rank_requests` in batches, one
+batch per inventory seq, every settings value over the same rows.
+
+Two timelines, as the reference (`store/whatif_reference.py`) reads them:
+
+- `StayTimeline`, the stays SQL keeps: each (worker, class, sequence hash) held over seq
+  intervals. Only what a request reads matters, so an interval is reduced to the inventory
+  seqs it covers, and one compiled pass (`answer_on_stays`) applies each seq's changes to the
+  rows and ranks that seq's requests: no Python per seq. A worker is in the index from the
+  seq it was first seen. Judging is a second such pass, over the horizon seqs, on rows of the
+  native stays alone: a bit read per relied-on block.
+- `FoldTimeline`, KV_EVENTS folded by decide's `InventoryIndex` itself: batches applied up to
+  each seq, the seq's requests ranked against the index, horizons judged on its rows.
+
+The answers are reduced to what a replay report counts (`Answers`); the request being asked
+again for its fallback when it named no target and nobody had credit is decided here as
+`store.whatif_reference.answer_again` decides it. The lookup budget never runs out, as the reference's
+clock stands still.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from kvledger.core.decision_codec import MAX_RELIED_BLOCKS
+from kvledger.core.events import EventBatch, Provenance, Tier, WorkerId
+from kvledger.core.settings import ReuseSettings
+
+from kvledger.decide.compiled import compiled as _compiled
+from kvledger.decide.inventory.chain import chain_hashes
+from kvledger.decide.inventory.index import CLASSES, InventoryIndex
+from kvledger.decide.inventory.rows import INLINE, PLANES, change_bit, has_bit
+from kvledger.decide.inventory.table import fill_table, probe
+from kvledger.decide.ranking.cpu import KernelSettings
+from kvledger.decide.ranking.kernels import rank_requests
+
+FOREVER = np.iinfo(np.int64).max
+NO_SLOT = -1  # a worker the index does not hold
+NONE = -2  # no worker at all (nothing chosen, no target)
+# How an answer's target was given: chosen by credit (or none), the one the request named, its fallback.
+CHOSEN_BY_CREDIT, NAMED, FALLBACK = 0, 1, 2
+_PLANE_OF = {key: plane for plane, key in enumerate(CLASSES)}
+_TIER_CODE = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
+_PREFIX_ANY = 3
+_UNJUDGED = -1
+
+
+@attrs.frozen
+class Requests:
+    """The recorded requests, in KV_DECISIONS order, as the kernels read them."""
+
+    local: np.ndarray  # uint64, every request's local hashes end to end
+    offsets: np.ndarray  # int64, requests + 1
+    block_sizes: np.ndarray  # int64
+    inventory_seqs: np.ndarray  # int64
+    targets: tuple[WorkerId | None, ...]  # as asked (the fallback already put in when replayed as placed)
+    fallbacks: tuple[WorkerId | None, ...]  # None where the answer is never asked again for a fallback
+
+    @classmethod
+    def of(cls, local_hashes: Sequence[Sequence[int]], block_sizes: Sequence[int], inventory_seqs: Sequence[int],
+           targets: Sequence[WorkerId | None], fallbacks: Sequence[WorkerId | None]) -> Requests:
+        count = len(local_hashes)
+        lengths = np.fromiter(map(len, local_hashes), dtype=np.int64, count=count)
+        offsets = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        local = np.fromiter((h for hashes in local_hashes for h in hashes), dtype=np.uint64, count=int(offsets[-1]))
+        return cls(local, offsets, np.asarray(block_sizes, dtype=np.int64).reshape(count),
+                   np.asarray(inventory_seqs, dtype=np.int64).reshape(count), tuple(targets), tuple(fallbacks))
+
+    def __len__(self) -> int:
+        return self.offsets.size - 1
+
+
+@attrs.frozen
+class Answers:
+    """Per settings (rows) and request (columns): what a replay report counts of each answer."""
+
+    target: np.ndarray  # int32 slot, NO_SLOT: none, or a worker the index did not hold (see `target_how`)
+    target_how: np.ndarray  # int8: CHOSEN_BY_CREDIT, NAMED, FALLBACK
+    reason: np.ndarray  # int8, decide.ranking.ranked.REASONS
+    baseline: np.ndarray  # int32
+    target_prefix: np.ndarray  # int32, the target's prefix over any native tier
+    source: np.ndarray  # int32 slot of the chosen candidate, NO_SLOT: nothing chosen
+    tier: np.ndarray  # int8 tier code of the chosen candidate
+    prefix: np.ndarray  # int32
+    transfer: np.ndarray  # int32
+    saving: np.ndarray  # float64
+
+
+@attrs.frozen
+class Judged:
+    """Per outcome (rows: the recorded one, then each settings) and request: stale, lost (1, 0, or -1: None)."""
+
+    stale: np.ndarray  # int8
+    lost: np.ndarray  # int8
+
+
+def _settings_arrays(settings: Sequence[ReuseSettings]) -> tuple[np.ndarray, ...]:
+    values = [KernelSettings.of(value) for value in settings]
+    return (np.array([v.weight_of for v in values], dtype=np.float64).reshape(len(values), 8),
+            np.array([v.tier_enabled for v in values], dtype=np.bool_).reshape(len(values), 3),
+            np.array([v.minimum_blocks for v in values], dtype=np.int64),
+            np.array([v.minimum_saving_ms for v in values], dtype=np.float64),
+            np.array([v.prefill_token_us for v in values], dtype=np.float64),
+            np.array([v.block_us for v in values], dtype=np.float64),
+            np.array([v.gpu_block_us for v in values], dtype=np.float64))
+
+
+def _empty_answers(settings: int, count: int) -> Answers:
+    return Answers(np.full((settings, count), NO_SLOT, np.int32), np.zeros((settings, count), np.int8),
+                   np.zeros((settings, count), np.int8), np.zeros((settings, count), np.int32),
+                   np.zeros((settings, count), np.int32), np.full((settings, count), NO_SLOT, np.int32),
+                   np.zeros((settings, count), np.int8), np.zeros((settings, count), np.int32),
+                   np.zeros((settings, count), np.int32), np.zeros((settings, count), np.float64))
+
+
+# --- ranking one inventory seq's requests under every settings value -------------------
+
+
+@_compiled
+def _rank_one_settings(local, offsets, target, named, block_sizes, table_keys, table_rows, table_bits, holders,
+                       spilled, slots_in_order, order_rank, weight_of, tier_enabled, minimum_blocks,
+                       minimum_saving_ms, prefill_token_us, block_us, gpu_block_us):
+    return rank_requests(local, offsets, target, named, block_sizes, table_keys, table_rows, table_bits, holders,
+                         spilled, slots_in_order, order_rank, True, weight_of, tier_enabled, minimum_blocks,
+                         minimum_saving_ms, prefill_token_us, block_us, gpu_block_us)
+
+
+@_compiled
+def answer_batch(first, stop, present, local, offsets, block_sizes, targets, named, fallbacks, has_fallback,
+                 table_keys, table_rows, table_bits, holders, spilled, slots_in_order, order_rank,
+                 weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
+                 out_target, out_how, out_reason, out_baseline, out_target_prefix, out_source, out_tier, out_prefix,
+                 out_transfer, out_saving):
+    """Rank requests [first, stop) (all at one inventory seq) under each settings value, the index holding the
+    workers of slots below `present`; a request that named no target and got no credit is asked again for its
+    fallback, as `store.whatif_reference.answer_again` does."""
+    count = stop - first
+    base = offsets[first]
+    batch_local = local[base:offsets[stop]].copy()
+    batch_offsets = offsets[first:stop + 1] - base
+    batch_sizes = block_sizes[first:stop].copy()
+    batch_named = named[first:stop].astype(np.uint8)
+    batch_target = np.empty(count, dtype=np.int32)
+    for item in range(count):
+        slot = targets[first + item]
+        batch_target[item] = slot if 0 <= slot < present else NO_SLOT
+    for setting in range(weight_of.shape[0]):
+        ranked = _rank_one_settings(
+            batch_local, batch_offsets, batch_target, batch_named, batch_sizes, table_keys, table_rows, table_bits,
+            holders, spilled, slots_in_order, order_rank, weight_of[setting], tier_enabled[setting],
+            minimum_blocks[setting], minimum_saving_ms[setting], prefill_token_us[setting], block_us[setting],
+            gpu_block_us[setting])
+        _copy_answers(ranked, first, setting, np.arange(count), batch_named, out_target, out_how, out_reason,
+                      out_baseline, out_target_prefix, out_source, out_tier, out_prefix, out_transfer, out_saving)
+        # The fallback: asked again where nothing was named, nobody had credit and the target is not the fallback.
+        again = 0
+        credited = ranked[1]
+        chosen_target = ranked[0]
+        for item in range(count):
+            request = first + item
+            if named[request] or not has_fallback[request] or credited[item] != 0.0:
+                continue
+            slot = fallbacks[request]
+            known = slot if 0 <= slot < present else NO_SLOT
+            if known < 0 or chosen_target[item] != known:
+                again += 1
+        if again == 0:
+            continue
+        items = np.empty(again, dtype=np.int64)
+        again_target = np.empty(again, dtype=np.int32)
+        again_sizes = np.empty(again, dtype=np.int64)
+        again_offsets = np.zeros(again + 1, dtype=np.int64)
+        at = 0
+        for item in range(count):
+            request = first + item
+            if named[request] or not has_fallback[request] or credited[item] != 0.0:
+                continue
+            slot = fallbacks[request]
+            known = slot if 0 <= slot < present else NO_SLOT
+            if known < 0 or chosen_target[item] != known:
+                items[at] = item
+                again_target[at] = known
+                again_sizes[at] = block_sizes[request]
+                again_offsets[at + 1] = again_offsets[at] + offsets[request + 1] - offsets[request]
+                at += 1
+        again_local = np.empty(again_offsets[again], dtype=np.uint64)
+        for at in range(again):
+            request = first + items[at]
+            again_local[again_offsets[at]:again_offsets[at + 1]] = local[offsets[request]:offsets[request + 1]]
+        ranked = _rank_one_settings(
+            again_local, again_offsets, again_target, np.ones(again, dtype=np.uint8), again_sizes, table_keys,
+            table_rows, table_bits, holders, spilled, slots_in_order, order_rank, weight_of[setting],
+            tier_enabled[setting], minimum_blocks[setting], minimum_saving_ms[setting], prefill_token_us[setting],
+            block_us[setting], gpu_block_us[setting])
+        _copy_answers(ranked, first, setting, items, np.full(again, 2, dtype=np.uint8), out_target, out_how,
+                      out_reason, out_baseline, out_target_prefix, out_source, out_tier, out_prefix, out_transfer,
+                      out_saving)
+
+
+@_compiled
+def _copy_answers(ranked, first, setting, items, how, out_target, out_how, out_reason, out_baseline,
+                  out_target_prefix, out_source, out_tier, out_prefix, out_transfer, out_saving):
+    """Answer i of `ranked` is request `first + items[i]`'s under settings `setting`."""
+    target, baseline, reason = ranked[0], ranked[2], ranked[3]
+    overlap_bounds, overlap_slot, overlap_lengths = ranked[4], ranked[5], ranked[6]
+    candidate_bounds, c_slot, c_tier, c_prefix, c_transfer, c_saving = \
+        ranked[7], ranked[8], ranked[9], ranked[10], ranked[11], ranked[14]
+    for answer in range(items.size):
+        request = first + items[answer]
+        slot = target[answer]
+        out_target[setting, request] = slot
+        out_how[setting, request] = how[answer]
+        out_reason[setting, request] = reason[answer]
+        out_baseline[setting, request] = baseline[answer]
+        prefix_any = 0
+        if slot >= 0:
+            for shown in range(overlap_bounds[answer], overlap_bounds[answer + 1]):
+                if overlap_slot[shown] == slot:
+                    prefix_any = overlap_lengths[shown, _PREFIX_ANY]
+        out_target_prefix[setting, request] = prefix_any
+        chosen = candidate_bounds[answer]
+        if chosen < candidate_bounds[answer + 1]:
+            out_source[setting, request] = c_slot[chosen]
+            out_tier[setting, request] = c_tier[chosen]
+            out_prefix[setting, request] = c_prefix[chosen]
+            out_transfer[setting, request] = c_transfer[chosen]
+            out_saving[setting, request] = c_saving[chosen]
+        else:
+            out_source[setting, request] = NO_SLOT
+            out_tier[setting, request] = 0
+            out_prefix[setting, request] = 0
+            out_transfer[setting, request] = 0
+            out_saving[setting, request] = 0.0
+
+
+# --- the stays SQL keeps ----------------------------------------------------------------
+
+
+@_compiled
+def answer_on_stays(change_bounds, change_rows, change_planes, change_slots, change_wanted, request_bounds,
+                    present, orders, order_ranks, local, offsets, block_sizes, targets, named, fallbacks, has_fallback,
+                    table_keys, table_rows, table_bits, holders, spilled,
+                    weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us,
+                    gpu_block_us, out_target, out_how, out_reason, out_baseline, out_target_prefix, out_source,
+                    out_tier, out_prefix, out_transfer, out_saving):
+    """One pass over the inventory seqs in order: apply the seq's changes to the rows, rank its requests."""
+    for point in range(change_bounds.size - 1):
+        for change in range(change_bounds[point], change_bounds[point + 1]):
+            change_bit(holders, spilled, change_rows[change], change_planes[change], change_slots[change],
+                       change_wanted[change])
+        first, stop = request_bounds[point], request_bounds[point + 1]
+        if stop == first:
+            continue
+        workers = present[point]
+        answer_batch(first, stop, workers, local, offsets, block_sizes, targets, named, fallbacks, has_fallback,
+                     table_keys, table_rows, table_bits, holders, spilled, orders[workers, :workers],
+                     order_ranks[workers], weight_of, tier_enabled, minimum_blocks, minimum_saving_ms,
+                     prefill_token_us, block_us, gpu_block_us, out_target, out_how, out_reason, out_baseline,
+                     out_target_prefix, out_source, out_tier, out_prefix, out_transfer, out_saving)
+
+
+@_compiled
+def judge_on_stays(change_bounds, change_rows, change_planes, change_slots, change_wanted, item_bounds, items,
+                   sequence, offsets, source, tier, source_from, source_to, target, target_to, table_keys,
+                   table_rows, table_bits, holders, spilled, stale, lost):
+    """One pass over the horizon seqs in order: apply the seq's changes to the native rows, judge the outcomes of
+    the requests whose horizon it is (`items[item_bounds[p]:item_bounds[p + 1]]`) on the rows as they stand: a
+    bit read per block, where the intervals would cost a search each."""
+    for point in range(change_bounds.size - 1):
+        for change in range(change_bounds[point], change_bounds[point + 1]):
+            change_bit(holders, spilled, change_rows[change], change_planes[change], change_slots[change],
+                       change_wanted[change])
+        first, stop = item_bounds[point], item_bounds[point + 1]
+        if stop > first:
+            judge_outcomes(items[first:stop], sequence, offsets, source, tier, source_from, source_to, target,
+                           target_to, table_keys, table_rows, table_bits, holders, spilled, stale, lost)
+
+
+def _changes(keys: np.ndarray, start: np.ndarray, end: np.ndarray, points: np.ndarray, workers: int,
+             planes: int) -> tuple[np.ndarray, ...]:
+    """Intervals [start, end) of (row, slot, plane) keys as changes at the sorted `points` they cover: set at the
+    first covered point, cleared after the last; (bounds per point, row, plane, slot, set or cleared)."""
+    keys, starts, ends = merge_intervals(keys, start, end)
+    first_point = np.searchsorted(points, starts, "left")
+    end_point = np.searchsorted(points, ends, "left")
+    keys, first_point, end_point = merge_intervals(keys, first_point, end_point)
+    change_key = np.concatenate([keys, keys[end_point < points.size]])
+    change_point = np.concatenate([first_point, end_point[end_point < points.size]])
+    change_wanted = np.concatenate([np.ones(keys.size, np.bool_), np.zeros(change_key.size - keys.size, np.bool_)])
+    order = np.argsort(change_point, kind="stable")
+    change_key, change_point, change_wanted = change_key[order], change_point[order], change_wanted[order]
+    change_bounds = np.searchsorted(change_point, np.arange(points.size + 1), "left").astype(np.int64)
+    return (change_bounds, change_key // planes // workers, change_key % planes, change_key // planes % workers,
+            change_wanted)
+
+
+@_compiled
+def _held(table_keys, table_rows, table_bits, holders, spilled, slot, code, sequence_hash):
+    """Whether worker `slot` natively held the hash on tier `code`, read off the rows as they stand."""
+    if slot < 0:
+        return False
+    row = probe(table_keys, table_rows, table_bits, sequence_hash)
+    return row != 0 and has_bit(holders, spilled, row, code, slot)
+
+
+@_compiled
+def judge_outcomes(items, sequence, offsets, source, tier, source_from, source_to, target, target_to, table_keys,
+                   table_rows, table_bits, holders, spilled, stale, lost):
+    """`store.quality.judge` for every outcome (rows of `source` …) of requests `items`, on the rows as they stand
+    at their horizon: the hint is stale when the source no longer held every transferred block on its tier, the
+    credit lost when the target no longer held every credited block on some native tier (at most
+    MAX_RELIED_BLOCKS blocks, as store keeps them). A slot is NONE for no worker, NO_SLOT for one that holds
+    nothing."""
+    for outcome in range(source.shape[0]):
+        for item in range(items.size):
+            request = items[item]
+            start = offsets[request]
+            slot = source[outcome, request]
+            first, last = source_from[outcome, request], min(source_to[outcome, request], MAX_RELIED_BLOCKS)
+            if slot != NONE and first < last:
+                verdict = 0
+                for block in range(first, last):
+                    if not _held(table_keys, table_rows, table_bits, holders, spilled, slot, tier[outcome, request],
+                                 sequence[start + block]):
+                        verdict = 1
+                        break
+                stale[outcome, request] = verdict
+            slot = target[outcome, request]
+            last = min(target_to[outcome, request], MAX_RELIED_BLOCKS)
+            if slot != NONE and last > 0:
+                verdict = 0
+                for block in range(last):
+                    held = False
+                    for code in range(3):
+                        if _held(table_keys, table_rows, table_bits, holders, spilled, slot, code,
+                                 sequence[start + block]):
+                            held = True
+                            break
+                    if not held:
+                        verdict = 1
+                        break
+                lost[outcome, request] = verdict
+
+
+def merge_intervals(keys: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per key, the union of its intervals [start, end) as disjoint, non-touching ones, sorted by (key, start):
+    held at a seq when some interval covers it, however many stays overlap there."""
+    keys, starts, ends = keys.astype(np.int64), starts.astype(np.int64), ends.astype(np.int64)
+    if not keys.size:
+        return keys, starts, ends
+    low, high = int(starts.min()), int(starts.max())
+    if int(keys.min()) >= 0 and (int(keys.max()) + 1) * (high - low + 1) < 2**63:
+        order = np.argsort(keys * (high - low + 1) + (starts - low))  # one int64 sort, not lexsort's two passes
+    else:
+        order = np.lexsort((starts, keys))
+    return _merged(order, keys, starts, ends)
+
+
+@_compiled
+def _merged(order, keys, starts, ends):
+    out_keys = np.empty(keys.size, dtype=np.int64)
+    out_starts = np.empty(keys.size, dtype=np.int64)
+    out_ends = np.empty(keys.size, dtype=np.int64)
+    count = -1
+    for position in range(order.size):
+        item = order[position]
+        key, start, end = keys[item], starts[item], ends[item]
+        if start >= end:
+            continue
+        if count >= 0 and out_keys[count] == key and start <= out_ends[count]:
+            if end > out_ends[count]:
+                out_ends[count] = end
+            continue
+        count += 1
+        out_keys[count], out_starts[count], out_ends[count] = key, start, end
+    return out_keys[:count + 1].copy(), out_starts[:count + 1].copy(), out_ends[:count + 1].copy()
+
+
+@attrs.frozen
+class Outcomes:
+    """What is judged of each answer, per outcome (rows: the recorded one first, then each settings) and request:
+    the source (slot, NONE, NO_SLOT), its tier code and the blocks relied on it [from, to), the target and the
+    blocks [0, to) relied on it."""
+
+    source: np.ndarray
+    tier: np.ndarray
+    source_from: np.ndarray
+    source_to: np.ndarray
+    target: np.ndarray
+    target_to: np.ndarray
+
+    @classmethod
+    def of(cls, recorded: Outcomes, answers: Answers) -> Outcomes:
+        """The recorded outcomes (one row) with the replayed answers' below them."""
+        chosen = answers.source >= 0
+        return cls(
+            np.vstack([recorded.source, np.where(chosen, answers.source, NONE)]).astype(np.int64),
+            np.vstack([recorded.tier, answers.tier]).astype(np.int64),
+            np.vstack([recorded.source_from, answers.baseline]).astype(np.int64),
+            np.vstack([recorded.source_to, np.where(chosen, answers.prefix, 0)]).astype(np.int64),
+            np.vstack([recorded.target, np.where(answers.target >= 0, answers.target, NONE)]).astype(np.int64),
+            np.vstack([recorded.target_to, answers.target_prefix]).astype(np.int64),
+        )
+
+
+def recorded_outcomes(slot_of, sources: Sequence[WorkerId | None], tiers: Sequence[Tier | None],
+                      baselines: Sequence[int], prefixes: Sequence[int | None], targets: Sequence[WorkerId | None],
+                      target_prefixes: Sequence[int | None]) -> Outcomes:
+    """The recorded decisions' outcomes to judge, their workers' slots by `slot_of` (None: not held)."""
+    def slot(worker: WorkerId | None) -> int:
+        if worker is None:
+            return NONE
+        found = slot_of(worker)
+        return NO_SLOT if found is None else found
+
+    def row(values) -> np.ndarray:
+        return np.array([values], dtype=np.int64).reshape(1, len(sources))
+
+    return Outcomes(row([slot(worker) for worker in sources]),
+                    row([_TIER_CODE[tier] if tier is not None else 0 for tier in tiers]),
+                    row(baselines), row([prefix or 0 for prefix in prefixes]),
+                    row([slot(worker) for worker in targets]), row([prefix or 0 for prefix in target_prefixes]))
+
+
+def _request_slots(slot_of, requests: Requests) -> tuple[np.ndarray, ...]:
+    """Targets' and fallbacks' slots (NO_SLOT: not held), whether each request named a target, has a fallback."""
+    def slot(worker):
+        found = slot_of(worker) if worker is not None else None
+        return NO_SLOT if found is None else found
+
+    count = len(requests)
+    return (np.fromiter((slot(worker) for worker in requests.targets), dtype=np.int32, count=count),
+            np.fromiter((worker is not None for worker in requests.targets), dtype=np.bool_, count=count),
+            np.fromiter((slot(worker) for worker in requests.fallbacks), dtype=np.int32, count=count),
+            np.fromiter((worker is not None for worker in requests.fallbacks), dtype=np.bool_, count=count))
+
+
+
+
+class StayTimeline:
+    """The stays SQL keeps, as decide's rows at each inventory seq (see the module's docstring).
+
+    `workers`: every worker with the seq it was first seen; `stay_*`: one item per stay, its worker (an index
+    into `workers`), class (a plane of `decide.inventory.index.CLASSES`), sequence hash, and the seqs [start, end) it was
+    held over. Slots follow first-seen order, so the workers at a seq are the slots below a count.
+    """
+
+    def __init__(self, workers: Sequence[tuple[WorkerId, int]], stay_worker: np.ndarray, stay_plane: np.ndarray,
+                 stay_hash: np.ndarray, stay_start: np.ndarray, stay_end: np.ndarray) -> None:
+        by_first = sorted(range(len(workers)), key=lambda item: (workers[item][1], workers[item][0]))
+        self.workers = [workers[item][0] for item in by_first]
+        self.firsts = np.array([workers[item][1] for item in by_first], dtype=np.int64)
+        slot_of_item = np.empty(len(workers), dtype=np.int64)
+        slot_of_item[by_first] = np.arange(len(workers))
+        self._slot = {worker: slot for slot, worker in enumerate(self.workers)}
+        self.stay_slot = slot_of_item[stay_worker] if len(workers) else stay_worker.astype(np.int64)
+        self.stay_plane = stay_plane.astype(np.int64)
+        self.stay_hash = stay_hash.astype(np.uint64)
+        self.stay_start = stay_start.astype(np.int64)
+        self.stay_end = stay_end.astype(np.int64)
+
+    @classmethod
+    def of_columns(cls, workers: Sequence[tuple[WorkerId, int]], publisher: Sequence[str], dp_rank: Sequence[int],
+                   provenance: Sequence[str], tier: Sequence[str], sequence_hash: Sequence[int],
+                   stored_seq: Sequence[int], removed_seq: Sequence[int | None],
+                   conflict_since: Sequence[int | None]) -> StayTimeline:
+        """From `block_residency`'s columns (sequence hashes signed, as SQL keeps them). A retained stay stops
+        being indexed at conflict_since (kvledger/core/precedence.py, rule 1); retained host and disk stays are never
+        read (neither credit nor baseline counts them), so they are left out."""
+        workers = list(workers)
+        item_of = {(worker.publisher, worker.dp_rank): item for item, (worker, _first) in enumerate(workers)}
+        for key in set(zip(publisher, dp_rank)) - item_of.keys():  # a stay of a worker never listed: never present
+            item_of[key] = len(workers)
+            workers.append((WorkerId(*key), FOREVER))
+        plane_of = {(p.value, t.value): plane for (p, t), plane in _PLANE_OF.items()}
+        count = len(publisher)
+        stay_worker = np.fromiter(map(item_of.__getitem__, zip(publisher, dp_rank)), dtype=np.int64, count=count)
+        stay_plane = np.fromiter((plane_of.get(key, -1) for key in zip(provenance, tier)), dtype=np.int64,
+                                 count=count)
+        start = np.array(stored_seq, dtype=np.int64).reshape(count)
+        end = np.array([FOREVER if seq is None else seq for seq in removed_seq], dtype=np.int64).reshape(count)
+        conflict = np.array([FOREVER if seq is None else seq for seq in conflict_since], dtype=np.int64).reshape(count)
+        retained = stay_plane == _PLANE_OF[(Provenance.RETAINED, Tier.DEVICE)]
+        end = np.where(retained, np.minimum(end, conflict), end)
+        kept = stay_plane >= 0
+        hashes = np.array(sequence_hash, dtype=np.int64).reshape(count).view(np.uint64)
+        return cls(workers, stay_worker[kept], stay_plane[kept], hashes[kept], start[kept], end[kept])
+
+    @classmethod
+    def of_stays(cls, workers: Sequence[tuple[WorkerId, int]], placements: Sequence[tuple[str, int, str, str]],
+                 placement: np.ndarray, sequence_hash: np.ndarray, stored_seq: np.ndarray, removed_seq: np.ndarray,
+                 conflict_since: np.ndarray) -> StayTimeline:
+        """As `of_columns`, from arrays (`store.whatif_reference.Stays`): per placement (publisher, dp_rank, provenance,
+        tier), and per stay its placement (an index), sequence hash (signed), stored seq, removed seq and
+        conflict_since (int64 max where none): the same timeline without a Python object per stay."""
+        workers = list(workers)
+        item_of = {(worker.publisher, worker.dp_rank): item for item, (worker, _first) in enumerate(workers)}
+        plane_of = {(p.value, t.value): plane for (p, t), plane in _PLANE_OF.items()}
+        worker_of_placement = np.zeros(max(len(placements), 1), dtype=np.int64)
+        plane_of_placement = np.full(max(len(placements), 1), -1, dtype=np.int64)
+        for item, (publisher, dp_rank, provenance, tier) in enumerate(placements):
+            key = (publisher, dp_rank)
+            if key not in item_of:  # a stay of a worker never listed: never present
+                item_of[key] = len(workers)
+                workers.append((WorkerId(*key), FOREVER))
+            worker_of_placement[item] = item_of[key]
+            plane_of_placement[item] = plane_of.get((provenance, tier), -1)
+        placement = np.asarray(placement, dtype=np.int64)
+        stay_plane = plane_of_placement[placement]
+        end = np.asarray(removed_seq, dtype=np.int64)
+        retained = stay_plane == _PLANE_OF[(Provenance.RETAINED, Tier.DEVICE)]
+        if retained.any():
+            end = np.where(retained, np.minimum(end, conflict_since), end)
+        kept = stay_plane >= 0
+        if not kept.all():
+            placement, stay_plane, end = placement[kept], stay_plane[kept], end[kept]
+            sequence_hash, stored_seq = sequence_hash[kept], stored_seq[kept]
+        return cls(workers, worker_of_placement[placement], stay_plane,
+                   np.asarray(sequence_hash, dtype=np.int64).view(np.uint64), stored_seq, end)
+
+    def slot(self, worker: WorkerId) -> int | None:
+        return self._slot.get(worker)
+
+    def answer(self, requests: Requests, settings: Sequence[ReuseSettings], horizons: np.ndarray,
+               recorded: Outcomes) -> tuple[Answers, Judged]:
+        """Every request ranked at its inventory seq under each settings, and every outcome judged at its
+        request's horizon seq (`horizons` < 0: none)."""
+        count, worker_count = len(requests), len(self.workers)
+        sequence = chain_hashes(requests.local, requests.offsets)
+        # Only rows a request reads matter: the stays of other hashes are left out.
+        wanted = np.isin(self.stay_hash, sequence)
+        slot, plane, hashes = self.stay_slot[wanted], self.stay_plane[wanted], self.stay_hash[wanted]
+        start, end = self.stay_start[wanted], self.stay_end[wanted]
+        distinct, row_of_stay = np.unique(hashes, return_inverse=True)
+        rows = row_of_stay.astype(np.int64) + 1  # row 0 reads as "nobody"
+        table_bits = max(10, int(2 * max(distinct.size, 1) - 1).bit_length())
+        table_keys = np.zeros(1 << table_bits, dtype=np.uint64)
+        table_rows = np.full(1 << table_bits, -1, dtype=np.int32)
+        fill_table(distinct, np.arange(1, distinct.size + 1, dtype=np.int32), table_keys, table_rows, table_bits)
+        workers = max(worker_count, 1)
+
+        # Ranking: each interval as the inventory seqs it covers, applied at the first and undone after the last.
+        points = np.unique(requests.inventory_seqs)
+        change_bounds, change_row, change_plane, change_slot, change_wanted = _changes(
+            (rows * workers + slot) * PLANES + plane, start, end, points, workers, PLANES)
+        holders, spilled = self._rows(distinct.size, rows, slot, workers)
+
+        # The requests in inventory seq order (stable: KV_DECISIONS order within a seq), answered, put back.
+        order = np.argsort(requests.inventory_seqs, kind="stable")
+        local_of = [requests.local[requests.offsets[item]:requests.offsets[item + 1]] for item in order.tolist()]
+        lengths = np.diff(requests.offsets)[order]
+        offsets = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        local = np.concatenate(local_of) if local_of else np.zeros(0, np.uint64)
+        target, named, fallback, has_fallback = (array[order] for array in _request_slots(self.slot, requests))
+        request_bounds = np.searchsorted(requests.inventory_seqs[order], points, "left").astype(np.int64)
+        request_bounds = np.append(request_bounds, count)
+        present = np.searchsorted(self.firsts, points, "right").astype(np.int64)
+        orders, order_ranks = self._orders()
+        answers = _empty_answers(len(settings), count)
+        answer_on_stays(change_bounds, change_row, change_plane, change_slot, change_wanted, request_bounds,
+                        present, orders, order_ranks, local, offsets, requests.block_sizes[order], target, named,
+                        fallback, has_fallback, table_keys, table_rows, table_bits, holders, spilled,
+                        *_settings_arrays(settings), *attrs.astuple(answers, recurse=False))
+        back = np.empty(count, dtype=np.int64)
+        back[order] = np.arange(count)
+        answers = Answers(*(array[:, back] for array in attrs.astuple(answers, recurse=False)))
+
+        # Judging: a second pass, over the horizon seqs, on rows of the native stays alone (the tier codes are
+        # their planes), each request's outcomes judged once its horizon seq is reached.
+        native = plane < 3
+        items = np.flatnonzero(horizons >= 0)
+        items = items[np.argsort(horizons[items], kind="stable")]
+        horizon_points = np.unique(horizons[items])
+        change_bounds, change_row, change_plane, change_slot, change_wanted = _changes(
+            (rows[native] * workers + slot[native]) * PLANES + plane[native], start[native], end[native],
+            horizon_points, workers, PLANES)
+        item_bounds = np.append(np.searchsorted(horizons[items], horizon_points, "left"), items.size).astype(np.int64)
+        holders, spilled = self._rows(distinct.size, rows[native], slot[native], workers)
+        outcomes = Outcomes.of(recorded, answers)
+        judged = Judged(np.full(outcomes.source.shape, _UNJUDGED, np.int8), np.full(outcomes.source.shape, _UNJUDGED,
+                                                                                    np.int8))
+        judge_on_stays(change_bounds, change_row, change_plane, change_slot, change_wanted, item_bounds, items,
+                       sequence, requests.offsets, *attrs.astuple(outcomes, recurse=False), table_keys, table_rows,
+                       table_bits, holders, spilled, judged.stale, judged.lost)
+        return answers, judged
+
+    def _rows(self, distinct: int, rows: np.ndarray, slots: np.ndarray, workers: int) -> tuple[np.ndarray, ...]:
+        """Empty rows, those ever held by more workers than a row lists spilled into bitmask rows up front (so
+        a change never finds a row full)."""
+        holders = np.zeros((distinct + 1, INLINE), dtype=np.uint32)
+        pairs = np.unique(rows * workers + slots)
+        held_by = np.bincount(pairs // workers, minlength=distinct + 1)
+        crowded = np.flatnonzero(held_by > INLINE)
+        spilled = np.zeros((crowded.size + 1, PLANES, (workers + 63) // 64), dtype=np.uint64)
+        holders[crowded, 0] = (np.arange(1, crowded.size + 1, dtype=np.uint32) << np.uint32(4))
+        return holders, spilled
+
+    def _orders(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per count k of workers present (the slots below k): their slots in worker order, and each slot's rank."""
+        count = len(self.workers)
+        orders = np.zeros((count + 1, max(count, 1)), dtype=np.int32)
+        ranks = np.zeros((count + 1, max(count, 1)), dtype=np.int32)
+        for present in range(1, count + 1):
+            ordered = sorted(range(present), key=self.workers.__getitem__)
+            orders[present, :present] = ordered
+            ranks[present, ordered] = np.arange(present, dtype=np.int32)
+        return orders, ranks
+
+
+class FoldTimeline:
+    """KV_EVENTS folded by decide's own `InventoryIndex`, answered and judged as it stands at each seq."""
+
+    def __init__(self, batches: Sequence[tuple[int, EventBatch]]) -> None:
+        self.batches = batches
+        self.index = InventoryIndex()
+
+    @property
+    def workers(self) -> list[WorkerId]:
+        """By slot, as the answers name them."""
+        return self.index.workers
+
+    def answer(self, requests: Requests, settings: Sequence[ReuseSettings], horizons: np.ndarray,
+               recorded_workers: tuple[Sequence[WorkerId | None], Sequence[Tier | None], Sequence[int],
+                                       Sequence[int | None], Sequence[WorkerId | None], Sequence[int | None]],
+               ) -> tuple[Answers, Judged]:
+        """As `StayTimeline.answer`; a request is judged at its horizon seq, or at its inventory seq when the
+        horizon comes before it (a fold cannot go back). `recorded_workers`: `recorded_outcomes`' arguments."""
+        count = len(requests)
+        index = self.index = InventoryIndex()
+        sequence = chain_hashes(requests.local, requests.offsets)
+        kernel_settings = _settings_arrays(settings)
+        answers = _empty_answers(len(settings), count)
+        outputs = attrs.astuple(answers, recurse=False)
+        stale = np.full((len(settings) + 1, count), _UNJUDGED, np.int8)
+        lost = np.full((len(settings) + 1, count), _UNJUDGED, np.int8)
+        target = np.full(count, NO_SLOT, np.int32)
+        fallback = np.full(count, NO_SLOT, np.int32)
+        named = np.fromiter((worker is not None for worker in requests.targets), dtype=np.bool_, count=count)
+        has_fallback = np.fromiter((worker is not None for worker in requests.fallbacks), dtype=np.bool_, count=count)
+        # At each seq, answers before judgements (a decision may be judged at its own seq).
+        at_seq: dict[int, tuple[list[int], list[int]]] = {}
+        for request, seq in enumerate(requests.inventory_seqs.tolist()):
+            at_seq.setdefault(seq, ([], []))[0].append(request)
+        for request, (seq, horizon) in enumerate(zip(requests.inventory_seqs.tolist(), horizons.tolist())):
+            if horizon >= 0:
+                at_seq.setdefault(max(horizon, seq), ([], []))[1].append(request)
+        applied = 0
+        for seq in sorted(at_seq):
+            while applied < len(self.batches) and self.batches[applied][0] <= seq:
+                index.apply(self.batches[applied][1], self.batches[applied][0])
+                applied += 1
+            asked, judged_here = at_seq[seq]
+            if asked:
+                first, stop = asked[0], asked[-1] + 1
+                contiguous = stop - first == len(asked)
+                for request in asked:
+                    target[request] = _slot_or(index.slot(requests.targets[request]))
+                    fallback[request] = _slot_or(index.slot(requests.fallbacks[request]))
+                if contiguous:
+                    self._answer(index, first, stop, requests, target, named, fallback, has_fallback,
+                                 kernel_settings, outputs)
+                else:
+                    for request in asked:
+                        self._answer(index, request, request + 1, requests, target, named, fallback, has_fallback,
+                                     kernel_settings, outputs)
+            if judged_here:
+                items = np.array(judged_here, dtype=np.int64)
+                recorded = recorded_outcomes(index.slot, *(
+                    [values[item] for item in judged_here] for values in recorded_workers))
+                part = Answers(*(array[:, items] for array in outputs))
+                outcomes = Outcomes.of(recorded, part)
+                part_stale = np.full(outcomes.source.shape, _UNJUDGED, np.int8)
+                part_lost = np.full(outcomes.source.shape, _UNJUDGED, np.int8)
+                local_offsets = requests.offsets[items]
+                judge_outcomes(np.arange(items.size), sequence, local_offsets, *attrs.astuple(outcomes, recurse=False),
+                               index.table_keys, index.table_rows, index.table_bits, index.holders, index.spilled,
+                               part_stale, part_lost)
+                stale[:, items] = part_stale
+                lost[:, items] = part_lost
+        return Answers(*outputs), Judged(stale, lost)
+
+    @staticmethod
+    def _answer(index, first, stop, requests, target, named, fallback, has_fallback, kernel_settings, outputs):
+        answer_batch(first, stop, index.worker_count, requests.local, requests.offsets, requests.block_sizes,
+                     target, named, fallback, has_fallback, index.table_keys, index.table_rows, index.table_bits,
+                     index.holders, index.spilled, index.slots_in_order, index.order_rank, *kernel_settings,
+                     *outputs)
+
+
+def _slot_or(slot: int | None) -> int:
+    return NO_SLOT if slot is None else slot

@@ -1,0 +1,474 @@
+"""Dynamo's standalone KV indexer API (`python -m dynamo.indexer`), answered from decide's index.
+
+A router that queries Dynamo's indexer over HTTP can point at decide instead: the same
+paths, request bodies, answers, status codes and error bodies as the indexer in
+`ai-dynamo-runtime` 1.6 (`lib/kv-router/src/services/indexer/server.rs`), behind decide's
+bearer token and body limits (docs/decide.md, "Dynamo's indexer API").
+
+Dynamo's workers are integer instance ids, each rank registered with the ZMQ endpoint the
+indexer then subscribes to. decide subscribes to nothing (ingest does), so a registration
+binds the id to a kvledger publisher: the body's `publisher` (kvledger's one addition,
+which Dynamo ignores) or else the id in decimal, so `kvledger ingest --publisher 7` is
+what `--workers 7=tcp://...` is to Dynamo. Rank r of the id is WorkerId(publisher, r).
+
+The answers are per-tier prefixes of kvledger's native inventory, in tokens: `gpu` the
+device prefix, `cpu` the prefix held on device or host, `disk` on device, host or disk.
+These queries are reads of the index, not decisions: nothing is recorded in KV_DECISIONS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Annotated
+from urllib.parse import parse_qsl
+
+import attrs
+import msgspec
+import numpy as np
+
+from kvledger.core.events import WorkerId, validate_publisher
+from kvledger.core.hashing import local_block_hashes
+from kvledger.runtime.http import Request, Response, Route
+
+from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined
+from kvledger.decide.inventory.chain import chain_hash
+from kvledger.decide.inventory.index import InventoryIndex
+from kvledger.decide.inventory.rows import spilled_row
+from kvledger.decide.inventory.table import probe
+from kvledger.decide.inventory.view import IndexReader
+
+JSON = "application/json"
+DEFAULT_GROUP = "default"
+U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec reads no integer past 2**64 - 1
+I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+_U64_MASK = (1 << 64) - 1
+_ONE, _TWO, _FOUR, _SEVEN = np.uint64(1), np.uint64(2), np.uint32(4), np.uint32(7)
+
+
+# --- the wire: one schema per body, as Dynamo's serde structs read and write them -----------------
+
+
+class RegisterRequest(msgspec.Struct, frozen=True):
+    instance_id: U64
+    endpoint: str
+    model_name: str
+    block_size: U32
+    routing_group: str = DEFAULT_GROUP
+    tenant_id: str = DEFAULT_GROUP  # the older name of routing_group; Dynamo reads and ignores it
+    dp_rank: U32 | None = None
+    replay_endpoint: str | None = None
+    # Mooncake RFC #1403's per-tenant salt, under either spelling: Dynamo accepts it and mixes
+    # it into no hash (engines salt their own blocks), so it is accepted and unused here too.
+    additional_salt: str | None = None
+    additionalsalt: str | None = None
+    publisher: str | None = None  # kvledger's: whose events these are (default: the id in decimal)
+
+
+class UnregisterRequest(msgspec.Struct, frozen=True):
+    instance_id: U64
+    model_name: str
+    routing_group: str | None = None
+    tenant_id: str | None = None
+    dp_rank: U32 | None = None
+
+
+class QueryRequest(msgspec.Struct, frozen=True):
+    token_ids: list[U32]
+    model_name: str
+    routing_group: str = DEFAULT_GROUP
+    tenant_id: str = DEFAULT_GROUP
+    lora_name: str | None = None
+    cache_salt: str | None = None  # enters the first block, as Dynamo's cache namespace does
+
+
+class QueryByHashRequest(msgspec.Struct, frozen=True):
+    block_hashes: list[I64]  # local (content) hashes; Dynamo reads them as i64, values ≥ 2**63 negative
+    model_name: str
+    routing_group: str = DEFAULT_GROUP
+    tenant_id: str = DEFAULT_GROUP
+    cache_salt: str | None = None  # refused: the hashes carry their salt already
+
+
+class ListenerInfo(msgspec.Struct, frozen=True):
+    endpoint: str
+    status: str
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    instance_id: int
+    source: str
+    status: str
+    model_name: str
+    routing_group: str
+    block_size: int
+    endpoints: dict[str, str]
+    listeners: dict[str, ListenerInfo]
+
+
+_DECODERS = {kind: msgspec.json.Decoder(kind) for kind in (RegisterRequest, UnregisterRequest, QueryRequest, QueryByHashRequest)}
+_encode = msgspec.json.Encoder().encode
+_OK = {"status": "ok"}
+
+
+class Refusal(Exception):
+    """A request answered with an error, as Dynamo answers it."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
+def _error(status: int, message: str) -> Refusal:
+    return Refusal(Response(status, _encode({"error": message}), JSON))
+
+
+def decode_body(request: Request, kind: type):
+    """The body as `kind`, or the refusal axum's `Json` extractor gives (415, 400 or 422, plain text)."""
+    media_type = request.media_type
+    if media_type != JSON and not (media_type.startswith("application/") and media_type.endswith("+json")):
+        raise Refusal(Response.text(415, "Expected request with `Content-Type: application/json`"))
+    try:
+        return _DECODERS[kind].decode(request.body)
+    except msgspec.ValidationError as error:
+        raise Refusal(Response.text(422, f"Failed to deserialize the JSON body into the target type: {error}")) from None
+    except msgspec.DecodeError as error:
+        raise Refusal(Response.text(400, f"Failed to parse the request body as JSON: {error}")) from None
+
+
+def check_zmq_endpoint(endpoint: str) -> str | None:
+    """Why Dynamo would refuse this endpoint (its `validate_zmq_endpoint`), None when it would not."""
+    scheme, sep, address = endpoint.partition("://")
+    if not sep:
+        return f"invalid ZMQ endpoint `{endpoint}`: missing scheme"
+    if scheme in ("ipc", "inproc"):
+        return None
+    if scheme != "tcp":
+        return f"invalid ZMQ endpoint `{endpoint}`: unsupported scheme `{scheme}`"
+    host, colon, port = address.rpartition(":")
+    if not colon:
+        return f"invalid ZMQ endpoint `{endpoint}`: missing TCP port"
+    if not host:
+        return f"invalid ZMQ endpoint `{endpoint}`: missing TCP host"
+    if host.startswith("[") and not host.endswith("]"):
+        return f"invalid ZMQ endpoint `{endpoint}`: missing closing `]`"
+    if not host.startswith("[") and ":" in host:
+        return f"invalid ZMQ endpoint `{endpoint}`: missing TCP port"
+    if not port.isdigit() or int(port) > 0xFFFF:
+        return f"invalid ZMQ endpoint `{endpoint}`: invalid TCP port: {port!r}"
+    return None
+
+
+# --- the registry: Dynamo instance ids bound to kvledger workers ----------------------------------
+
+
+@attrs.frozen
+class Listener:
+    endpoint: str
+    replay_endpoint: str | None
+
+
+@attrs.define
+class Registration:
+    """One instance id: its routing partition, the publisher its events come under, its ranks."""
+
+    partition: tuple[str, str]  # (model_name, routing_group)
+    publisher: str
+    ranks: dict[int, Listener] = attrs.Factory(dict)
+
+
+class DynamoRegistry:
+    """Dynamo's registrations and partitions (model, routing group → block size), by its rules."""
+
+    def __init__(self) -> None:
+        self.instances: dict[int, Registration] = {}
+        self.block_sizes: dict[tuple[str, str], int] = {}
+        self.version = 0  # bumped by every change, so what is derived from the registrations is made again
+
+    def register(self, request: RegisterRequest) -> None:
+        partition = (request.model_name, request.routing_group)
+        instance, rank = request.instance_id, request.dp_rank or 0
+        publisher = request.publisher if request.publisher is not None else str(instance)
+        for endpoint, prefix in ((request.endpoint, ""), (request.replay_endpoint, "invalid replay endpoint")):
+            problem = check_zmq_endpoint(endpoint) if endpoint is not None else None
+            if problem:
+                raise _error(400, f"{prefix} `{endpoint}`: {problem}" if prefix else problem)
+        try:
+            validate_publisher(publisher)
+        except ValueError as error:
+            raise _error(400, str(error)) from None
+        if request.block_size == 0:
+            raise _error(400, "block_size must be positive")  # Dynamo takes 0, then cannot hash a query
+        held = self.instances.get(instance)
+        if held is not None:
+            if held.partition != partition:
+                raise _error(409, f"instance {instance} is already registered for model={held.partition[0]} "
+                                  f"routing_group={held.partition[1]}")
+            if rank in held.ranks:
+                raise _error(409, f"instance {instance} dp_rank {rank} already registered")
+            if held.publisher != publisher:
+                raise _error(409, f"instance {instance} is bound to publisher {held.publisher!r}")
+        block_size = self.block_sizes.setdefault(partition, request.block_size)
+        if block_size != request.block_size:
+            raise _error(409, f"block_size mismatch for model={partition[0]} routing_group={partition[1]}: "
+                              f"existing={block_size}, requested={request.block_size}")
+        if held is None:
+            held = self.instances[instance] = Registration(partition, publisher)
+        held.ranks[rank] = Listener(request.endpoint, request.replay_endpoint)
+        self.version += 1
+
+    def unregister(self, request: UnregisterRequest) -> None:
+        instance = request.instance_id
+        held = self.instances.get(instance)
+        if held is None:
+            raise _error(404, f"instance {instance} not found")
+        self.version += 1
+        model, group = held.partition
+        # Without a routing group Dynamo drops the instance from every group of the model, whatever dp_rank says.
+        if model != request.model_name or (request.routing_group is not None and group != request.routing_group):
+            raise _error(404, f"instance {instance} is registered for model={model} routing_group={group}")
+        if request.routing_group is not None and request.dp_rank is not None:
+            if request.dp_rank not in held.ranks:
+                raise _error(404, f"instance {instance} dp_rank {request.dp_rank} not found")
+            del held.ranks[request.dp_rank]
+            if held.ranks:
+                return
+        del self.instances[instance]
+        self._forget_if_empty(held.partition)
+
+    def _forget_if_empty(self, partition: tuple[str, str]) -> None:
+        if not any(held.partition == partition for held in self.instances.values()):
+            self.block_sizes.pop(partition, None)
+
+    def workers(self, index: IndexReader, model_name: str | None, routing_group: str | None) -> list[WorkerInfo]:
+        listed = []
+        for instance, held in self.instances.items():
+            model, group = held.partition
+            if model_name is not None and model != model_name or routing_group is not None and group != routing_group:
+                continue
+            # Dynamo marks a listener active once its ZMQ socket is set up (pending for that moment);
+            # kvledger's listener is ingest, already following the engine, so every rank is active at once.
+            listeners = {str(rank): ListenerInfo(listener.endpoint, "active") for rank, listener in held.ranks.items()}
+            status = "active"
+            listed.append(WorkerInfo(
+                instance, "zmq", status, model, group, self.block_sizes[held.partition],
+                {rank: item.endpoint for rank, item in listeners.items()}, listeners,
+            ))
+        return listed
+
+
+# --- the answers -----------------------------------------------------------------------------------
+
+
+@_inlined
+def _extend(held, slot, block, planes):
+    """Worker `slot` holds block `block` in `planes` (bit 0 device, 1 host, 2 disk): lengthen its prefixes."""
+    if held[2, slot] != block or planes & 7 == 0:
+        return False
+    held[2, slot] = block + 1
+    if held[1, slot] == block and planes & 3 != 0:
+        held[1, slot] = block + 1
+    if held[0, slot] == block and planes & 1 != 0:
+        held[0, slot] = block + 1
+    return True
+
+
+@_compiled
+def prefix_blocks(table_keys, table_rows, table_bits, holders, spilled, local, worker_count):
+    """Per worker slot, how many leading blocks of the request it holds natively: [0] on device,
+    [1] on device or host, [2] on any of the three.
+
+    One compiled call per query: the request's sequence hashes chained from its local hashes,
+    each probed in the index's table, its row's holders read as they are kept (listed or a
+    bitmask row); the walk stops at the first block no worker still in its prefix holds.
+    """
+    held = np.zeros((3, worker_count), dtype=np.int64)
+    sequence = np.uint64(0)
+    for block in range(local.size):
+        sequence = local[block] if block == 0 else chain_hash(sequence, local[block])
+        row = probe(table_keys, table_rows, table_bits, sequence)
+        if row == 0:
+            break
+        advanced = False
+        dense = spilled_row(holders, row)
+        if dense:
+            for slot in range(worker_count):
+                word, bit = slot >> 6, np.uint64(slot & 63)
+                planes = (((spilled[dense, 0, word] >> bit) & _ONE) | (((spilled[dense, 1, word] >> bit) & _ONE) << _ONE)
+                          | (((spilled[dense, 2, word] >> bit) & _ONE) << _TWO))
+                advanced |= _extend(held, slot, block, planes)
+        else:
+            for k in range(holders.shape[1]):
+                entry = holders[row, k]
+                if entry == 0:
+                    break
+                advanced |= _extend(held, np.int64(entry >> _FOUR), block, entry & _SEVEN)
+        if not advanced:
+            break
+    return held
+
+
+@_compiled
+def registered_prefixes(table_keys, table_rows, table_bits, holders, spilled, local, worker_count, slots):
+    """`prefix_blocks` for the ranks at `slots` that hold a prefix: rows of (position in `slots`, device, device
+    or host, any tier), so a fleet's other workers cost the answer nothing."""
+    held = prefix_blocks(table_keys, table_rows, table_bits, holders, spilled, local, worker_count)
+    count = 0
+    for position in range(slots.size):
+        if held[2, slots[position]]:
+            count += 1
+    found = np.empty((count, 4), dtype=np.int64)
+    count = 0
+    for position in range(slots.size):
+        slot = slots[position]
+        if held[2, slot]:
+            found[count, 0] = position
+            found[count, 1] = held[0, slot]
+            found[count, 2] = held[1, slot]
+            found[count, 3] = held[2, slot]
+            count += 1
+    return found
+
+
+@attrs.frozen
+class PartitionPlan:
+    """A partition's registered ranks as the index's worker slots: what a query of it reads."""
+
+    block_size: int
+    slots: np.ndarray  # per registered rank (that the index knows), its worker slot
+    names: tuple[tuple[str, str], ...]  # per registered rank, (instance, rank) as Dynamo names them
+
+
+def partition_plan(registry: DynamoRegistry, index: IndexReader, partition: tuple[str, str]) -> PartitionPlan:
+    names, slots = [], []
+    for instance, held in registry.instances.items():
+        if held.partition != partition:
+            continue
+        for rank in held.ranks:
+            slot = index.slot(WorkerId(held.publisher, rank))
+            if slot is not None:
+                names.append((str(instance), str(rank)))
+                slots.append(slot)
+    return PartitionPlan(registry.block_sizes[partition], np.array(slots, dtype=np.int64), tuple(names))
+
+
+_NOTHING = b'{"scores":{},"frequencies":[],"instances":{}}'
+
+
+def score_response(plan: PartitionPlan, index: IndexReader, local: np.ndarray) -> bytes:
+    """Dynamo's answer for one partition, as JSON: its instances' prefixes in tokens.
+
+    `{"scores": {instance: {rank: device prefix}} (ranks with one only), "frequencies": [],
+    "instances": {instance: {longest_matched, gpu, dp: {rank: device prefix}, cpu, disk}}}`,
+    `cpu` and `disk` counting the tiers before them too (Mooncake RFC #1403).
+
+    Written as text here: the answer names a few instances, and building it as structs and
+    dicts for an encoder cost more than the index's walk.
+    """
+    if not local.size or not plan.slots.size:
+        return _NOTHING
+    found = registered_prefixes(index.table_keys, index.table_rows, index.table_bits, index.holders, index.spilled,
+                                local, len(index.workers), plan.slots)
+    if not found.shape[0]:
+        return _NOTHING
+    block_size = plan.block_size
+    names = plan.names
+    rows = found.tolist()
+    scores, instances = [], []
+    item, count = 0, len(rows)
+    while item < count:
+        position, gpu, cpu, disk = rows[item]
+        instance, rank = names[position]
+        dp = f'"{rank}":{gpu * block_size}'
+        device = dp if gpu else ""
+        item += 1
+        while item < count and names[rows[item][0]][0] == instance:  # the instance's other ranks (plans list them together)
+            position, rank_gpu, rank_cpu, rank_disk = rows[item]
+            named = f'"{names[position][1]}":{rank_gpu * block_size}'
+            dp += "," + named
+            if rank_gpu:
+                device = f"{device},{named}" if device else named
+            gpu, cpu, disk = max(gpu, rank_gpu), max(cpu, rank_cpu), max(disk, rank_disk)
+            item += 1
+        if device:
+            scores.append(f'"{instance}":{{{device}}}')
+        gpu, cpu, disk = gpu * block_size, cpu * block_size, disk * block_size
+        instances.append(f'"{instance}":{{"longest_matched":{max(gpu, cpu, disk)},"gpu":{gpu},"dp":{{{dp}}},'
+                         f'"cpu":{cpu},"disk":{disk}}}')
+    return f'{{"scores":{{{",".join(scores)}}},"frequencies":[],"instances":{{{",".join(instances)}}}}}'.encode()
+
+
+# --- the routes ------------------------------------------------------------------------------------
+
+
+class DynamoIndexerApi:
+    """The HTTP routes of Dynamo's indexer over decide's index (`index()`: the one decide answers from now)."""
+
+    def __init__(self, index: Callable[[], InventoryIndex]) -> None:
+        self._index = index
+        self.registry = DynamoRegistry()
+        self._plans: dict[tuple[str, str], tuple[tuple, PartitionPlan]] = {}
+
+    def routes(self, *, max_request_bytes: int, max_query_bytes: int) -> dict[tuple[str, str], Route]:
+        """Every path under decide's bearer token except /health, as /healthz; a query takes up to `max_query_bytes`."""
+
+        def route(handler: Callable[[Request], Response], limit: int = max_request_bytes) -> Route:
+            def answer(request: Request) -> Response:
+                try:
+                    return handler(request)
+                except Refusal as refusal:
+                    return refusal.response
+            return Route(answer, limit, needs_token=True)  # reads of the index never wait: answered inline
+
+        def health(_: Request) -> Response:
+            return Response(200, b"")
+
+        return {
+            ("POST", "/register"): route(self.register),
+            ("POST", "/unregister"): route(self.unregister),
+            ("GET", "/workers"): route(self.workers),
+            ("POST", "/query"): route(self.query, max_query_bytes),
+            ("POST", "/query_by_hash"): route(self.query_by_hash, max_query_bytes),
+            ("GET", "/health"): Route(health),
+        }
+
+    def register(self, request: Request) -> Response:
+        self.registry.register(decode_body(request, RegisterRequest))
+        return Response(201, _encode(_OK), JSON)
+
+    def unregister(self, request: Request) -> Response:
+        self.registry.unregister(decode_body(request, UnregisterRequest))
+        return Response(200, _encode(_OK), JSON)
+
+    def workers(self, request: Request) -> Response:
+        params: Mapping[str, str] = dict(parse_qsl(request.query))
+        listed = self.registry.workers(self._index(), params.get("model_name"), params.get("routing_group"))
+        return Response(200, _encode(listed), JSON)
+
+    def query(self, request: Request) -> Response:
+        body = decode_body(request, QueryRequest)
+        index = self._index()
+        plan = self._plan(body.model_name, body.routing_group, index)
+        local = local_block_hashes(body.token_ids, plan.block_size, lora_name=body.lora_name, cache_salt=body.cache_salt)
+        return Response(200, score_response(plan, index, np.array(local, dtype=np.uint64)), JSON)
+
+    def query_by_hash(self, request: Request) -> Response:
+        body = decode_body(request, QueryByHashRequest)
+        if body.cache_salt is not None:
+            raise _error(400, "cache_salt is not accepted by /query_by_hash; "
+                              "block_hashes must already include the intended cache salt")
+        index = self._index()
+        plan = self._plan(body.model_name, body.routing_group, index)
+        local = np.array(body.block_hashes, dtype=np.int64).view(np.uint64)  # Dynamo's `h as u64`
+        return Response(200, score_response(plan, index, local), JSON)
+
+    def _plan(self, model_name: str, routing_group: str, index: IndexReader) -> PartitionPlan:
+        """The partition's plan, made again when a registration changed, the index was replaced or gained a worker."""
+        partition = (model_name, routing_group)
+        if partition not in self.registry.block_sizes:
+            raise _error(404, f"no indexer for model={model_name} routing_group={routing_group}")
+        key = (self.registry.version, id(index), len(index.workers))
+        cached = self._plans.get(partition)
+        if cached is None or cached[0] != key:
+            cached = self._plans[partition] = (key, partition_plan(self.registry, index, partition))
+        return cached[1]

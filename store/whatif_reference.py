@@ -1,0 +1,881 @@
+"""What-if replay: the recorded decision requests answered again, under other reuse settings,
+over the recorded event timeline (docs/audit.md, "What-if replay").
+
+Each decision in KV_DECISIONS carries the request it answered (`decision_requests`, from the
+record's `Kvledger-Request` header) and the inventory seq it was answered at. From SQL
+(`replay`), the replay reads those requests and every native or retained stay on a local tier
+that overlaps the window (`block_residency`); from the streams (`replay_stream`, for a window
+whose SQL history was pruned), it reads the records of KV_DECISIONS and folds KV_EVENTS from
+its first seq. Either way it answers each request with the reference model
+(`kvledger/core/reuse.py`) against the inventory as of its own inventory seq, once per settings
+file, and judges every answer at its horizon with the quality rule (`store.quality.judge`),
+against what was held at the audit's horizon seq: the replayed decisions get the stale-hint
+and lost-credit rates they would have had, judged as `decision_quality` judges the recorded
+ones. Both sources tally in one place (`_report`), so they give the same report.
+
+Deterministic: the lookup budget never runs out (the replay's clock stands still), decisions
+are taken in KV_DECISIONS order, and nothing depends on the database beyond the rows read.
+What is not replayed: in-flight credit (a decision whose target in-flight credit chose is
+answered again by native credit); a request longer than 16 384 blocks is answered on its
+recorded first blocks. From SQL, a decision's inventory seq is a KV_EVENTS seq and the stays'
+seqs are ledger seqs: they are mapped through `stream_generations` as known when the decision
+was made (equal until the stream first loses messages); the stream's fold needs no mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import functools
+import math
+import struct
+import warnings
+from collections.abc import Iterable, Sequence
+
+import attrs
+import msgspec
+import numpy as np
+import sqlalchemy as sa
+from nats.js import JetStreamContext
+
+from kvledger.core import reuse
+from kvledger.core.decision_codec import (
+    ANSWER_DECODER, MAX_RELIED_BLOCKS, RELIED_PREFIX_HEADER, REQUEST_HEADER, relied_prefix_from_header,
+    request_from_header,
+)
+from kvledger.core.events import EVENTS_SUBJECT_PREFIX, EventBatch, Provenance, RecordError, Tier, WorkerId, decode_batch
+from kvledger.core.fold import InventoryFold
+from kvledger.core.reuse import Decision, ReuseRequest
+from kvledger.core.settings import ReuseSettings, StreamSettings, settings_digest
+from kvledger.runtime.streams import DECISIONS_SUBJECT
+from kvledger.store import tables
+from kvledger.store.audit import Query, run
+from kvledger.store.pruning import DECISIONS_PRUNED, pruned_through
+from kvledger.store.quality import judge
+from kvledger.store.tables import to_signed
+from kvledger.store.verdicts import first_seq_at_or_after
+
+# Each recorded decision in the window with its request, and its horizon seq as the quality
+# audit computes it (the seq just before the first event ingested at or after decided_ts +
+# :horizon_s; NULL while no event has come that late).
+REPLAY_REQUESTS = Query(
+    "replay_requests",
+    "The decisions of a window with the requests they answered, and each one's horizon seq",
+    """SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.target, d.reason, d.baseline_blocks,
+       d.chosen_source, d.chosen_dp_rank, d.chosen_tier, d.chosen_prefix_blocks, d.chosen_transfer_blocks,
+       d.chosen_saving_ms, d.target_prefix_blocks,
+       r.block_size, r.blocks, r.requested_target, r.fallback, r.local_hashes,
+       (SELECT MIN(e.stream_seq) FROM event_log e WHERE e.ingest_ts >= d.decided_ts + :horizon_s) - 1 AS horizon_seq
+FROM decisions d
+JOIN decision_requests r ON r.stream_seq = d.stream_seq
+WHERE d.decided_ts >= :from_ts AND d.decided_ts < :to_ts
+ORDER BY d.stream_seq;""",
+    ("horizon_s", "from_ts", "to_ts"),
+)
+
+# The same without the horizon seq, which `read_window` finds from `replay_ingest_times` instead: the
+# correlated MIN above scans event_log once per decision (a replay's time grew with decisions × events).
+REPLAY_DECISIONS = Query(
+    "replay_decisions",
+    "The decisions of a window with the requests they answered",
+    """SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.target, d.reason, d.baseline_blocks,
+       d.chosen_source, d.chosen_dp_rank, d.chosen_tier, d.chosen_prefix_blocks, d.chosen_transfer_blocks,
+       d.chosen_saving_ms, d.target_prefix_blocks,
+       r.block_size, r.blocks, r.requested_target, r.fallback, r.local_hashes
+FROM decisions d
+JOIN decision_requests r ON r.stream_seq = d.stream_seq
+WHERE d.decided_ts >= :from_ts AND d.decided_ts < :to_ts
+ORDER BY d.stream_seq;""",
+    ("from_ts", "to_ts"),
+)
+
+REPLAY_INGEST_TIMES = Query(
+    "replay_ingest_times",
+    "Every event's ingest time in seq order: a decision's horizon seq is the seq before the first event ingested "
+    "at or after its horizon",
+    """SELECT stream_seq, ingest_ts
+FROM event_log
+ORDER BY stream_seq;""",
+    (),
+)
+
+# Decisions of the window recorded without their request (before migration 0007): not replayed.
+UNREPLAYABLE = Query(
+    "replay_unreplayable",
+    "Decisions of a window recorded without their request",
+    """SELECT COUNT(*) AS decisions
+FROM decisions d
+WHERE d.decided_ts >= :from_ts AND d.decided_ts < :to_ts
+  AND NOT EXISTS (SELECT 1 FROM decision_requests r WHERE r.stream_seq = d.stream_seq);""",
+    ("from_ts", "to_ts"),
+)
+
+# Every stay on a local tier that was open at some seq of [:first_seq, :last_seq]. A retained
+# stay stops being indexed at conflict_since (kvledger/core/precedence.py, rule 1).
+REPLAY_STAYS = Query(
+    "replay_stays",
+    "Stays on local tiers open at some seq of a window: the timeline a replay answers and judges against",
+    """SELECT publisher, dp_rank, provenance, tier, sequence_hash, stored_seq, removed_seq, conflict_since
+FROM block_residency
+WHERE tier IN ('device', 'host', 'disk') AND NOT unresolved
+  AND stored_seq <= :last_seq AND (removed_seq IS NULL OR removed_seq > :first_seq);""",
+    ("first_seq", "last_seq"),
+)
+
+REPLAY_WORKERS = Query(
+    "replay_workers",
+    "Every worker and the first seq it was seen at",
+    """SELECT publisher, dp_rank, first_stream_seq
+FROM workers
+ORDER BY publisher, dp_rank;""",
+    (),
+)
+
+KV_EVENTS_GENERATIONS = Query(
+    "replay_generations",
+    "Where KV_EVENTS lost acknowledged messages: from which stream seq its seqs map to ledger seqs, since when",
+    """SELECT generation, first_stream_seq, ledger_offset, detected_ts
+FROM stream_generations
+WHERE stream = 'KV_EVENTS'
+ORDER BY generation;""",
+    (),
+)
+
+QUERIES = (REPLAY_REQUESTS, REPLAY_DECISIONS, REPLAY_INGEST_TIMES, UNREPLAYABLE, REPLAY_STAYS, REPLAY_WORKERS,
+           KV_EVENTS_GENERATIONS)
+
+_NATIVE, _RETAINED = Provenance.NATIVE, Provenance.RETAINED
+_FOREVER = math.inf
+
+
+class ReplayRefused(RuntimeError):
+    """The window cannot be replayed from this source (SQL pruned it, or a stream's retention dropped it): the
+    message says why."""
+
+
+class Timeline:
+    """The recorded stays, as the inventory at any seq: `at(seq)` is an `InventoryView` for the model."""
+
+    def __init__(self, stays: Iterable[dict], workers: Iterable[dict]) -> None:
+        spans: dict[tuple, list[tuple[float, float]]] = collections.defaultdict(list)
+        for stay in stays:
+            end = _FOREVER if stay["removed_seq"] is None else stay["removed_seq"]
+            provenance = Provenance(stay["provenance"])
+            if provenance is _RETAINED and stay["conflict_since"] is not None:
+                end = min(end, stay["conflict_since"])
+            if stay["stored_seq"] < end:
+                key = (stay["publisher"], stay["dp_rank"], provenance, Tier(stay["tier"]), stay["sequence_hash"])
+                spans[key].append((stay["stored_seq"], end))
+        # A block stored and evicted over and over has hundreds of stays: held at a seq is then
+        # (stays stored by it) - (stays ended by it) > 0, two binary searches.
+        self._spans: dict[tuple, tuple[list[float], list[float]]] = {
+            key: (sorted(start for start, _ in found), sorted(end for _, end in found)) for key, found in spans.items()
+        }
+        # Workers in worker order (publisher, then dp_rank), each from the seq it was first seen.
+        known = sorted(((row["publisher"], row["dp_rank"]), row["first_stream_seq"] or 0) for row in workers)
+        self._workers = [(WorkerId(publisher, rank), first) for (publisher, rank), first in known]
+
+    def held(self, worker: WorkerId, provenance: Provenance, tier: Tier, sequence_hash: int, seq: int) -> bool:
+        """Whether some stay of the block was open at `seq`: `stored_seq <= seq < removed_seq`."""
+        spans = self._spans.get((worker.publisher, worker.dp_rank, provenance, tier, to_signed(sequence_hash)))
+        if spans is None:
+            return False
+        starts, ends = spans
+        return bisect.bisect_right(starts, seq) > bisect.bisect_right(ends, seq)
+
+    def at(self, seq: int) -> _InventoryAt:
+        return _InventoryAt(self, seq)
+
+    def workers_at(self, seq: int) -> list[WorkerId]:
+        return [worker for worker, first in self._workers if first <= seq]
+
+
+class _InventoryAt:
+    """The inventory as of one seq, as `kvledger.core.reuse.decide` reads it (each answer is looked up once)."""
+
+    def __init__(self, timeline: Timeline, seq: int) -> None:
+        self.timeline, self.inventory_seq = timeline, seq
+        self._held: dict[tuple, bool] = {}
+
+    def workers(self) -> list[WorkerId]:
+        return self.timeline.workers_at(self.inventory_seq)
+
+    def uncertain_workers(self) -> list[WorkerId]:
+        return []  # reported by answers, never weighed by the model
+
+    def unreachable_workers(self) -> list[WorkerId]:
+        return []  # a replay answers on the inventory as recorded, every worker reachable (docs/audit.md)
+
+    def holds(self, worker: WorkerId, provenance: Provenance, tier: Tier, sequence_hash: int) -> bool:
+        key = (worker, provenance, tier, sequence_hash)
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = self.timeline.held(worker, provenance, tier, sequence_hash, self.inventory_seq)
+        return held
+
+
+def _still() -> float:
+    return 0.0
+
+
+def answer_again(view: reuse.InventoryView, request: ReuseRequest, settings: ReuseSettings) -> Decision:
+    """The answer decide gives `request` without in-flight credit: as asked, then, when the request named no
+    target and nobody had credit, for its fallback (decide/serving/inflight.py). The lookup budget never runs out."""
+    decision = reuse.decide(view, request, settings, clock=_still, backend="replay")
+    if request.target is None and request.fallback is not None and decision.credited_blocks == 0 \
+            and decision.target != request.fallback.name:
+        decision = reuse.decide(view, attrs.evolve(request, target=request.fallback), settings, clock=_still,
+                                backend="replay")
+    return decision
+
+
+@attrs.frozen
+class Outcome:
+    """One decision's answer (recorded, or replayed under some settings), reduced to what the report counts."""
+
+    target: str | None
+    reason: str
+    source: WorkerId | None
+    tier: Tier | None
+    prefix_blocks: int
+    transfer_blocks: int
+    saving_ms: float
+    stale: bool | None  # None: no hint judged (nothing chosen, or horizon not reached)
+    lost: bool | None  # None: no credit judged
+
+    @property
+    def choice(self) -> tuple:
+        return (self.target, self.source, self.tier, self.prefix_blocks)
+
+
+@attrs.define
+class Tally:
+    """Per settings: what its answers would have done, judged at the horizon."""
+
+    name: str
+    digest: str
+    decisions: int = 0
+    changed: int = 0
+    hints: int = 0
+    estimated_ttft_saved_ms: float = 0.0
+    blocks_moved: int = 0
+    tokens_moved: int = 0
+    judged_hints: int = 0
+    stale_hints: int = 0
+    fresh_ttft_saved_ms: float = 0.0
+    credited: int = 0
+    lost_credit: int = 0
+    pending: int = 0
+    changes: list[dict] = attrs.field(factory=list)
+
+    def add(self, outcome: Outcome, block_size: int, recorded: Outcome | None, request_id: str, pending: bool) -> None:
+        self.decisions += 1
+        self.pending += pending
+        if outcome.source is not None:
+            self.hints += 1
+            self.estimated_ttft_saved_ms += outcome.saving_ms
+            self.blocks_moved += outcome.transfer_blocks
+            self.tokens_moved += outcome.transfer_blocks * block_size
+        if outcome.stale is not None:
+            self.judged_hints += 1
+            self.stale_hints += outcome.stale
+            if not outcome.stale:
+                self.fresh_ttft_saved_ms += outcome.saving_ms
+        if outcome.lost is not None:
+            self.credited += 1
+            self.lost_credit += outcome.lost
+        if recorded is not None and outcome.choice != recorded.choice:
+            self.changed += 1
+            self.changes.append({"request_id": request_id, "recorded": _choice_text(recorded),
+                                 "replayed": _choice_text(outcome)})
+
+    def row(self) -> dict:
+        return {
+            "settings": self.name, "digest": self.digest, "decisions": self.decisions, "changed": self.changed,
+            "hints": self.hints, "estimated_ttft_saved_ms": self.estimated_ttft_saved_ms,
+            "blocks_moved": self.blocks_moved, "tokens_moved": self.tokens_moved,
+            "judged_hints": self.judged_hints, "stale_hints": self.stale_hints,
+            "stale_hint_rate": self.stale_hints / self.judged_hints if self.judged_hints else None,
+            "fresh_ttft_saved_ms": self.fresh_ttft_saved_ms, "credited": self.credited,
+            "lost_credit": self.lost_credit,
+            "lost_credit_rate": self.lost_credit / self.credited if self.credited else None,
+            "pending": self.pending,
+        }
+
+
+def _choice_text(outcome: Outcome) -> str:
+    chosen = "no transfer" if outcome.source is None else \
+        f"{outcome.source.name} {outcome.tier.value} {outcome.prefix_blocks} blocks"
+    return f"target {outcome.target}: {chosen} ({outcome.reason})"
+
+
+@attrs.frozen
+class Report:
+    """A replay's answer: the recorded decisions' own figures, then one tally per settings."""
+
+    window: tuple[float, float]
+    horizon_s: float
+    source: str  # where the timeline came from
+    replayed: int
+    unreplayable: int
+    truncated: int
+    recorded: Tally
+    settings: tuple[Tally, ...]
+
+
+class _Generations:
+    """KV_EVENTS seqs to ledger seqs, with the losses a decision could have known of."""
+
+    def __init__(self, rows: Sequence[dict]) -> None:
+        self._rows = list(rows)
+
+    def ledger_seq(self, inventory_seq: int, decided_ts: float) -> int:
+        offset = 0
+        for row in self._rows:  # by generation: the newest known one at or below the seq wins
+            if row["detected_ts"] <= decided_ts and row["first_stream_seq"] <= inventory_seq:
+                offset = row["ledger_offset"]
+        return inventory_seq + offset
+
+
+@attrs.frozen
+class Recorded:
+    """One recorded decision with the request it answered, as SQL's rows or its KV_DECISIONS record give it."""
+
+    request_id: str
+    decided_ts: float
+    inventory_seq: int  # the seq its inventory is read at (a ledger seq from SQL, a KV_EVENTS seq from the stream)
+    horizon_seq: int | None  # None: no event yet at the horizon
+    request: ReuseRequest
+    blocks: int  # the request's length; more than len(request.local_hashes) when it was recorded truncated
+    target: str | None
+    reason: str
+    baseline_blocks: int
+    source: WorkerId | None
+    tier: Tier | None
+    prefix_blocks: int | None
+    transfer_blocks: int | None
+    saving_ms: float | None
+    target_prefix_blocks: int | None
+
+
+def _answers(view: reuse.InventoryView, recorded: Recorded, settings: Sequence[tuple[str, ReuseSettings]],
+             placed: bool) -> list[Decision]:
+    """The decision's request answered again under each settings, at the view's seq."""
+    request = recorded.request
+    if placed and request.target is None and request.fallback is not None:
+        request = attrs.evolve(request, target=request.fallback)
+    return [answer_again(view, request, value) for _, value in settings]
+
+
+def _judged(recorded: Recorded, answers: Sequence[Decision], holds) -> tuple[Outcome, list[Outcome]]:
+    """The recorded answer's outcome and the replayed ones', judged with `holds` (what was natively held at the
+    horizon seq; None when the horizon is not reached)."""
+    sequence = recorded.request.sequence_hashes
+    return _recorded_outcome(recorded, sequence, holds), [_outcome(decision, sequence, holds) for decision in answers]
+
+
+def _report(window: tuple[float, float], horizon_s: float, source: str, decisions: Sequence[Recorded],
+            judged: Sequence[tuple[Outcome, list[Outcome]]], unreplayable: int,
+            settings: Sequence[tuple[str, ReuseSettings]]) -> Report:
+    """The tallies, added in KV_DECISIONS order whichever source answered: the same report to the last float."""
+    recorded = Tally("recorded", "")
+    tallies = [Tally(name, settings_digest(value)) for name, value in settings]
+    for decision, (mine, outcomes) in zip(decisions, judged):
+        pending = decision.horizon_seq is None
+        recorded.add(mine, decision.request.block_size, None, decision.request_id, pending)
+        for outcome, tally in zip(outcomes, tallies):
+            tally.add(outcome, decision.request.block_size, mine, decision.request_id, pending)
+    truncated = sum(decision.blocks > len(decision.request.local_hashes) for decision in decisions)
+    return Report(window, horizon_s, source, len(decisions), unreplayable, truncated, recorded, tuple(tallies))
+
+
+def _native_at(view: reuse.InventoryView):
+    def native(worker: WorkerId, tier: Tier, sequence_hash: int) -> bool:
+        return view.holds(worker, _NATIVE, tier, sequence_hash)
+    return native
+
+
+def sql_refusal(connection: sa.Connection, first_seq: int | None, from_ts: float) -> str | None:
+    """Why SQL no longer holds a window (None: it does): its history before `first_seq` (the window's first
+    inventory seq) was pruned, or decisions of the window were (`store.history_retention_s`)."""
+    pruned = pruned_through(connection)
+    if first_seq is not None and pruned and pruned >= first_seq:
+        return (f"history at or before KV_EVENTS seq {pruned} was pruned (store.history_retention_s); "
+                f"the window's first decision was answered at seq {first_seq}: replay a later window")
+    decisions_pruned = pruned_through(connection, DECISIONS_PRUNED)
+    if decisions_pruned:
+        kept = connection.execute(sa.select(sa.func.min(tables.decisions.c.decided_ts))).scalar()
+        if kept is None or from_ts < kept:
+            return (f"decisions at or before KV_DECISIONS seq {decisions_pruned} were pruned "
+                    f"(store.history_retention_s)" + (f": replay from {kept!r} on" if kept is not None else ""))
+    return None
+
+
+@attrs.frozen
+class Window:
+    """The recorded decisions of a window as SQL holds them, and the seqs their timeline spans."""
+
+    decisions: list[Recorded]
+    unreplayable: int
+    first_seq: int
+    last_seq: int
+
+
+def read_window(connection: sa.Connection, *, horizon_s: float, from_ts: float = -math.inf,
+                to_ts: float = math.inf, horizons_in_sql: bool = True) -> Window:
+    """The decisions of [from_ts, to_ts) with their requests; raises ReplayRefused when SQL no longer holds the
+    window. `horizons_in_sql`: each horizon seq by `replay_requests`' own subquery (the reference), else from
+    one pass over the events' ingest times (`_horizon_seqs`, as the streams find it), the same seq."""
+    window = {"from_ts": max(from_ts, -1e18), "to_ts": min(to_ts, 1e18)}
+    if horizons_in_sql:
+        rows = run(connection, REPLAY_REQUESTS, horizon_s=horizon_s, **window)
+    else:
+        rows = run(connection, REPLAY_DECISIONS, **window)
+        if rows:
+            times = connection.execute(sa.text(REPLAY_INGEST_TIMES.sql.rstrip(";"))).all()
+            found = first_seq_at_or_after(times, [row["decided_ts"] + horizon_s for row in rows])
+            for row, horizon in zip(rows, found):
+                row["horizon_seq"] = horizon
+    unreplayable = run(connection, UNREPLAYABLE, **window)[0]["decisions"]
+    generations = _Generations(run(connection, KV_EVENTS_GENERATIONS))
+    decisions = [_recorded_of(row, generations.ledger_seq(row["inventory_seq"], row["decided_ts"])) for row in rows]
+    seqs = [decision.inventory_seq for decision in decisions]
+    first = min(seqs, default=0)
+    last = max([*seqs, *(d.horizon_seq for d in decisions if d.horizon_seq is not None)], default=0)
+    refusal = sql_refusal(connection, first if decisions else None, from_ts)
+    if refusal is not None:
+        raise ReplayRefused(refusal)
+    return Window(decisions, unreplayable, first, last)
+
+
+def stay_columns(connection: sa.Connection, first_seq: int, last_seq: int) -> tuple[list, ...]:
+    """`replay_stays`' rows as columns (publisher, dp_rank, provenance, tier, sequence_hash as stored: signed,
+    stored_seq, removed_seq, conflict_since), without a dict per row: a window holds many stays per decision."""
+    result = connection.execute(sa.text(REPLAY_STAYS.sql.rstrip(";")), {"first_seq": first_seq, "last_seq": last_seq})
+    rows = result.cursor.fetchall()  # the driver's tuples: a Row each costs a third again
+    result.close()
+    return tuple(list(column) for column in zip(*rows)) if rows else tuple([] for _ in range(8))
+
+
+NEVER = np.iinfo(np.int64).max  # a removed_seq or conflict_since that never came
+_LOCAL_TIERS = ("device", "host", "disk")
+
+
+@attrs.frozen
+class Stays:
+    """`replay_stays`' rows as arrays, one item per stay, read without a Python object per row (`stays_of`)."""
+
+    placements: tuple[tuple[str, int, str, str], ...]  # (publisher, dp_rank, provenance, tier) per placement
+    placement: np.ndarray  # int64, an index into `placements`
+    sequence_hash: np.ndarray  # int64, as SQL keeps it (signed)
+    stored_seq: np.ndarray  # int64
+    removed_seq: np.ndarray  # int64, NEVER while held
+    conflict_since: np.ndarray  # int64, NEVER where none
+
+    def __len__(self) -> int:
+        return self.placement.size
+
+
+def stays_of(connection: sa.Connection, first_seq: int, last_seq: int) -> Stays:
+    """`replay_stays`' rows (every stay on a local tier open at some seq of [first_seq, last_seq]) as `Stays`.
+
+    The `block_residency` view joins every stay to its placement and its removal run a row at a time, and a
+    driver's row costs a Python tuple and an int per column. Here `placements`, `block_stays` and
+    `block_removals` are read apiece, their integer columns in bulk (SQLite: one `group_concat` text per column,
+    parsed by numpy, the stays read off `ix_stays_sequence_hash`, whose entries carry the table's key; PostgreSQL:
+    `COPY … (FORMAT binary)` read as one numpy record array), and each stay is matched to its removal run (same
+    placement and stored seq, first_slot <= slot <= last_slot) by a binary search in numpy. A conflict_since is
+    read for retained placements only: it ends nothing else (kvledger/core/precedence.py, rule 1)."""
+    rows = connection.exec_driver_sql(
+        "SELECT placement_id, publisher, dp_rank, provenance, tier FROM placements ORDER BY placement_id").all()
+    rows = [row for row in rows if row[4] in _LOCAL_TIERS]
+    placements = tuple((publisher, dp_rank, provenance, tier) for _, publisher, dp_rank, provenance, tier in rows)
+    ids = np.array([row[0] for row in rows], dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    if not rows:
+        return Stays(placements, empty, empty, empty, empty, empty)
+    local = f"placement_id IN ({', '.join(str(int(value)) for value in ids)}) AND stored_seq <= {int(last_seq)}"
+    removals = ("placement_id", "stored_seq", "first_slot", "last_slot", "removed_seq")
+    if connection.dialect.name == "postgresql":
+        pid, hashes, stored, slot = _copied(connection, "block_stays", ("placement_id", "sequence_hash", "stored_seq",
+                                                                        "slot"), local)
+        r_pid, r_stored, r_first, r_last, r_removed = _copied(connection, "block_removals", removals, local)
+    else:
+        # Off `ix_stays_sequence_hash`, whose entries carry every column read but the two rarely set (below), and
+        # unfiltered: SQLite spends more per row testing a WHERE than numpy does.
+        pid, hashes, stored, slot = _concatenated(connection, "block_stays INDEXED BY ix_stays_sequence_hash",
+                                                  ("placement_id", "sequence_hash", "stored_seq", "slot"))
+        r_pid, r_stored, r_first, r_last, r_removed = _concatenated(connection, "block_removals", removals)
+        wanted = np.isin(pid, ids) & (stored <= int(last_seq))
+        pid, hashes, stored, slot = pid[wanted], hashes[wanted], stored[wanted], slot[wanted]
+        wanted = np.isin(r_pid, ids) & (r_stored <= int(last_seq))
+        r_pid, r_stored, r_first, r_last, r_removed = (column[wanted] for column in
+                                                       (r_pid, r_stored, r_first, r_last, r_removed))
+    # The stays an unresolved parent keeps out of the index, and retained stays' conflicts: rare, NULL otherwise.
+    retained = {int(pid) for pid, row in zip(ids, rows) if row[3] == Provenance.RETAINED.value}
+    flagged = connection.exec_driver_sql(
+        "SELECT placement_id, stored_seq, slot, unresolved, conflict_since FROM block_stays "
+        f"WHERE {local} AND (unresolved OR conflict_since IS NOT NULL)").all()
+    u_pid, u_stored, u_slot = (np.array([row[part] for row in flagged if row[3]], dtype=np.int64) for part in range(3))
+    conflicts = [row for row in flagged if row[4] is not None and row[0] in retained]
+    c_pid, c_stored, c_slot, c_since = (np.array([row[part] for row in conflicts], dtype=np.int64)
+                                        for part in (0, 1, 2, 4))
+    # Each stay's key (placement, stored seq, slot) as one int64 that orders as the triple does.
+    stay_key, removal_key, conflict_key, unresolved_key = _stay_keys(
+        (pid, stored, slot), (r_pid, r_stored, r_first), (c_pid, c_stored, c_slot), (u_pid, u_stored, u_slot))
+    removed = np.full(pid.size, NEVER, dtype=np.int64)
+    if r_pid.size:
+        order = np.argsort(removal_key, kind="stable")
+        removal_key, r_first, r_last, r_removed = (removal_key[order], r_first[order], r_last[order],
+                                                   r_removed[order])
+        run = np.searchsorted(removal_key, stay_key, "right") - 1  # the last run starting at or before the slot
+        found = run >= 0
+        run = np.maximum(run, 0)
+        same = found & (removal_key[run] - r_first[run] == stay_key - slot) & (r_last[run] >= slot)
+        removed[same] = r_removed[run[same]]
+    conflict = np.full(pid.size, NEVER, dtype=np.int64)
+    kept = removed > int(first_seq)
+    if c_pid.size or u_pid.size:
+        order = np.argsort(stay_key, kind="stable")
+        ordered = stay_key[order]
+        if c_pid.size:
+            at = order[np.minimum(np.searchsorted(ordered, conflict_key), order.size - 1)]
+            matched = stay_key[at] == conflict_key
+            conflict[at[matched]] = c_since[matched]
+        if u_pid.size:
+            at = order[np.minimum(np.searchsorted(ordered, unresolved_key), order.size - 1)]
+            kept[at[stay_key[at] == unresolved_key]] = False
+    placement = np.searchsorted(ids, pid[kept])
+    return Stays(placements, placement, hashes[kept], stored[kept], removed[kept], conflict[kept])
+
+
+def _stay_keys(*triples: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:
+    """(placement, stored seq, slot) triples of several tables as int64 keys that order and compare as the
+    triples do, the slot (never negative: a block's place in its event) the last digit, so that a key less its
+    slot is its pair's own."""
+    values = [np.concatenate([triple[part] for triple in triples]) for part in range(3)]
+    if not values[0].size:
+        return tuple(np.zeros(0, np.int64) for _ in triples)
+    placement_span = int(values[0].max()) - int(values[0].min()) + 1
+    seq_span = int(values[1].max()) - int(values[1].min()) + 1
+    slot_span = int(values[2].max()) + 1
+    if placement_span * seq_span * slot_span < 2**62:
+        combined = ((values[0] - int(values[0].min())) * seq_span + (values[1] - int(values[1].min()))) * slot_span \
+            + values[2]
+    else:  # too wide for one int64: the pairs ranked first (np.unique sorts them), then the slots beside them
+        pairs = np.unique(np.stack([values[0], values[1]], axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+        combined = pairs.astype(np.int64) * slot_span + values[2]
+    bounds = np.cumsum([0, *(triple[0].size for triple in triples)])
+    return tuple(combined[bounds[item]:bounds[item + 1]] for item in range(len(triples)))
+
+
+# A group_concat text may not pass SQLite's length limit (10^9 bytes by default, 20 bytes or fewer a value): past
+# this many stays the hash space is read in ranges.
+_ROWS_PER_TEXT = 20_000_000
+
+
+def _concatenated(connection: sa.Connection, table: str, columns: Sequence[str]) -> list[np.ndarray]:
+    """SQLite: integer columns (none NULL) of every row of `table` (block_stays or block_removals), as int64
+    arrays: one `group_concat` text per column, which numpy parses without a Python int per value (per range of
+    sequence hashes where a text could pass SQLite's length limit)."""
+    raw = connection.connection.driver_connection
+    aggregated = ", ".join(f"group_concat({column})" for column in columns)
+    ranges = [""]
+    if "sequence_hash" in columns:
+        total = raw.execute(f"SELECT COUNT(*) FROM {table.split()[0]}").fetchone()[0]
+        parts = -(-total // _ROWS_PER_TEXT)
+        if parts > 1:
+            step = 2**64 // parts
+            bounds = [-(2**63) + step * part for part in range(parts)] + [2**63]
+            ranges = [f" WHERE sequence_hash >= {low}" + (f" AND sequence_hash < {high}" if high < 2**63 else "")
+                      for low, high in zip(bounds, bounds[1:])]
+    texts = []
+    for where in ranges:
+        texts += raw.execute(f"SELECT COUNT(*), {aggregated} FROM {table}{where}").fetchall()
+    texts = [row for row in texts if row[0]]
+    count = sum(row[0] for row in texts)
+    return [_parsed(",".join(row[item + 1] for row in texts), count) for item in range(len(columns))]
+
+
+def _parsed(text: str, count: int) -> np.ndarray:
+    if not count:
+        return np.zeros(0, dtype=np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        values = np.fromstring(text, dtype=np.int64, sep=",")
+    if values.size != count:
+        raise ValueError(f"read {values.size} of {count} values")
+    return values
+
+
+def _copied(connection: sa.Connection, table: str, columns: Sequence[str], where: str) -> list[np.ndarray]:
+    """PostgreSQL: integer columns (none NULL) of `table`'s rows matching `where`, as int64 arrays, by one
+    `COPY … TO STDOUT (FORMAT binary)` read as a numpy record array."""
+    selected = ", ".join(f"{column}::bigint" for column in columns)
+    data = bytearray()
+    with connection.connection.driver_connection.cursor() as cursor:
+        with cursor.copy(f"COPY (SELECT {selected} FROM {table} WHERE {where}) TO STDOUT (FORMAT binary)") as copy:
+            for block in copy:
+                data += block
+    # A 19-byte header, then per row its field count (int16) and per field its length (int32) and value; -1 ends.
+    fields = [("count", ">i2")]
+    for item in range(len(columns)):
+        fields += [(f"length{item}", ">i4"), (f"value{item}", ">i8")]
+    record = np.dtype(fields)
+    rows = np.frombuffer(data, dtype=record, count=(len(data) - 21) // record.itemsize, offset=19)
+    return [rows[f"value{item}"].astype(np.int64) for item in range(len(columns))]
+
+
+def workers_of(connection: sa.Connection) -> list[tuple[WorkerId, int]]:
+    """Every worker, in worker order, with the seq it was first seen at."""
+    return [(WorkerId(row["publisher"], row["dp_rank"]), row["first_stream_seq"] or 0)
+            for row in run(connection, REPLAY_WORKERS)]
+
+
+def report_of(window: tuple[float, float], horizon_s: float, source: str, decisions: Sequence[Recorded],
+              judged: Sequence[tuple[Outcome, list[Outcome]]], unreplayable: int,
+              settings: Sequence[tuple[str, ReuseSettings]]) -> Report:
+    """The report of decisions answered and judged elsewhere (decide's kernels: kvledger/app/replay.py), tallied
+    as this module tallies its own answers."""
+    return _report(window, horizon_s, source, decisions, judged, unreplayable, settings)
+
+
+def replay(
+    connection: sa.Connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
+    from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
+) -> Report:
+    """Answer every recorded request decided in [from_ts, to_ts) again under each of `settings` (name, value),
+    from SQL, with the reference model (kvledger/core/reuse.py, one request at a time): the reference the fast replay
+    (kvledger/app/replay.py) is tested against. Raises ReplayRefused when SQL no longer holds the window
+    (`replay_stream` reads the streams).
+
+    `placed`: a request naming no target is answered for its fallback, where its load balancer placed it, as
+    shadow decisions rank it (decide/serving/shadow.py): what reuse would transfer there. Otherwise as it was asked."""
+    window = read_window(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts)
+    decisions = window.decisions
+    timeline = Timeline(run(connection, REPLAY_STAYS, first_seq=window.first_seq, last_seq=window.last_seq),
+                        run(connection, REPLAY_WORKERS))
+    judged = []
+    for decision in decisions:
+        horizon = decision.horizon_seq
+        answers = _answers(timeline.at(decision.inventory_seq), decision, settings, placed)
+        judged.append(_judged(decision, answers, None if horizon is None else _native_at(timeline.at(horizon))))
+    return _report((from_ts, to_ts), horizon_s, "sql", decisions, judged, window.unreplayable, settings)
+
+
+# --- from the streams ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Message:
+    seq: int
+    data: bytes
+    headers: dict[str, str]
+    timestamp: float | None  # JetStream's, as store's decisions projector reads it (decided_ts)
+
+
+async def _messages(js: JetStreamContext, stream: str, subject: str, timeout_s: float) -> tuple[int, list[_Message]]:
+    """Every message of `stream` up to its last seq now, in stream order (one ordered pass), and its first seq."""
+    state = (await js.stream_info(stream)).state
+    found: list[_Message] = []
+    if not state.last_seq or not state.messages:
+        return state.first_seq or 0, found
+    read_all = asyncio.Event()
+
+    async def collect(message) -> None:
+        seq = message.metadata.sequence.stream
+        if seq <= state.last_seq:
+            stamp = message.metadata.timestamp
+            found.append(_Message(seq, message.data, dict(message.headers or {}),
+                                  stamp.timestamp() if stamp else None))
+        if seq >= state.last_seq:
+            read_all.set()
+
+    subscription = await js.subscribe(subject, stream=stream, cb=collect, ordered_consumer=True)
+    try:
+        await asyncio.wait_for(read_all.wait(), timeout_s)
+    finally:
+        await subscription.unsubscribe()
+    return state.first_seq, found
+
+
+def _recorded_from_record(message: _Message) -> Recorded | None:
+    """A KV_DECISIONS record as store's decisions projector reads it (store/projector.py); None without its request."""
+    answer = ANSWER_DECODER.decode(message.data)
+    request = request_from_header(message.headers.get(REQUEST_HEADER))
+    if request is None:
+        return None
+    relied = relied_prefix_from_header(message.headers.get(RELIED_PREFIX_HEADER))
+    chosen = answer.chosen
+    target_prefix = answer.overlaps[answer.target].any if answer.target in answer.overlaps else 0
+    source = WorkerId(chosen.source, chosen.dp_rank) if chosen else None
+    return Recorded(
+        answer.request_id, message.timestamp, answer.inventory_seq, None, request.reuse_request(answer.request_id),
+        request.blocks, answer.target, answer.reason, answer.baseline_blocks, source,
+        Tier(chosen.tier) if chosen else None, chosen.prefix_blocks if chosen else None,
+        chosen.transfer_blocks if chosen else None, chosen.saving_ms if chosen else None,
+        min(target_prefix, len(relied)))
+
+
+class _FoldView:
+    """The fold as it stands, as `kvledger.core.reuse.decide` reads an inventory at one seq (as `_InventoryAt`)."""
+
+    def __init__(self, fold: InventoryFold, seq: int) -> None:
+        self.fold, self.inventory_seq = fold, seq
+
+    def workers(self) -> list[WorkerId]:
+        return self.fold.workers()
+
+    def uncertain_workers(self) -> list[WorkerId]:
+        return []  # reported by answers, never weighed by the model
+
+    def unreachable_workers(self) -> list[WorkerId]:
+        return []  # as from SQL (`_InventoryAt`): a replay answers on the inventory as recorded
+
+    def holds(self, worker: WorkerId, provenance: Provenance, tier: Tier, sequence_hash: int) -> bool:
+        return self.fold.holds_recorded(worker, provenance, tier, sequence_hash)
+
+
+def _horizon_seqs(batches: Sequence[tuple[int, EventBatch]], thresholds: Sequence[float]) -> list[int | None]:
+    """`replay_requests`' horizon seq on the stream: the seq before the first event ingested at or after each
+    threshold (decided_ts + horizon), None while none has come that late."""
+    return first_seq_at_or_after(((seq, batch.ingest_ts) for seq, batch in batches), thresholds)
+
+
+async def read_streams(
+    js: JetStreamContext, streams: StreamSettings, *, horizon_s: float, from_ts: float = -math.inf,
+    to_ts: float = math.inf, timeout_s: float = 300.0,
+) -> tuple[list[Recorded], int, list[tuple[int, EventBatch]]]:
+    """The window's recorded decisions from KV_DECISIONS (each with its horizon seq on KV_EVENTS), how many lack
+    their request, and every KV_EVENTS batch from seq 1. Raises ReplayRefused when the streams no longer hold the
+    window (their retention dropped messages it needs)."""
+    first_record, records = await _messages(js, streams.decisions_stream, DECISIONS_SUBJECT, timeout_s)
+    if first_record > 1:
+        known = min((m.timestamp for m in records if m.timestamp is not None), default=None)
+        if known is None or from_ts < known:
+            raise ReplayRefused(
+                f"{streams.decisions_stream} holds records from seq {first_record} on (its retention dropped older "
+                "ones)" + (f": replay from {known!r} on" if known is not None else ""))
+    decisions, unreplayable = [], 0
+    for message in records:
+        if message.timestamp is None or not from_ts <= message.timestamp < to_ts:
+            continue
+        try:
+            recorded = _recorded_from_record(message)
+        except (msgspec.DecodeError, ValueError):
+            continue  # store dead-letters it: no decision in SQL either
+        if recorded is None:
+            unreplayable += 1
+        else:
+            decisions.append(recorded)
+    first_event, messages = await _messages(js, streams.events_stream, f"{EVENTS_SUBJECT_PREFIX}.>", timeout_s)
+    if decisions and first_event > 1:
+        raise ReplayRefused(f"{streams.events_stream} holds seqs from {first_event} on (its retention dropped older "
+                            "ones): the fold needs every seq from 1")
+    batches = []
+    for message in messages:
+        try:
+            batches.append((message.seq, decode_batch(message.data)))
+        except RecordError:
+            continue  # store dead-letters it: no event in SQL either
+    horizons = _horizon_seqs(batches, [decision.decided_ts + horizon_s for decision in decisions])
+    decisions = [attrs.evolve(decision, horizon_seq=horizon) for decision, horizon in zip(decisions, horizons)]
+    return decisions, unreplayable, batches
+
+
+async def replay_stream(
+    js: JetStreamContext, streams: StreamSettings, settings: Sequence[tuple[str, ReuseSettings]], *,
+    horizon_s: float, from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
+    timeout_s: float = 300.0,
+) -> Report:
+    """`replay` from the streams instead of SQL (the reference, as `replay`): the window's records from
+    KV_DECISIONS, and KV_EVENTS folded from its first seq (`kvledger.core.fold.InventoryFold`), each request answered by
+    the fold as it stood right after its inventory seq and judged by the fold as it stood at its horizon seq.
+    Raises ReplayRefused when the streams no longer hold the window (their retention dropped messages it needs)."""
+    decisions, unreplayable, batches = await read_streams(js, streams, horizon_s=horizon_s, from_ts=from_ts,
+                                                          to_ts=to_ts, timeout_s=timeout_s)
+    judged = _judged_on_the_fold(batches, decisions, settings, placed)
+    return _report((from_ts, to_ts), horizon_s, "stream", decisions, judged, unreplayable, settings)
+
+
+def _judged_on_the_fold(batches: Sequence[tuple[int, EventBatch]], decisions: Sequence[Recorded],
+                        settings: Sequence[tuple[str, ReuseSettings]], placed: bool) -> list:
+    """One pass of the fold over the batches: each decision answered at its inventory seq, judged at its horizon
+    seq (at its inventory seq when the horizon comes before it: a later fold cannot go back)."""
+    # Points in seq order; at one seq, answers before judgements (a decision may be judged at its own seq).
+    points = []
+    for position, decision in enumerate(decisions):
+        points.append((decision.inventory_seq, 0, position))
+        if decision.horizon_seq is not None:
+            points.append((max(decision.horizon_seq, decision.inventory_seq), 1, position))
+    points.sort()
+    fold = InventoryFold()
+    answers: dict[int, list[Decision]] = {}
+    judged: list = [None] * len(decisions)
+    applied = 0
+    for seq, kind, position in points:
+        while applied < len(batches) and batches[applied][0] <= seq:
+            fold.apply(batches[applied][1], batches[applied][0])
+            applied += 1
+        decision = decisions[position]
+        if kind == 0:
+            answers[position] = _answers(_FoldView(fold, seq), decision, settings, placed)
+            if decision.horizon_seq is None:
+                judged[position] = _judged(decision, answers.pop(position), None)
+        else:
+            judged[position] = _judged(decision, answers.pop(position), _native_at(_FoldView(fold, seq)))
+    return judged
+
+
+@functools.lru_cache(maxsize=65536)
+def _worker(publisher: str, dp_rank: int) -> WorkerId:
+    """A worker as decision rows name it, made once (a window names one per decision; a WorkerId validates)."""
+    return WorkerId(publisher, dp_rank)
+
+
+def _recorded_of(row: dict, inventory_seq: int) -> Recorded:
+    source = _worker(row["chosen_source"], row["chosen_dp_rank"]) if row["chosen_source"] is not None else None
+    return Recorded(
+        row["request_id"], row["decided_ts"], inventory_seq, row["horizon_seq"], _request_of(row), row["blocks"],
+        row["target"], row["reason"], row["baseline_blocks"], source,
+        Tier(row["chosen_tier"]) if source is not None else None, row["chosen_prefix_blocks"],
+        row["chosen_transfer_blocks"], row["chosen_saving_ms"], row["target_prefix_blocks"])
+
+
+def _request_of(row: dict) -> ReuseRequest:
+    data = bytes(row["local_hashes"])
+    local = struct.unpack(f"<{len(data) // 8}Q", data)
+    target = WorkerId.parse(row["requested_target"]) if row["requested_target"] else None
+    fallback = WorkerId.parse(row["fallback"]) if row["fallback"] else None
+    return ReuseRequest(row["request_id"], local, row["block_size"], target, None, fallback)
+
+
+def _relied(sequence: Sequence[int], first: int, end: int) -> Sequence[int]:
+    # The blocks a record names (at most MAX_RELIED_BLOCKS), as store keeps them in decision_blocks.
+    return sequence[first:min(end, MAX_RELIED_BLOCKS)]
+
+
+def _outcome(decision: Decision, sequence: Sequence[int], holds) -> Outcome:
+    """A replayed answer's outcome; its relied-on blocks are those store would have kept for it."""
+    chosen = decision.chosen
+    target = WorkerId.parse(decision.target) if decision.target else None
+    target_prefix = decision.overlaps[decision.target].any if decision.target in decision.overlaps else 0
+    source_hashes = _relied(sequence, decision.baseline_blocks, chosen.prefix_blocks) if chosen else ()
+    stale, lost = (None, None) if holds is None else judge(
+        holds, chosen.worker if chosen else None, chosen.tier if chosen else None, source_hashes, target,
+        _relied(sequence, 0, target_prefix))
+    return Outcome(decision.target, decision.reason, chosen.worker if chosen else None, chosen.tier if chosen else None,
+                   chosen.prefix_blocks if chosen else 0, chosen.transfer_blocks if chosen else 0,
+                   chosen.saving_ms if chosen else 0.0, stale, lost)
+
+
+def _recorded_outcome(recorded: Recorded, sequence: Sequence[int], holds) -> Outcome:
+    """The recorded decision's outcome, its relied-on blocks as `decision_blocks` holds them."""
+    source, tier = recorded.source, recorded.tier
+    target = WorkerId.parse(recorded.target) if recorded.target else None
+    source_hashes = _relied(sequence, recorded.baseline_blocks, recorded.prefix_blocks) if source else ()
+    stale, lost = (None, None) if holds is None else judge(
+        holds, source, tier, source_hashes, target, _relied(sequence, 0, recorded.target_prefix_blocks or 0))
+    return Outcome(recorded.target, recorded.reason, source, tier, recorded.prefix_blocks or 0,
+                   recorded.transfer_blocks or 0, recorded.saving_ms or 0.0, stale, lost)
