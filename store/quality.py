@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
-from kvledger.core.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId
+from kvledger.core.events import EventBatch, Provenance, Removed, Stored, Tier, WorkerId, worker_of
 from kvledger.core.fold import BlockRemovedFact, BlockStoredFact, InventoryClearedFact, InventoryFold
 from kvledger.core.reuse import LOCAL_TIERS
 from kvledger.runtime.metric_set import MetricSet
@@ -212,8 +212,6 @@ class QualityTracker:
         # decision (a decision relies on tens of blocks and most see no end within its horizon), and the keys are
         # the bare hash and a plain tuple for the worker (both hash and compare in C; a WorkerId is a Python call).
         self._recent_ends: dict[int, collections.deque[tuple[int, float, tuple[str, int], Tier, int]]] = {}
-        # Workers and tiers as decision rows name them, made once (a WorkerId validates its fields)
-        self._workers: dict[tuple[str, int], WorkerId] = {}
 
     @property
     def waiting(self) -> int:
@@ -260,13 +258,9 @@ class QualityTracker:
         if pending.with_metrics:
             self.metrics.watched.inc()
 
-    def _worker(self, publisher: str | None, dp_rank: int | None) -> WorkerId | None:
-        if publisher is None:
-            return None
-        worker = self._workers.get((publisher, dp_rank))
-        if worker is None:
-            worker = self._workers[publisher, dp_rank] = WorkerId(publisher, dp_rank)
-        return worker
+    @staticmethod
+    def _worker(publisher: str | None, dp_rank: int | None) -> WorkerId | None:
+        return None if publisher is None else worker_of(publisher, dp_rank)
 
     # the events side
 

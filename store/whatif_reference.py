@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
-import functools
 import math
 import struct
 import warnings
@@ -44,7 +43,9 @@ from kvledger.core.decision_codec import (
     ANSWER_DECODER, MAX_RELIED_BLOCKS, RELIED_PREFIX_HEADER, REQUEST_HEADER, relied_prefix_from_header,
     request_from_header,
 )
-from kvledger.core.events import EVENTS_SUBJECT_PREFIX, EventBatch, Provenance, RecordError, Tier, WorkerId, decode_batch
+from kvledger.core.events import (
+    EVENTS_SUBJECT_PREFIX, EventBatch, Provenance, RecordError, Tier, WorkerId, decode_batch, worker_of,
+)
 from kvledger.core.fold import InventoryFold
 from kvledger.core.reuse import Decision, ReuseRequest
 from kvledger.core.settings import ReuseSettings, StreamSettings, settings_digest
@@ -828,14 +829,8 @@ def _judged_on_the_fold(batches: Sequence[tuple[int, EventBatch]], decisions: Se
     return judged
 
 
-@functools.lru_cache(maxsize=65536)
-def _worker(publisher: str, dp_rank: int) -> WorkerId:
-    """A worker as decision rows name it, made once (a window names one per decision; a WorkerId validates)."""
-    return WorkerId(publisher, dp_rank)
-
-
 def _recorded_of(row: dict, inventory_seq: int) -> Recorded:
-    source = _worker(row["chosen_source"], row["chosen_dp_rank"]) if row["chosen_source"] is not None else None
+    source = worker_of(row["chosen_source"], row["chosen_dp_rank"]) if row["chosen_source"] is not None else None
     return Recorded(
         row["request_id"], row["decided_ts"], inventory_seq, row["horizon_seq"], _request_of(row), row["blocks"],
         row["target"], row["reason"], row["baseline_blocks"], source,

@@ -109,29 +109,32 @@ class WorkerId:
         """The name used in answers and audit output: `pub` for rank 0, else `pub/rank`."""
         return self.publisher if self.dp_rank == 0 else f"{self.publisher}/{self.dp_rank}"
 
-    @classmethod
-    def parse(cls, name: str) -> WorkerId:
+    @staticmethod
+    def parse(name: str) -> WorkerId:
         """The worker a name (`pub` or `pub/rank`) names; ValueError for a bad one. A fleet has few workers and a
         ledger names them in every decision, so the values (frozen) are kept by name."""
-        if cls is not WorkerId:
-            return cls._parse(name)
         return _worker_named(name)
-
-    @classmethod
-    def _parse(cls, name: str) -> WorkerId:
-        publisher, sep, rank = name.partition("/")
-        if not sep:
-            return cls(publisher)
-        if not rank.isdigit():
-            raise ValueError(f"invalid worker name {name!r}: dp_rank after '/' must be a number")
-        return cls(publisher, int(rank))
 
     @property
     def events_subject(self) -> str:
         return f"{EVENTS_SUBJECT_PREFIX}.{self.publisher}.{self.dp_rank}"
 
 
-_worker_named = functools.lru_cache(maxsize=65536)(WorkerId._parse)
+@functools.lru_cache(maxsize=65536, typed=True)  # typed: a dp_rank of True is refused, not taken for 1
+def worker_of(publisher: str, dp_rank: int = 0) -> WorkerId:
+    """The worker (publisher, dp_rank), made once and kept (a frozen value; SQL rows name a worker in every
+    row, and a WorkerId validates its fields when made)."""
+    return WorkerId(publisher, dp_rank)
+
+
+@functools.lru_cache(maxsize=65536)
+def _worker_named(name: str) -> WorkerId:
+    publisher, sep, rank = name.partition("/")
+    if not sep:
+        return worker_of(publisher)
+    if not rank.isdigit():
+        raise ValueError(f"invalid worker name {name!r}: dp_rank after '/' must be a number")
+    return worker_of(publisher, int(rank))
 
 
 # The events are msgspec Structs: the same classes are the values the fold and ingest use and

@@ -53,7 +53,3 @@ _encoder = msgspec.msgpack.Encoder()
 def encode_vllm_batch(ts: float, events: Sequence[VllmEvent], dp_rank: int | None = None) -> bytes:
     """A batch exactly as vLLM publishes it: `[ts, [tagged maps], data_parallel_rank]`."""
     return _encoder.encode([ts, [event.as_wire() for event in events], dp_rank])
-
-
-def publisher_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
-    return [topic, seq.to_bytes(8, "big"), payload]
