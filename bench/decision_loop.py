@@ -334,6 +334,12 @@ def run_size(args, size: int, kinds: list[str], databases: dict, work: Path, fil
             }
             result[kind] = figures
             print_figures(args, kind, size, figures)
+            if args.keep and kind == "sqlite":
+                kept = Path(args.keep) / f"ledger-{size}.db"
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(on_url.removeprefix("sqlite:///"), kept)
+                say(args, f"kept the judged SQLite ledger at {kept} (replay it: kvledger replay with db.url "
+                          f"sqlite:///{kept})")
             pool.drop(on_url)
     return result
 
@@ -391,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=2, help="projections with judging off and on, in turns")
     parser.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK_DECISIONS:,} decisions")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON (progress goes to stderr)")
+    parser.add_argument("--keep", metavar="DIR", help="keep each size's judged SQLite ledger in DIR (for profiling)")
     args = parser.parse_args(argv)
     if args.workers % args.dp_ranks:
         parser.error("--workers must be a multiple of --dp-ranks")

@@ -64,7 +64,7 @@ def engine_alone(url: str, sweep, placed: bool) -> tuple[float, float]:
     engine = sa.create_engine(url)
     with engine.connect() as connection:
         started = time.perf_counter()
-        window = reference.read_window(connection, horizon_s=0.5, horizons_in_sql=False)
+        window = reference.read_columns(connection, horizon_s=0.5)
         workers = reference.workers_of(connection)
         stays = reference.stays_of(connection, window.first_seq, window.last_seq)
         read = time.perf_counter() - started
@@ -72,7 +72,7 @@ def engine_alone(url: str, sweep, placed: bool) -> tuple[float, float]:
     started = time.perf_counter()
     timeline = StayTimeline.of_stays(workers, stays.placements, stays.placement, stays.sequence_hash,
                                      stays.stored_seq, stays.removed_seq, stays.conflict_since)
-    fast._answered(window.decisions, sweep, placed, timeline, lambda decision: decision.horizon_seq)
+    fast.answered(window.decisions, sweep, placed, timeline)
     return read, time.perf_counter() - started
 
 

@@ -325,6 +325,184 @@ class Report:
     settings: tuple[Tally, ...]
 
 
+# --- the window as columns, tallied without an object per decision ---------------------------
+#
+# The replay at decide's speed (kvledger/app/replay.py) reads the window and tallies its report as columns: at a
+# million decisions an object per decision and outcome cost more than answering them. The tallies equal
+# `Tally.add`'s, added in the same order, to the last float (tests/test_replay_speed.py).
+
+TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)  # a tier code in columns is its place here
+NO_CODE = -1  # no worker, name or tier
+
+
+class Codes(dict):
+    """Values to dense codes in order of first sight (`values`); None is NO_CODE."""
+
+    def __init__(self, values: Iterable = ()) -> None:
+        super().__init__({None: NO_CODE})
+        self.values: list = []
+        self.of(values)
+
+    def __missing__(self, value) -> int:
+        code = self[value] = len(self.values)
+        self.values.append(value)
+        return code
+
+    def of(self, values: Iterable) -> np.ndarray:
+        values = values if isinstance(values, (list, tuple)) else list(values)
+        return np.fromiter(map(self.__getitem__, values), dtype=np.int32, count=len(values))
+
+
+@attrs.frozen(eq=False)
+class OutcomeColumns:
+    """`Outcome` per decision as columns: the target's name, the reason and the source as codes (into a report's
+    names, reasons and workers), the tier as a code into TIERS; NO_CODE for none. stale and lost: 1, 0, or -1 for
+    None."""
+
+    target: np.ndarray
+    reason: np.ndarray
+    source: np.ndarray
+    tier: np.ndarray  # NO_CODE wherever source is
+    prefix: np.ndarray
+    transfer: np.ndarray
+    saving: np.ndarray
+    stale: np.ndarray
+    lost: np.ndarray
+
+    def choice_text(self, decision: int, names: Sequence, reasons: Sequence[str], workers: Sequence[WorkerId]) -> str:
+        """`_choice_text` of this decision's outcome."""
+        source = int(self.source[decision])
+        chosen = "no transfer" if source == NO_CODE else \
+            f"{workers[source].name} {TIERS[self.tier[decision]].value} {int(self.prefix[decision])} blocks"
+        target = self.target[decision]
+        return f"target {None if target == NO_CODE else names[target]}: {chosen} ({reasons[self.reason[decision]]})"
+
+
+@attrs.frozen(eq=False)
+class RecordedColumns:
+    """A window's recorded decisions as columns, in KV_DECISIONS order: `Recorded` without an object per decision.
+    Workers (requests' targets and fallbacks, recorded sources and targets) are codes into `workers`, the
+    recorded answers' target names and reasons codes into `names` and `reasons` (NO_CODE: none)."""
+
+    workers: Codes  # WorkerId -> code
+    names: Codes  # target name -> code
+    reasons: Codes
+    request_ids: list[str]
+    inventory_seq: np.ndarray  # int64
+    horizon_seq: np.ndarray  # int64, -1: no event yet at the horizon
+    local: np.ndarray  # uint64, every request's local hashes end to end
+    offsets: np.ndarray  # int64, decisions + 1
+    block_size: np.ndarray  # int64
+    blocks: np.ndarray  # int64, the request's length (more than recorded when it was recorded truncated)
+    requested_target: np.ndarray  # int32 worker code
+    fallback: np.ndarray  # int32 worker code
+    recorded: OutcomeColumns  # the recorded answers, stale and lost -1 (judged by the replay)
+    baseline: np.ndarray  # int64
+    target_worker: np.ndarray  # int32 worker code of the recorded target
+    target_prefix: np.ndarray  # int64, 0 where none
+
+    def __len__(self) -> int:
+        return self.inventory_seq.size
+
+    @classmethod
+    def of(cls, *, request_ids: list[str], inventory_seqs, horizon_seqs, local: np.ndarray, lengths: np.ndarray,
+           block_sizes, blocks, requested_targets, fallbacks, targets: list, reasons: list, baselines,
+           sources: list, tiers: list, prefixes, transfers, savings, target_prefixes,
+           workers: Codes | None = None) -> RecordedColumns:
+        """From per-decision columns: requested targets and fallbacks are workers or names (None: none), targets
+        names, sources workers (None: nothing chosen), tiers tier values; None reads 0 in the integer columns."""
+        count = len(request_ids)
+        workers = Codes() if workers is None else workers
+        names, reason_codes = Codes(), Codes()
+
+        def worker_codes(values: list) -> np.ndarray:
+            by_value = {value: workers[value if value is None or isinstance(value, WorkerId)
+                                       else WorkerId.parse(value)] for value in set(values)}
+            return np.fromiter(map(by_value.__getitem__, values), dtype=np.int32, count=count)
+
+        def integers(values, dtype=np.int64) -> np.ndarray:
+            return np.fromiter((0 if value is None else value for value in values), dtype=dtype, count=count)
+
+        offsets = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        source = worker_codes(sources)
+        tier_code = {None: NO_CODE, **{tier.value: code for code, tier in enumerate(TIERS)},
+                     **{tier: code for code, tier in enumerate(TIERS)}}
+        tier = np.fromiter(map(tier_code.__getitem__, tiers), dtype=np.int8, count=count)
+        tier[source == NO_CODE] = NO_CODE
+        recorded = OutcomeColumns(
+            names.of(targets), reason_codes.of(reasons), source, tier, integers(prefixes), integers(transfers),
+            np.fromiter((0.0 if value is None else value for value in savings), dtype=np.float64, count=count),
+            np.full(count, -1, np.int8), np.full(count, -1, np.int8))
+        return cls(workers, names, reason_codes, request_ids, integers(inventory_seqs),
+                   np.fromiter((-1 if seq is None else seq for seq in horizon_seqs), dtype=np.int64, count=count),
+                   local, offsets, integers(block_sizes), integers(blocks), worker_codes(requested_targets),
+                   worker_codes(fallbacks), recorded, integers(baselines), worker_codes(targets),
+                   integers(target_prefixes))
+
+    @classmethod
+    def of_recorded(cls, decisions: Sequence[Recorded]) -> RecordedColumns:
+        """The columns of `Recorded` values (the streams' window)."""
+        requests = [decision.request for decision in decisions]
+        local = [request.local_hashes for request in requests]
+        lengths = np.fromiter(map(len, local), dtype=np.int64, count=len(local))
+        return cls.of(
+            request_ids=[decision.request_id for decision in decisions],
+            inventory_seqs=[decision.inventory_seq for decision in decisions],
+            horizon_seqs=[decision.horizon_seq for decision in decisions],
+            local=np.fromiter((h for hashes in local for h in hashes), dtype=np.uint64, count=int(lengths.sum())),
+            lengths=lengths, block_sizes=[request.block_size for request in requests],
+            blocks=[decision.blocks for decision in decisions],
+            requested_targets=[request.target for request in requests],
+            fallbacks=[request.fallback for request in requests],
+            targets=[decision.target for decision in decisions], reasons=[decision.reason for decision in decisions],
+            baselines=[decision.baseline_blocks for decision in decisions],
+            sources=[decision.source for decision in decisions], tiers=[decision.tier for decision in decisions],
+            prefixes=[decision.prefix_blocks for decision in decisions],
+            transfers=[decision.transfer_blocks for decision in decisions],
+            savings=[decision.saving_ms for decision in decisions],
+            target_prefixes=[decision.target_prefix_blocks for decision in decisions])
+
+
+def _sequential_sum(values: np.ndarray) -> float:
+    """0.0 plus each value in turn, as `Tally.add` adds them (not numpy's pairwise sum, which rounds otherwise)."""
+    return float(np.cumsum(np.concatenate([[0.0], values]))[-1])
+
+
+def tally_of_columns(name: str, digest: str, outcome: OutcomeColumns, window: RecordedColumns,
+                     recorded: OutcomeColumns | None) -> Tally:
+    """`Tally.add` of every decision's outcome, in KV_DECISIONS order (changes against `recorded`, unless None)."""
+    hint, fresh = outcome.source != NO_CODE, outcome.stale == 0
+    transfer = outcome.transfer[hint]
+    tally = Tally(
+        name, digest, decisions=len(window), hints=int(hint.sum()),
+        estimated_ttft_saved_ms=_sequential_sum(outcome.saving[hint]), blocks_moved=int(transfer.sum()),
+        tokens_moved=int((transfer * window.block_size[hint]).sum()), judged_hints=int((outcome.stale >= 0).sum()),
+        stale_hints=int((outcome.stale == 1).sum()), fresh_ttft_saved_ms=_sequential_sum(outcome.saving[fresh]),
+        credited=int((outcome.lost >= 0).sum()), lost_credit=int((outcome.lost == 1).sum()),
+        pending=int((window.horizon_seq < 0).sum()))
+    if recorded is not None:
+        changed = np.flatnonzero((outcome.target != recorded.target) | (outcome.source != recorded.source)
+                                 | (outcome.tier != recorded.tier) | (outcome.prefix != recorded.prefix))
+        vocabulary = (window.names.values, window.reasons.values, window.workers.values)
+        tally.changed = int(changed.size)
+        tally.changes = [{"request_id": window.request_ids[decision],
+                          "recorded": recorded.choice_text(decision, *vocabulary),
+                          "replayed": outcome.choice_text(decision, *vocabulary)} for decision in changed.tolist()]
+    return tally
+
+
+def report_of_columns(window_bounds: tuple[float, float], horizon_s: float, source: str, window: RecordedColumns,
+                      recorded: OutcomeColumns, replayed: Sequence[OutcomeColumns], unreplayable: int,
+                      settings: Sequence[tuple[str, ReuseSettings]]) -> Report:
+    """`_report` of a window answered and judged as columns: the same report to the last float."""
+    truncated = int((window.blocks > np.diff(window.offsets)).sum())
+    return Report(window_bounds, horizon_s, source, len(window), unreplayable, truncated,
+                  tally_of_columns("recorded", "", recorded, window, None),
+                  tuple(tally_of_columns(name, settings_digest(value), outcome, window, recorded)
+                        for (name, value), outcome in zip(settings, replayed)))
+
+
 class _Generations:
     """KV_EVENTS seqs to ledger seqs, with the losses a decision could have known of."""
 
@@ -448,6 +626,64 @@ def read_window(connection: sa.Connection, *, horizon_s: float, from_ts: float =
     if refusal is not None:
         raise ReplayRefused(refusal)
     return Window(decisions, unreplayable, first, last)
+
+
+@attrs.frozen(eq=False)
+class ColumnWindow:
+    """`Window` with its decisions as columns (`read_columns`)."""
+
+    decisions: RecordedColumns
+    unreplayable: int
+    first_seq: int
+    last_seq: int
+
+
+def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float = -math.inf,
+                 to_ts: float = math.inf) -> ColumnWindow:
+    """`read_window` (its horizon seqs from the events' ingest times) as columns: the driver's tuples read in
+    bulk, each request's hashes one slice of a single buffer. Raises ReplayRefused as `read_window` does."""
+    window = {"from_ts": max(from_ts, -1e18), "to_ts": min(to_ts, 1e18)}
+    result = connection.execute(sa.text(REPLAY_DECISIONS.sql.rstrip(";")), window)
+    rows = result.cursor.fetchall()  # the driver's tuples: a Row or a dict each would cost more than the rest
+    result.close()
+    (_seq, request_ids, decided_ts, inventory_seqs, targets, reasons, baselines, chosen_sources, chosen_ranks, tiers,
+     prefixes, transfers, savings, target_prefixes, block_sizes, blocks, requested_targets, fallbacks,
+     local_hashes) = (list(column) for column in zip(*rows)) if rows else ([] for _ in range(19))
+    decided = np.array(decided_ts, dtype=np.float64)
+    horizons = np.full(decided.size, -1, dtype=np.int64)
+    if rows:
+        result = connection.execute(sa.text(REPLAY_INGEST_TIMES.sql.rstrip(";")))
+        times = result.cursor.fetchall()
+        result.close()
+        if times:
+            seqs = np.array([seq for seq, _ in times], dtype=np.int64)
+            # As `first_seq_at_or_after`: ingest times need not rise with the seq; their running maximum does.
+            running = np.maximum.accumulate(np.array([ts for _, ts in times], dtype=np.float64))
+            at = np.searchsorted(running, decided + horizon_s, "left")
+            horizons = np.where(at < seqs.size, seqs[np.minimum(at, seqs.size - 1)] - 1, -1)
+    offsets = np.zeros(decided.size, dtype=np.int64)
+    inventory = np.array(inventory_seqs, dtype=np.int64).reshape(decided.size)
+    for generation in run(connection, KV_EVENTS_GENERATIONS):  # as `_Generations.ledger_seq`: the newest wins
+        known = (generation["detected_ts"] <= decided) & (generation["first_stream_seq"] <= inventory)
+        offsets[known] = generation["ledger_offset"]
+    inventory = inventory + offsets
+    pairs = list(zip(chosen_sources, chosen_ranks))
+    by_pair = {pair: None if pair[0] is None else worker_of(*pair) for pair in set(pairs)}
+    buffer = b"".join(local_hashes)
+    decisions = RecordedColumns.of(
+        request_ids=request_ids, inventory_seqs=inventory, horizon_seqs=horizons,
+        local=np.frombuffer(buffer, dtype="<u8").astype(np.uint64),
+        lengths=np.fromiter(map(len, local_hashes), dtype=np.int64, count=len(local_hashes)) // 8,
+        block_sizes=block_sizes, blocks=blocks, requested_targets=requested_targets, fallbacks=fallbacks,
+        targets=targets, reasons=reasons, baselines=baselines, sources=list(map(by_pair.__getitem__, pairs)),
+        tiers=tiers, prefixes=prefixes, transfers=transfers, savings=savings, target_prefixes=target_prefixes)
+    unreplayable = run(connection, UNREPLAYABLE, **window)[0]["decisions"]
+    first = int(inventory.min()) if inventory.size else 0
+    last = max(int(inventory.max()) if inventory.size else 0, int(horizons.max()) if horizons.size else 0)
+    refusal = sql_refusal(connection, first if inventory.size else None, from_ts)
+    if refusal is not None:
+        raise ReplayRefused(refusal)
+    return ColumnWindow(decisions, unreplayable, first, last)
 
 
 def stay_columns(connection: sa.Connection, first_seq: int, last_seq: int) -> tuple[list, ...]:

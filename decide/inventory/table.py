@@ -41,3 +41,33 @@ def fill_table(keys, rows, table_keys, table_rows, table_bits):
             position = (position + 1) & mask
         table_keys[position] = key
         table_rows[position] = rows[item]
+
+
+@_compiled
+def fill_distinct(keys, table_keys, table_rows, table_bits):
+    """Insert the distinct keys of `keys` into an empty table, probing as `probe` does, with rows 1, 2, … in
+    order of first sight; the count of rows, or -1 (the table left part filled) once more than half of the
+    table would be taken: the caller tries again with a table twice the size."""
+    mask = table_keys.size - 1
+    rows = 0
+    for item in range(keys.size):
+        key = keys[item]
+        position = np.int64((key * _HASH_MULTIPLIER) >> np.uint64(64 - table_bits))
+        while table_rows[position] != _EMPTY_ROW and table_keys[position] != key:
+            position = (position + 1) & mask
+        if table_rows[position] == _EMPTY_ROW:
+            rows += 1
+            if 2 * rows > table_keys.size:
+                return -1
+            table_keys[position] = key
+            table_rows[position] = rows
+    return rows
+
+
+@_compiled
+def probe_all(keys, table_keys, table_rows, table_bits):
+    """`probe` of every key: its row, 0 where the table lacks it."""
+    rows = np.empty(keys.size, dtype=np.int64)
+    for item in range(keys.size):
+        rows[item] = probe(table_keys, table_rows, table_bits, keys[item])
+    return rows

@@ -39,7 +39,7 @@ from kvledger.decide.compiled import compiled as _compiled
 from kvledger.decide.inventory.chain import chain_hashes
 from kvledger.decide.inventory.index import CLASSES, InventoryIndex
 from kvledger.decide.inventory.rows import INLINE, PLANES, change_bit, has_bit
-from kvledger.decide.inventory.table import fill_table, probe
+from kvledger.decide.inventory.table import fill_distinct, probe, probe_all
 from kvledger.decide.ranking.cpu import KernelSettings
 from kvledger.decide.ranking.kernels import rank_requests
 
@@ -49,7 +49,6 @@ NONE = -2  # no worker at all (nothing chosen, no target)
 # How an answer's target was given: chosen by credit (or none), the one the request named, its fallback.
 CHOSEN_BY_CREDIT, NAMED, FALLBACK = 0, 1, 2
 _PLANE_OF = {key: plane for plane, key in enumerate(CLASSES)}
-_TIER_CODE = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
 _PREFIX_ANY = 3
 _UNJUDGED = -1
 
@@ -62,19 +61,9 @@ class Requests:
     offsets: np.ndarray  # int64, requests + 1
     block_sizes: np.ndarray  # int64
     inventory_seqs: np.ndarray  # int64
-    targets: tuple[WorkerId | None, ...]  # as asked (the fallback already put in when replayed as placed)
-    fallbacks: tuple[WorkerId | None, ...]  # None where the answer is never asked again for a fallback
-
-    @classmethod
-    def of(cls, local_hashes: Sequence[Sequence[int]], block_sizes: Sequence[int], inventory_seqs: Sequence[int],
-           targets: Sequence[WorkerId | None], fallbacks: Sequence[WorkerId | None]) -> Requests:
-        count = len(local_hashes)
-        lengths = np.fromiter(map(len, local_hashes), dtype=np.int64, count=count)
-        offsets = np.zeros(count + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        local = np.fromiter((h for hashes in local_hashes for h in hashes), dtype=np.uint64, count=int(offsets[-1]))
-        return cls(local, offsets, np.asarray(block_sizes, dtype=np.int64).reshape(count),
-                   np.asarray(inventory_seqs, dtype=np.int64).reshape(count), tuple(targets), tuple(fallbacks))
+    workers: Sequence[WorkerId]  # the workers `targets` and `fallbacks` name by their place here
+    targets: np.ndarray  # int32: as asked (the fallback already put in when replayed as placed), -1: none
+    fallbacks: np.ndarray  # int32, -1 where the answer is never asked again for a fallback
 
     def __len__(self) -> int:
         return self.offsets.size - 1
@@ -286,22 +275,72 @@ def judge_on_stays(change_bounds, change_rows, change_planes, change_slots, chan
                            target_to, table_keys, table_rows, table_bits, holders, spilled, stale, lost)
 
 
+def _table_of(sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """A table (keys, rows, bits) of the distinct hashes of `sequence`, rows 1, 2, … in order of first sight
+    (row 0 reads as "nobody"), at most half full; and the count of rows."""
+    table_bits = max(10, int(max(sequence.size // 2, 1)).bit_length())
+    while True:
+        table_keys = np.zeros(1 << table_bits, dtype=np.uint64)
+        table_rows = np.full(1 << table_bits, -1, dtype=np.int32)
+        distinct = fill_distinct(sequence, table_keys, table_rows, table_bits)
+        if distinct >= 0:
+            return table_keys, table_rows, table_bits, distinct
+        table_bits += 1
+
+
+def _rows(distinct: int, held_rows: np.ndarray, workers: int) -> tuple[np.ndarray, ...]:
+    """Empty rows (`distinct` of them after row 0) for what `held_rows` (a row per interval) will hold: a row with
+    more intervals than a row lists holders is spilled into a bitmask row up front, so that a change never finds
+    a row full (more intervals than holders spill a row early, which reads the same)."""
+    holders = np.zeros((distinct + 1, INLINE), dtype=np.uint32)
+    crowded = np.flatnonzero(np.bincount(held_rows, minlength=distinct + 1) > INLINE)
+    spilled = np.zeros((crowded.size + 1, PLANES, (workers + 63) // 64), dtype=np.uint64)
+    holders[crowded, 0] = (np.arange(1, crowded.size + 1, dtype=np.uint32) << np.uint32(4))
+    return holders, spilled
+
+
 def _changes(keys: np.ndarray, start: np.ndarray, end: np.ndarray, points: np.ndarray, workers: int,
              planes: int) -> tuple[np.ndarray, ...]:
-    """Intervals [start, end) of (row, slot, plane) keys as changes at the sorted `points` they cover: set at the
-    first covered point, cleared after the last; (bounds per point, row, plane, slot, set or cleared)."""
-    keys, starts, ends = merge_intervals(keys, start, end)
-    first_point = np.searchsorted(points, starts, "left")
-    end_point = np.searchsorted(points, ends, "left")
-    keys, first_point, end_point = merge_intervals(keys, first_point, end_point)
-    change_key = np.concatenate([keys, keys[end_point < points.size]])
-    change_point = np.concatenate([first_point, end_point[end_point < points.size]])
-    change_wanted = np.concatenate([np.ones(keys.size, np.bool_), np.zeros(change_key.size - keys.size, np.bool_)])
-    order = np.argsort(change_point, kind="stable")
-    change_key, change_point, change_wanted = change_key[order], change_point[order], change_wanted[order]
-    change_bounds = np.searchsorted(change_point, np.arange(points.size + 1), "left").astype(np.int64)
+    """Disjoint intervals [start, end) of (row, slot, plane) keys, sorted by (key, start) (`merge_intervals`), as
+    changes at the sorted `points` they cover: set at the first covered point, cleared after the last; (bounds
+    per point, row, plane, slot, set or cleared), at each point its sets before its clears, each in key order."""
+    first_point = np.searchsorted(points, start, "left")
+    end_point = np.searchsorted(points, end, "left")
+    # Intervals apart in seqs may touch or vanish in points: merged again, in the order they are in.
+    keys, first_point, end_point = _merged(np.arange(keys.size), keys, first_point, end_point)
+    change_bounds, change_key, change_wanted = _by_point(keys, first_point, end_point, points.size)
     return (change_bounds, change_key // planes // workers, change_key % planes, change_key // planes % workers,
             change_wanted)
+
+
+@_compiled
+def _by_point(keys, first_point, end_point, point_count):
+    """The sets (at first_point) and clears (at end_point, unless past the last point) of intervals, grouped
+    by point in one counting pass: per point its sets, then its clears, each in the intervals' order."""
+    sets = np.zeros(point_count + 1, dtype=np.int64)
+    clears = np.zeros(point_count + 1, dtype=np.int64)
+    for item in range(keys.size):
+        sets[first_point[item]] += 1
+        if end_point[item] < point_count:
+            clears[end_point[item]] += 1
+    bounds = np.zeros(point_count + 1, dtype=np.int64)
+    for point in range(point_count):
+        bounds[point + 1] = bounds[point] + sets[point] + clears[point]
+    set_at = bounds[:point_count].copy()
+    clear_at = bounds[:point_count] + sets[:point_count]
+    out_keys = np.empty(bounds[point_count], dtype=np.int64)
+    out_wanted = np.empty(bounds[point_count], dtype=np.bool_)
+    for item in range(keys.size):
+        point = first_point[item]
+        out_keys[set_at[point]] = keys[item]
+        out_wanted[set_at[point]] = True
+        set_at[point] += 1
+        point = end_point[item]
+        if point < point_count:
+            out_keys[clear_at[point]] = keys[item]
+            out_wanted[clear_at[point]] = False
+            clear_at[point] += 1
+    return bounds, out_keys, out_wanted
 
 
 @_compiled
@@ -413,38 +452,25 @@ class Outcomes:
         )
 
 
-def recorded_outcomes(slot_of, sources: Sequence[WorkerId | None], tiers: Sequence[Tier | None],
-                      baselines: Sequence[int], prefixes: Sequence[int | None], targets: Sequence[WorkerId | None],
-                      target_prefixes: Sequence[int | None]) -> Outcomes:
-    """The recorded decisions' outcomes to judge, their workers' slots by `slot_of` (None: not held)."""
-    def slot(worker: WorkerId | None) -> int:
-        if worker is None:
-            return NONE
-        found = slot_of(worker)
-        return NO_SLOT if found is None else found
+def recorded_outcomes(slot_of, workers: Sequence[WorkerId], sources: np.ndarray, tiers: np.ndarray,
+                      baselines: np.ndarray, prefixes: np.ndarray, targets: np.ndarray,
+                      target_prefixes: np.ndarray) -> Outcomes:
+    """The recorded decisions' outcomes to judge: sources and targets as places in `workers` (-1: none), their
+    slots by `slot_of` (None: not held); tiers as codes in DEVICE, HOST, DISK order (-1 where no source)."""
+    slot_of_place = np.array([_slot_or(slot_of(worker)) for worker in workers] + [NONE], dtype=np.int64)
 
     def row(values) -> np.ndarray:
-        return np.array([values], dtype=np.int64).reshape(1, len(sources))
+        return np.asarray(values, dtype=np.int64).reshape(1, -1)
 
-    return Outcomes(row([slot(worker) for worker in sources]),
-                    row([_TIER_CODE[tier] if tier is not None else 0 for tier in tiers]),
-                    row(baselines), row([prefix or 0 for prefix in prefixes]),
-                    row([slot(worker) for worker in targets]), row([prefix or 0 for prefix in target_prefixes]))
+    return Outcomes(row(slot_of_place[sources]), row(np.maximum(tiers, 0)), row(baselines), row(prefixes),
+                    row(slot_of_place[targets]), row(target_prefixes))
 
 
 def _request_slots(slot_of, requests: Requests) -> tuple[np.ndarray, ...]:
     """Targets' and fallbacks' slots (NO_SLOT: not held), whether each request named a target, has a fallback."""
-    def slot(worker):
-        found = slot_of(worker) if worker is not None else None
-        return NO_SLOT if found is None else found
-
-    count = len(requests)
-    return (np.fromiter((slot(worker) for worker in requests.targets), dtype=np.int32, count=count),
-            np.fromiter((worker is not None for worker in requests.targets), dtype=np.bool_, count=count),
-            np.fromiter((slot(worker) for worker in requests.fallbacks), dtype=np.int32, count=count),
-            np.fromiter((worker is not None for worker in requests.fallbacks), dtype=np.bool_, count=count))
-
-
+    slot_of_place = np.array([_slot_or(slot_of(worker)) for worker in requests.workers] + [NO_SLOT], dtype=np.int32)
+    return (slot_of_place[requests.targets], requests.targets >= 0, slot_of_place[requests.fallbacks],
+            requests.fallbacks >= 0)
 
 
 class StayTimeline:
@@ -537,23 +563,22 @@ class StayTimeline:
         request's horizon seq (`horizons` < 0: none)."""
         count, worker_count = len(requests), len(self.workers)
         sequence = chain_hashes(requests.local, requests.offsets)
-        # Only rows a request reads matter: the stays of other hashes are left out.
-        wanted = np.isin(self.stay_hash, sequence)
-        slot, plane, hashes = self.stay_slot[wanted], self.stay_plane[wanted], self.stay_hash[wanted]
-        start, end = self.stay_start[wanted], self.stay_end[wanted]
-        distinct, row_of_stay = np.unique(hashes, return_inverse=True)
-        rows = row_of_stay.astype(np.int64) + 1  # row 0 reads as "nobody"
-        table_bits = max(10, int(2 * max(distinct.size, 1) - 1).bit_length())
-        table_keys = np.zeros(1 << table_bits, dtype=np.uint64)
-        table_rows = np.full(1 << table_bits, -1, dtype=np.int32)
-        fill_table(distinct, np.arange(1, distinct.size + 1, dtype=np.int32), table_keys, table_rows, table_bits)
+        # Only rows a request reads matter: a row per distinct hash the requests read, the stays of other hashes
+        # left out (a hash table of the requests' hashes, probed by each stay: no sort of either).
+        table_keys, table_rows, table_bits, distinct = _table_of(sequence)
+        row_of_stay = probe_all(self.stay_hash, table_keys, table_rows, table_bits)
+        wanted = row_of_stay > 0
+        rows, slot, plane = row_of_stay[wanted], self.stay_slot[wanted], self.stay_plane[wanted]
         workers = max(worker_count, 1)
+        # Each (row, slot, plane)'s stays as disjoint intervals, sorted once for both passes.
+        keys, start, end = merge_intervals((rows * workers + slot) * PLANES + plane, self.stay_start[wanted],
+                                           self.stay_end[wanted])
 
         # Ranking: each interval as the inventory seqs it covers, applied at the first and undone after the last.
         points = np.unique(requests.inventory_seqs)
         change_bounds, change_row, change_plane, change_slot, change_wanted = _changes(
-            (rows * workers + slot) * PLANES + plane, start, end, points, workers, PLANES)
-        holders, spilled = self._rows(distinct.size, rows, slot, workers)
+            keys, start, end, points, workers, PLANES)
+        holders, spilled = _rows(distinct, keys // PLANES // workers, workers)
 
         # The requests in inventory seq order (stable: KV_DECISIONS order within a seq), answered, put back.
         order = np.argsort(requests.inventory_seqs, kind="stable")
@@ -578,15 +603,15 @@ class StayTimeline:
 
         # Judging: a second pass, over the horizon seqs, on rows of the native stays alone (the tier codes are
         # their planes), each request's outcomes judged once its horizon seq is reached.
-        native = plane < 3
+        native = keys % PLANES < 3
+        keys, start, end = keys[native], start[native], end[native]
         items = np.flatnonzero(horizons >= 0)
         items = items[np.argsort(horizons[items], kind="stable")]
         horizon_points = np.unique(horizons[items])
         change_bounds, change_row, change_plane, change_slot, change_wanted = _changes(
-            (rows[native] * workers + slot[native]) * PLANES + plane[native], start[native], end[native],
-            horizon_points, workers, PLANES)
+            keys, start, end, horizon_points, workers, PLANES)
         item_bounds = np.append(np.searchsorted(horizons[items], horizon_points, "left"), items.size).astype(np.int64)
-        holders, spilled = self._rows(distinct.size, rows[native], slot[native], workers)
+        holders, spilled = _rows(distinct, keys // PLANES // workers, workers)
         outcomes = Outcomes.of(recorded, answers)
         judged = Judged(np.full(outcomes.source.shape, _UNJUDGED, np.int8), np.full(outcomes.source.shape, _UNJUDGED,
                                                                                     np.int8))
@@ -594,17 +619,6 @@ class StayTimeline:
                        sequence, requests.offsets, *attrs.astuple(outcomes, recurse=False), table_keys, table_rows,
                        table_bits, holders, spilled, judged.stale, judged.lost)
         return answers, judged
-
-    def _rows(self, distinct: int, rows: np.ndarray, slots: np.ndarray, workers: int) -> tuple[np.ndarray, ...]:
-        """Empty rows, those ever held by more workers than a row lists spilled into bitmask rows up front (so
-        a change never finds a row full)."""
-        holders = np.zeros((distinct + 1, INLINE), dtype=np.uint32)
-        pairs = np.unique(rows * workers + slots)
-        held_by = np.bincount(pairs // workers, minlength=distinct + 1)
-        crowded = np.flatnonzero(held_by > INLINE)
-        spilled = np.zeros((crowded.size + 1, PLANES, (workers + 63) // 64), dtype=np.uint64)
-        holders[crowded, 0] = (np.arange(1, crowded.size + 1, dtype=np.uint32) << np.uint32(4))
-        return holders, spilled
 
     def _orders(self) -> tuple[np.ndarray, np.ndarray]:
         """Per count k of workers present (the slots below k): their slots in worker order, and each slot's rank."""
@@ -631,11 +645,10 @@ class FoldTimeline:
         return self.index.workers
 
     def answer(self, requests: Requests, settings: Sequence[ReuseSettings], horizons: np.ndarray,
-               recorded_workers: tuple[Sequence[WorkerId | None], Sequence[Tier | None], Sequence[int],
-                                       Sequence[int | None], Sequence[WorkerId | None], Sequence[int | None]],
-               ) -> tuple[Answers, Judged]:
+               recorded: tuple) -> tuple[Answers, Judged]:
         """As `StayTimeline.answer`; a request is judged at its horizon seq, or at its inventory seq when the
-        horizon comes before it (a fold cannot go back). `recorded_workers`: `recorded_outcomes`' arguments."""
+        horizon comes before it (a fold cannot go back). `recorded`: `recorded_outcomes`' arguments after
+        `slot_of`, each array read at the requests judged at a seq."""
         count = len(requests)
         index = self.index = InventoryIndex()
         sequence = chain_hashes(requests.local, requests.offsets)
@@ -646,8 +659,8 @@ class FoldTimeline:
         lost = np.full((len(settings) + 1, count), _UNJUDGED, np.int8)
         target = np.full(count, NO_SLOT, np.int32)
         fallback = np.full(count, NO_SLOT, np.int32)
-        named = np.fromiter((worker is not None for worker in requests.targets), dtype=np.bool_, count=count)
-        has_fallback = np.fromiter((worker is not None for worker in requests.fallbacks), dtype=np.bool_, count=count)
+        named, has_fallback = requests.targets >= 0, requests.fallbacks >= 0
+        workers, *recorded_columns = recorded
         # At each seq, answers before judgements (a decision may be judged at its own seq).
         at_seq: dict[int, tuple[list[int], list[int]]] = {}
         for request, seq in enumerate(requests.inventory_seqs.tolist()):
@@ -664,9 +677,10 @@ class FoldTimeline:
             if asked:
                 first, stop = asked[0], asked[-1] + 1
                 contiguous = stop - first == len(asked)
-                for request in asked:
-                    target[request] = _slot_or(index.slot(requests.targets[request]))
-                    fallback[request] = _slot_or(index.slot(requests.fallbacks[request]))
+                slot_of_place = np.array([_slot_or(index.slot(worker)) for worker in requests.workers] + [NO_SLOT],
+                                         dtype=np.int32)
+                target[asked] = slot_of_place[requests.targets[asked]]
+                fallback[asked] = slot_of_place[requests.fallbacks[asked]]
                 if contiguous:
                     self._answer(index, first, stop, requests, target, named, fallback, has_fallback,
                                  kernel_settings, outputs)
@@ -676,10 +690,9 @@ class FoldTimeline:
                                      kernel_settings, outputs)
             if judged_here:
                 items = np.array(judged_here, dtype=np.int64)
-                recorded = recorded_outcomes(index.slot, *(
-                    [values[item] for item in judged_here] for values in recorded_workers))
+                recorded_here = recorded_outcomes(index.slot, workers, *(values[items] for values in recorded_columns))
                 part = Answers(*(array[:, items] for array in outputs))
-                outcomes = Outcomes.of(recorded, part)
+                outcomes = Outcomes.of(recorded_here, part)
                 part_stale = np.full(outcomes.source.shape, _UNJUDGED, np.int8)
                 part_lost = np.full(outcomes.source.shape, _UNJUDGED, np.int8)
                 local_offsets = requests.offsets[items]

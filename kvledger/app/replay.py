@@ -19,9 +19,9 @@ from pathlib import Path
 
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 
-from kvledger.core.events import WorkerId
 from kvledger.core.settings import LoadedSettings, ReuseSettings, SettingsError, reuse_settings_from
 
 COLUMNS = ("settings", "digest", "decisions", "changed", "hints", "estimated_ttft_saved_ms", "blocks_moved",
@@ -176,98 +176,85 @@ async def _from_streams(settings, sweep: list, options: dict):
 def replay(connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
            from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False):
     """`store.whatif_reference.replay`'s report, from SQL, answered by decide's kernels in a batch per inventory seq."""
-    from kvledger.store.whatif_reference import read_window, report_of, stays_of, workers_of
+    from kvledger.store.whatif_reference import read_columns, stays_of, workers_of
 
-    window = read_window(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts, horizons_in_sql=False)
-    judged = []
-    if window.decisions:  # an empty window loads no kernel and reads no stay
+    window = read_columns(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts)
+    timeline = None
+    if len(window.decisions):  # an empty window loads no kernel and reads no stay
         from kvledger.decide.ranking.whatif import StayTimeline
 
         stays = stays_of(connection, window.first_seq, window.last_seq)
         timeline = StayTimeline.of_stays(workers_of(connection), stays.placements, stays.placement,
                                          stays.sequence_hash, stays.stored_seq, stays.removed_seq,
                                          stays.conflict_since)
-        judged = _answered(window.decisions, settings, placed, timeline, lambda decision: decision.horizon_seq)
-    return report_of((from_ts, to_ts), horizon_s, "sql", window.decisions, judged, window.unreplayable, settings)
+    return _report((from_ts, to_ts), horizon_s, "sql", window.decisions, settings, placed, timeline,
+                   window.unreplayable)
 
 
 async def replay_stream(js, streams, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
                         from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,
                         timeout_s: float = 300.0):
     """`store.whatif_reference.replay_stream`'s report, KV_EVENTS folded by decide's own index, answered by its kernels."""
-    from kvledger.store.whatif_reference import read_streams, report_of
+    from kvledger.store.whatif_reference import RecordedColumns, read_streams
 
     decisions, unreplayable, batches = await read_streams(js, streams, horizon_s=horizon_s, from_ts=from_ts,
                                                           to_ts=to_ts, timeout_s=timeout_s)
-    judged = []
+    timeline = None
     if decisions:
         from kvledger.decide.ranking.whatif import FoldTimeline
 
-        judged = _answered(decisions, settings, placed, FoldTimeline(batches), lambda decision: decision.horizon_seq)
-    return report_of((from_ts, to_ts), horizon_s, "stream", decisions, judged, unreplayable, settings)
+        timeline = FoldTimeline(batches)
+    return _report((from_ts, to_ts), horizon_s, "stream", RecordedColumns.of_recorded(decisions), settings, placed,
+                   timeline, unreplayable)
 
 
-def _answered(decisions: Sequence, settings: Sequence[tuple[str, ReuseSettings]], placed: bool, timeline,
-              horizon_of) -> list:
-    """Each decision's recorded outcome and its replayed ones (store.whatif_reference.Outcome), judged at its horizon."""
+def _report(bounds: tuple[float, float], horizon_s: float, source: str, window, settings, placed: bool, timeline,
+            unreplayable: int):
+    """The report of the window's decisions answered again on `timeline` (None: the window is empty)."""
+    from kvledger.store.whatif_reference import report_of_columns
+
+    if timeline is None:
+        recorded, replayed = window.recorded, [window.recorded] * len(settings)
+    else:
+        recorded, replayed = answered(window, settings, placed, timeline)
+    return report_of_columns(bounds, horizon_s, source, window, recorded, replayed, unreplayable, settings)
+
+
+def answered(window, settings: Sequence[tuple[str, ReuseSettings]], placed: bool, timeline) -> tuple:
+    """The recorded outcomes and each settings' replayed ones (`store.whatif_reference.OutcomeColumns`), every
+    decision of `window` (`RecordedColumns`) answered at its inventory seq and judged at its horizon seq."""
     from kvledger.decide.ranking.ranked import REASONS
     from kvledger.decide.ranking.whatif import FALLBACK, NAMED, Requests, recorded_outcomes
-    from kvledger.core.events import Tier
-    from kvledger.store.whatif_reference import Outcome
+    from kvledger.store.whatif_reference import NO_CODE, OutcomeColumns
 
-    targets, fallbacks = [], []
-    for decision in decisions:
-        request = decision.request
-        if placed and request.target is None and request.fallback is not None:
-            targets.append(request.fallback)
-            fallbacks.append(None)
-        else:
-            targets.append(request.target)
-            fallbacks.append(request.fallback if request.target is None else None)
-    requests = Requests.of([decision.request.local_hashes for decision in decisions],
-                           [decision.request.block_size for decision in decisions],
-                           [decision.inventory_seq for decision in decisions], targets, fallbacks)
-    horizons = np.array([-1 if (seq := horizon_of(decision)) is None else seq for decision in decisions],
-                        dtype=np.int64)
-    recorded_targets = [WorkerId.parse(decision.target) if decision.target else None for decision in decisions]
-    recorded = ([decision.source for decision in decisions], [decision.tier for decision in decisions],
-                [decision.baseline_blocks for decision in decisions],
-                [decision.prefix_blocks for decision in decisions], recorded_targets,
-                [decision.target_prefix_blocks for decision in decisions])
+    targets, fallbacks = window.requested_target, window.fallback
+    if placed:  # a request naming no target is answered for where it was placed
+        targets = np.where(targets == NO_CODE, fallbacks, targets)
+    fallbacks = np.where(targets == NO_CODE, fallbacks, NO_CODE)  # asked again only where nothing was named
+    workers = window.workers
+    requests = Requests(window.local, window.offsets, window.block_size, window.inventory_seq, tuple(workers.values),
+                        targets, fallbacks)
+    mine = window.recorded
+    recorded = (tuple(workers.values), mine.source, mine.tier, window.baseline, mine.prefix, window.target_worker,
+                window.target_prefix)
     values = [value for _, value in settings]
     if hasattr(timeline, "slot"):
-        answers, judged = timeline.answer(requests, values, horizons, recorded_outcomes(timeline.slot, *recorded))
+        answers, judged = timeline.answer(requests, values, window.horizon_seq,
+                                          recorded_outcomes(timeline.slot, *recorded))
     else:
-        answers, judged = timeline.answer(requests, values, horizons, recorded)
-    workers = timeline.workers
-    names = [worker.name for worker in workers]
-    tiers = (Tier.DEVICE, Tier.HOST, Tier.DISK)
-    verdict = (None, False, True)  # by judged code + 1
-    stale, lost = (judged.stale + 1).tolist(), (judged.lost + 1).tolist()
-    outcomes: list[list] = [[] for _ in decisions]
+        answers, judged = timeline.answer(requests, values, window.horizon_seq, recorded)
+    worker_of_slot = np.append(workers.of(timeline.workers), NO_CODE)  # slot -1 reads NO_CODE
+    name_of_worker = np.append(window.names.of([worker.name for worker in workers.values]), NO_CODE)
+    reason_of = window.reasons.of(REASONS)
+    outcomes = []
     for setting in range(len(values)):
-        columns = zip(answers.target[setting].tolist(), answers.target_how[setting].tolist(),
-                      answers.reason[setting].tolist(), answers.source[setting].tolist(),
-                      answers.tier[setting].tolist(), answers.prefix[setting].tolist(),
-                      answers.transfer[setting].tolist(), answers.saving[setting].tolist(),
-                      stale[setting + 1], lost[setting + 1])
-        for position, (target, how, reason, source, tier, prefix, transfer, saving, is_stale, is_lost) in \
-                enumerate(columns):
-            if target >= 0:
-                target_name = names[target]
-            elif how == NAMED:
-                target_name = targets[position].name
-            elif how == FALLBACK:
-                target_name = fallbacks[position].name
-            else:
-                target_name = None
-            chosen = source >= 0
-            outcomes[position].append(Outcome(
-                target_name, REASONS[reason], workers[source] if chosen else None, tiers[tier] if chosen else None,
-                prefix, transfer, saving, verdict[is_stale], verdict[is_lost]))
-    return [
-        (Outcome(decision.target, decision.reason, decision.source, decision.tier, decision.prefix_blocks or 0,
-                 decision.transfer_blocks or 0, decision.saving_ms or 0.0, verdict[is_stale], verdict[is_lost]),
-         replayed)
-        for decision, replayed, is_stale, is_lost in zip(decisions, outcomes, stale[0], lost[0])
-    ]
+        target, how, source = answers.target[setting], answers.target_how[setting], answers.source[setting]
+        name = name_of_worker[worker_of_slot[target]]
+        name = np.where((target < 0) & (how == NAMED), name_of_worker[targets], name)
+        name = np.where((target < 0) & (how == FALLBACK), name_of_worker[fallbacks], name)
+        chosen = source >= 0
+        outcomes.append(OutcomeColumns(
+            name, reason_of[answers.reason[setting]], worker_of_slot[source],
+            np.where(chosen, answers.tier[setting], NO_CODE), answers.prefix[setting], answers.transfer[setting],
+            answers.saving[setting], judged.stale[setting + 1], judged.lost[setting + 1]))
+    return attrs.evolve(mine, stale=judged.stale[0], lost=judged.lost[0]), outcomes
