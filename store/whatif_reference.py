@@ -870,14 +870,6 @@ def workers_of(connection: sa.Connection) -> list[tuple[WorkerId, int]]:
             for row in run(connection, REPLAY_WORKERS)]
 
 
-def report_of(window: tuple[float, float], horizon_s: float, source: str, decisions: Sequence[Recorded],
-              judged: Sequence[tuple[Outcome, list[Outcome]]], unreplayable: int,
-              settings: Sequence[tuple[str, ReuseSettings]]) -> Report:
-    """The report of decisions answered and judged elsewhere (decide's kernels: kvledger/app/replay.py), tallied
-    as this module tallies its own answers."""
-    return _report(window, horizon_s, source, decisions, judged, unreplayable, settings)
-
-
 def replay(
     connection: sa.Connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
     from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False,

@@ -76,7 +76,11 @@ def test_a_demo_ledger_gives_the_reference_report_to_the_last_float(db_url, tmp_
                 assert got == expected, (placed, horizon_s)
                 assert got.replayed == decisions
         # The stays read in bulk (store.whatif_reference.stays_of) are `replay_stays`' rows, every column.
-        window = reference.read_window(connection, horizon_s=0.5, horizons_in_sql=False)
+        window = reference.read_columns(connection, horizon_s=0.5)
+        # Its horizon seqs, from the events' ingest times, are the reference's from SQL's own subquery.
+        assert window.decisions.horizon_seq.tolist() == [
+            -1 if decision.horizon_seq is None else decision.horizon_seq
+            for decision in reference.read_window(connection, horizon_s=0.5).decisions]
         stays = reference.stays_of(connection, window.first_seq, window.last_seq)
         rows = reference.stay_columns(connection, window.first_seq, window.last_seq)
         never = reference.NEVER
