@@ -508,9 +508,9 @@ class EventsProjector:
                         open_before = open_native_records(batch, fold)
                     duplicates = fold.counters["duplicate_batch"]
                     facts, accepted = fold.begin(batch, seq)
-                    if accepted:
-                        for event in batch.events:
-                            fold.apply_event(batch.worker, batch.provenance, event, seq, facts)
+                    for ready in fold.batches_to_apply(batch, accepted):  # with those a hole held back
+                        for event in ready.events:
+                            fold.apply_event(ready.worker, ready.provenance, event, seq, facts)
                     if quality is not None:
                         quality.after_event(facts, seq, batch.ingest_ts, open_before)
                     if not accepted and (

@@ -135,6 +135,24 @@ def test_plain_workers_held_compactly_are_indexed_as_the_fold_indexes_them(strea
     _agrees_with_the_fold(index, fold)
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=plain_batches(max_batches=60),
+       moves=st.lists(st.tuples(st.integers(0, 59), st.integers(1, 12)), max_size=6))
+def test_batches_stored_out_of_order_are_held_and_healed_as_the_fold_heals_them(stream, moves) -> None:
+    """KV_EVENTS holding a worker's batches out of engine order (a batch moved later in the stream): decide's
+    index holds the batches behind each hole and applies them once it fills, as the fold does."""
+    batches = [batch for batch, _ in stream]
+    for at, later in moves:
+        if at < len(batches):
+            batches.insert(min(at + later, len(batches)), batches.pop(at))
+    index, fold = InventoryIndex(), InventoryFold()
+    for stream_seq, batch in enumerate(batches, 1):
+        index.apply(batch, stream_seq)
+        fold.apply(batch, stream_seq)
+    event(f"healed {fold.counters['healed_hole']}, held {fold.counters['held_batch']}")
+    _agrees_with_the_fold(index, fold)
+
+
 def test_a_plain_fleet_stays_out_of_the_fold() -> None:
     """Stores, placeholders, repeats, removals and a restart of plain workers leave no record in decide's fold."""
     stream, index = Stream(), InventoryIndex()

@@ -40,6 +40,13 @@ def fold_with(*batches) -> tuple[InventoryFold, list]:
     return fold, fold.apply_all(batches)
 
 
+def fold_over_holes(*batches) -> tuple[InventoryFold, list]:
+    """A fold that waits for no hole: the batches after one apply at once, the worker uncertain, as a fold
+    that waited applies them when it gives up (tests/test_fold_holes_healed.py covers the wait)."""
+    fold = InventoryFold(hole_wait_messages=0)
+    return fold, fold.apply_all(batches)
+
+
 def test_stored_blocks_get_chained_sequence_hashes_across_batches() -> None:
     s = Stream()
     fold, facts = fold_with(s.batch(W, stored([1, 2])), s.batch(W, stored([3], parent=2)))
@@ -317,7 +324,7 @@ def test_the_native_and_retained_streams_of_one_worker_count_sequences_separatel
 def test_a_batch_stored_after_later_ones_leaves_the_worker_uncertain_and_is_dropped_as_late() -> None:
     # JetStream refused seq 5 but stored 6..8; ingest's resend stored 5 after 8.
     s = Stream()
-    fold, facts = fold_with(
+    fold, facts = fold_over_holes(
         s.batch(W, stored([1]), seq=4),
         s.batch(W, stored([3], parent=2), seq=6),
         s.batch(OTHER, stored([1])),
@@ -344,7 +351,7 @@ def test_a_batch_stored_after_later_ones_leaves_the_worker_uncertain_and_is_drop
 
 def test_every_seq_of_a_wider_hole_is_late_once_and_a_seq_applied_before_is_a_duplicate() -> None:
     s = Stream()
-    fold, _ = fold_with(s.batch(W, stored([1]), seq=0), s.batch(W, stored([2]), seq=1), s.batch(W, stored([5]), seq=5))
+    fold, _ = fold_over_holes(s.batch(W, stored([1]), seq=0), s.batch(W, stored([2]), seq=1), s.batch(W, stored([5]), seq=5))
     for seq in (3, 2, 4, 3, 1, 0):
         fold.apply(*s.batch(W, stored([9]), seq=seq))
     assert fold.counters["late_batch"] == 3  # 2, 3 and 4 once each
@@ -418,7 +425,7 @@ def test_a_new_epoch_whose_first_batch_was_stored_late_is_a_hole_after_the_resta
 
 def test_a_hole_in_an_old_epoch_is_forgotten_its_late_batch_is_stale() -> None:
     s = Stream()
-    fold, _ = fold_with(
+    fold, _ = fold_over_holes(
         s.batch(W, stored([1]), epoch=0, seq=0),
         s.batch(W, stored([2]), epoch=0, seq=2),
         s.batch(W, gap(GapReason.PUBLISHER_RESTART), epoch=1, seq=0),
@@ -470,7 +477,7 @@ def test_a_restart_gap_on_a_new_epoch_past_zero_keeps_the_replay_gap_in_charge()
 
 def test_a_hole_while_uncertain_is_counted_without_a_second_uncertainty_fact() -> None:
     s = Stream()
-    fold, _ = fold_with(s.batch(W, gap(GapReason.MISSED), seq=0))
+    fold, _ = fold_over_holes(s.batch(W, gap(GapReason.MISSED), seq=0))
     assert fold.apply(*s.batch(W, stored([1]), seq=3)) == [BlockStoredFact(fold.records(W, NATIVE, Tier.DEVICE)[0])]
     assert fold.counters["sequence_hole"] == 1 and fold.is_uncertain(W)
 
@@ -478,7 +485,7 @@ def test_a_hole_while_uncertain_is_counted_without_a_second_uncertainty_fact() -
 def test_a_cleared_in_the_batch_after_a_hole_ends_the_uncertainty_it_opened() -> None:
     # everything before a Cleared is gone anyway, so the late batch cannot matter any more
     s = Stream()
-    fold, facts = fold_with(s.batch(W, stored([1]), seq=0), s.batch(W, Cleared(), stored([2]), seq=2))
+    fold, facts = fold_over_holes(s.batch(W, stored([1]), seq=0), s.batch(W, Cleared(), stored([2]), seq=2))
     uncertainty = [f for f in facts if isinstance(f, UncertaintyFact)]
     assert uncertainty == [
         UncertaintyFact(W, NATIVE, True, "hole: seq 1", 2),
@@ -491,7 +498,7 @@ def test_a_cleared_in_the_batch_after_a_hole_ends_the_uncertainty_it_opened() ->
 
 def test_a_hole_in_the_retained_stream_marks_only_that_provenance_uncertain() -> None:
     s = Stream()
-    fold, facts = fold_with(
+    fold, facts = fold_over_holes(
         s.batch(W, stored([1]), seq=0),
         s.batch(W, stored([1]), provenance=RETAINED, seq=0),
         s.batch(W, stored([2], parent=1), seq=1),
@@ -510,7 +517,7 @@ def test_a_hole_in_the_retained_stream_marks_only_that_provenance_uncertain() ->
 
 def test_a_redelivered_stream_seq_is_not_a_second_hole_nor_a_late_batch() -> None:
     s = Stream()
-    fold = InventoryFold()
+    fold = InventoryFold(hole_wait_messages=0)
     fold.apply(*s.batch(W, stored([1]), seq=0))
     jump = s.batch(W, stored([2]), seq=2)
     assert fold.apply(*jump)
@@ -525,7 +532,7 @@ def test_a_redelivered_stream_seq_is_not_a_second_hole_nor_a_late_batch() -> Non
 
 def test_only_the_newest_holes_are_tracked_an_older_ones_late_batch_counts_as_duplicate() -> None:
     s = Stream()
-    fold = InventoryFold()
+    fold = InventoryFold(hole_wait_messages=0)
     for number in range(TRACKED_HOLES + 2):  # one hole more than is tracked
         fold.apply(*s.batch(W, stored([number + 1]), seq=2 * number))
     assert fold.counters["sequence_hole"] == TRACKED_HOLES + 1
@@ -536,7 +543,7 @@ def test_only_the_newest_holes_are_tracked_an_older_ones_late_batch_counts_as_du
 
 def test_a_warm_start_from_a_snapshot_keeps_the_hole_uncertainty_and_the_last_seq() -> None:
     s = Stream()
-    head = InventoryFold()
+    head = InventoryFold(hole_wait_messages=0)
     head.apply_all([s.batch(W, stored([1]), seq=0), s.batch(W, stored([2], parent=1), seq=2)])
     restored = decode_snapshot(encode_snapshot(head))
     assert restored.is_uncertain(W) and last_seq(restored) == 2
@@ -572,7 +579,7 @@ def test_each_batch_stored_one_place_late_is_one_hole_and_one_late_batch(length:
     for k in swapped:
         order[k], order[k + 1] = order[k + 1], order[k]
     s = Stream()
-    fold, _ = fold_with(*(s.batch(W, stored([seq + 1]), seq=seq) for seq in order))
+    fold, _ = fold_over_holes(*(s.batch(W, stored([seq + 1]), seq=seq) for seq in order))
     assert fold.counters["sequence_hole"] == len(swapped)
     assert fold.counters["late_batch"] == len(swapped)
     assert fold.counters["duplicate_batch"] == 0

@@ -1,8 +1,9 @@
 """A batch JetStream stored out of order, through the real store into SQLite and PostgreSQL.
 
 Within one publish window JetStream can refuse batch k yet store k+1…n; ingest's resend
-then stores k after n. The fold marks the worker uncertain at the hole and drops the late
-batch; the audit must show both.
+then stores k after n. The fold marks the worker uncertain at the hole and holds k+1…n back
+until k comes: then all apply in engine order and the uncertainty ends ("hole healed"). A hole
+still open at the end keeps its worker uncertain, its held batches kept in SQL for a restart.
 """
 
 from __future__ import annotations
@@ -59,13 +60,22 @@ async def test_a_batch_stored_after_later_ones_is_an_uncertain_period_in_the_aud
             ).all())
         rebuilt, _ = load_fold(engine)
     assert periods == {
-        ("eng-late", 4, f"hole: seq {BASE + 5}", "still uncertain"),
+        ("eng-late", 4, f"hole: seq {BASE + 5}", "hole healed"),
         ("eng-wide", 5, "hole: 3 seqs", "still uncertain"),  # 1..3 in full would not fit
     }
-    assert workers["eng-late"]["uncertain_since"] == 4 and workers["eng-late"]["engine_seq"] == BASE + 7
+    assert workers["eng-late"]["uncertain_since"] is None and workers["eng-late"]["engine_seq"] == BASE + 7
     assert workers["eng-steady"]["uncertain_since"] is None
-    assert json.loads(counters["eng-late"]) == {"late_batch": 1, "sequence_hole": 1}
-    assert json.loads(counters["eng-wide"]) == {"late_batch": 1, "sequence_hole": 1}
-    # the late batch's store of 2 is not in the inventory; the SQL-rebuilt fold agrees
-    assert [r.engine_hash for r in rebuilt.records(LATE, Provenance.NATIVE, stream[0].events[0].tier)] == [1, 3, 4]
-    assert rebuilt.uncertain_workers() == [LATE, WIDE]
+    assert json.loads(counters["eng-late"]) == {"held_batch": 2, "sequence_hole": 1, "healed_hole": 1}
+    assert json.loads(counters["eng-wide"]) == {"held_batch": 2, "sequence_hole": 1}
+    # the resent batch and the two held behind it applied in engine order; the SQL-rebuilt fold agrees
+    tier = stream[0].events[0].tier
+    assert [r.engine_hash for r in rebuilt.records(LATE, Provenance.NATIVE, tier)] == [1, 2, 3, 4]
+    assert rebuilt.uncertain_workers() == [WIDE]
+    # eng-wide still waits for seq 1 and 3, seqs 2 and 4 held in SQL: given them, it heals after a restart
+    assert workers["eng-wide"]["engine_seq"] == BASE
+    behind = rebuilt.worker_state(WIDE).by_provenance[Provenance.NATIVE].behind_hole
+    assert [held.seq for held in behind.held] == [BASE + 2, BASE + 4]
+    rebuilt.apply(batch(WIDE, BASE + 1, stored([5])), last + 1)
+    rebuilt.apply(batch(WIDE, BASE + 3, stored([6])), last + 2)
+    assert [r.engine_hash for r in rebuilt.records(WIDE, Provenance.NATIVE, tier)] == [1, 2, 5, 6, 9]
+    assert rebuilt.uncertain_workers() == []

@@ -238,12 +238,16 @@ class InventoryIndex:
         self._note_worker(worker, stream_seq)
         slot = self._slot_of_worker.get(worker)
         if slot is None:
+            self.fold.batches_to_apply(batch, False)  # none: a worker's first batch is never held
             return facts  # a redelivered first batch: nothing of the worker exists yet
         if any(type(fact) is InventoryClearedFact for fact in facts):
             self._clear_plain(slot, None)  # a new epoch without a restart Gap: the engine restarted
-        if not accepted:
-            return facts
-        events = batch.events
+        for ready in self.fold.batches_to_apply(batch, accepted):  # with those a hole held back
+            self._apply_plain_events(slot, worker, ready.events, stream_seq, facts)
+        return facts
+
+    def _apply_plain_events(self, slot: int, worker: WorkerId, events, stream_seq: int, facts: list[Fact]) -> None:
+        """One accepted batch's events, in `compact` while the worker stays plain, else through the fold."""
         for number, event in enumerate(events):
             if slot not in self._promoted and self._apply_plain_event(slot, worker, event, stream_seq, facts):
                 continue
@@ -256,7 +260,6 @@ class InventoryIndex:
             self._follow(worker, rest, rules_before)
             facts.extend(rest)
             break
-        return facts
 
     def _apply_plain_event(self, slot: int, worker: WorkerId, event, stream_seq: int, facts: list[Fact]) -> bool:
         """Apply one event of a plain worker; False (nothing changed) when it is beyond the plain case."""

@@ -6,6 +6,7 @@ indexes the state). docs/core.md gives the rules; each is marked where it is app
 
 from __future__ import annotations
 
+import base64
 import enum
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -25,6 +26,8 @@ from kvledger.core.events import (
     Stored,
     Tier,
     WorkerId,
+    decode_batch,
+    encode_batch,
 )
 from kvledger.core import precedence
 from kvledger.core.hashing import chain_hash, sequence_hashes
@@ -175,6 +178,9 @@ COUNTER_NAMES = (
     "duplicate_batch",  # (epoch, seq) not after the worker's last one, and not a seq a hole skipped
     "late_batch",  # (epoch, seq) not after the worker's last one, but a seq a hole skipped: dropped
     "sequence_hole",  # seq more than one past the last one, with no Gap saying why: uncertain
+    "held_batch",  # a batch held back behind a hole (applied once the hole fills or is given up on)
+    "healed_hole",  # a hole filled by its missing batches (fetched again by ingest): the uncertainty ends
+    "hole_given_up",  # a hole waited for HOLE_WAIT_MESSAGES messages or HOLE_MAX_HELD batches: applied over it
     "stale_epoch",  # batch from an epoch older than the worker's current one
     "implicit_restart",  # epoch rose without a Gap(publisher_restart) first
     "redelivered",  # stream seq not after the fold's last one
@@ -209,6 +215,45 @@ class _SetPerTier(_DictPerTier):
 
     __slots__ = ()
     _make = set
+
+
+# How long a hole mid-stream is waited for (docs/core.md, "Holes healed"): a batch stored after a hole in its
+# worker's seqs is held back, with the ones after it, until the missing seqs come (ingest fetches them again
+# from the engine when store or decide asks: `take_holes`) or until the worker's own batches have come this many
+# KV_EVENTS messages after the hole, or this many are held; then they are applied as before, the worker
+# uncertain. Counted in stream messages, not time, so that every fold of one stream decides alike.
+HOLE_WAIT_MESSAGES = 20_000
+HOLE_MAX_HELD = 256
+
+
+@attrs.frozen
+class HoleToFetch:
+    """Seqs [first, end) of one provenance's epoch that the fold is waiting for: what ingest is asked to fetch."""
+
+    worker: WorkerId
+    provenance: Provenance
+    epoch: int
+    first: int
+    end: int
+
+
+@attrs.define
+class BehindHole:
+    """The batches held back behind a hole, in seq order, since stream seq `since`; `healable`: the hole made
+    the worker uncertain (not something before it) and nothing since said the seqs are lost."""
+
+    since: int
+    healable: bool
+    held: list[EventBatch] = attrs.field(factory=list)
+
+    def state(self) -> dict:
+        return {"since": self.since, "healable": self.healable,
+                "held": [base64.b64encode(encode_batch(batch)).decode("ascii") for batch in self.held]}
+
+    @classmethod
+    def of_state(cls, state: dict) -> BehindHole:
+        return cls(state["since"], state["healable"],
+                   [decode_batch(base64.b64decode(record)) for record in state["held"]])
 
 
 @attrs.define
@@ -249,6 +294,9 @@ class _ProvenanceState:
     # The first seq this fold saw in the current epoch, when past 0: nothing below it was
     # applied, so a batch below it that turns up was stored late (a hole not yet accounted).
     unseen_below: int | None = None
+    # A hole in the current epoch's seqs that may yet be filled (the batches after it held back, in seq order):
+    # see `BehindHole`. Snapshots and SQL keep it in the groups state.
+    behind_hole: BehindHole | None = None
 
     def block_count(self, tier: Tier | None = None) -> int:
         if tier is not None:
@@ -315,10 +363,16 @@ class ProvenancePosition:
 class InventoryFold:
     """Applies canonical batches in stream order and keeps every worker's inventory."""
 
-    def __init__(self) -> None:
+    def __init__(self, hole_wait_messages: int = HOLE_WAIT_MESSAGES) -> None:
         self._workers: dict[WorkerId, WorkerState] = {}
         self.inventory_seq = 0
         self.counters: Counter[str] = Counter()
+        # 0: a hole is not waited for (its later batches apply at once, the worker uncertain)
+        self.hole_wait_messages = hole_wait_messages
+        self._holes: list[HoleToFetch] = []
+        # the batches `begin` let go, to apply before and after the batch it was given (`batches_to_apply`)
+        self._before: list[EventBatch] = []
+        self._after: list[EventBatch] = []
 
     # --- applying ------------------------------------------------------------------
 
@@ -329,10 +383,23 @@ class InventoryFold:
         late after a hole) produce nothing, so applying the same stream twice is harmless.
         """
         facts, accepted = self.begin(batch, stream_seq)
-        if accepted:
-            for event in batch.events:
-                self.apply_event(batch.worker, batch.provenance, event, stream_seq, facts)
+        for ready in self.batches_to_apply(batch, accepted):
+            for event in ready.events:
+                self.apply_event(ready.worker, ready.provenance, event, stream_seq, facts)
         return facts
+
+    def batches_to_apply(self, batch: EventBatch, accepted: bool) -> list[EventBatch]:
+        """After `begin(batch)`: the batches whose events to apply now, in order, all of `batch`'s worker and
+        provenance: those it let go from behind a hole given up on, `batch` itself if accepted, then those
+        its seq let go (the hole filled)."""
+        ready = [*self._before, batch, *self._after] if accepted else [*self._before, *self._after]
+        self._before, self._after = [], []
+        return ready
+
+    def take_holes(self) -> list[HoleToFetch]:
+        """The holes found since the last call, each once: for the caller to ask ingest to fetch them again."""
+        holes, self._holes = self._holes, []
+        return holes
 
     def begin(self, batch: EventBatch, stream_seq: int) -> tuple[list[Fact], bool]:
         """`apply`'s first half: the stream and engine sequence rules for `batch`, without its events.
@@ -355,12 +422,30 @@ class InventoryFold:
         if len(events) == 1 and type(events[0]) is Reachability:
             # A liveness record sits outside the engine's sequence (kvledger.core.events.Reachability).
             return facts, True
+        behind = own.behind_hole
+        if behind is not None:
+            if batch.epoch != own.epoch:
+                # A new epoch clears what the old one held: its held batches no longer matter.
+                self._count(state, "stale_epoch", len(behind.held))
+                own.behind_hole = None
+            elif (stream_seq - behind.since >= self.hole_wait_messages or len(behind.held) >= HOLE_MAX_HELD) \
+                    and batch.seq > own.seq + 1:
+                self._give_up_hole(state, own, facts)
         if batch.epoch == own.epoch:
             if batch.seq <= own.seq:
                 self._not_after_last(state, own, batch, stream_seq, facts)
                 return facts, False
             if batch.seq != own.seq + 1:
+                has_gap = any(type(event) is Gap for event in batch.events)
+                if self.hole_wait_messages > 0 and not has_gap:
+                    return self._hold(state, own, batch, stream_seq, facts), False
                 self._hole(state, own, own.seq + 1, batch, stream_seq, facts)
+                if own.behind_hole is not None:
+                    own.behind_hole.healable = False  # ingest says the seqs are lost: the Gap decides
+            if own.behind_hole is not None:
+                own.epoch, own.seq = batch.epoch, batch.seq
+                self._release_behind_hole(state, own, batch.provenance, stream_seq, facts)
+                return facts, True
         elif own.epoch is None:
             # A worker's first batch may start at any seq (ingest resumes mid-stream, retention
             # drops old messages, a reader starts late): not a hole, but remembered.
@@ -710,6 +795,64 @@ class InventoryFold:
             own.unreachable_since, own.unreachable_reason, own.unreachable_ts = stream_seq, event.reason, event.since_ts
         facts.append(ReachabilityFact(state.worker, provenance, event.reachable, event.reason, event.since_ts, stream_seq))
 
+    def _hold(
+        self, state: WorkerState, own: _ProvenanceState, batch: EventBatch, stream_seq: int, facts: list[Fact],
+    ) -> list[Fact]:
+        """Hold `batch` back behind a hole before it (found now, or held for already): the worker uncertain
+        until the hole fills, and the hole noted for ingest to fetch again (`take_holes`)."""
+        behind = own.behind_hole
+        if behind is None:
+            behind = own.behind_hole = BehindHole(stream_seq, own.uncertain_since is None)
+            self._count(state, "sequence_hole")
+            if own.uncertain_since is None:
+                own.uncertain_since = stream_seq
+                facts.append(UncertaintyFact(state.worker, batch.provenance, True, hole_reason(own.seq + 1, batch.seq),
+                                             stream_seq))
+        held = behind.held
+        position = len(held)
+        while position and held[position - 1].seq > batch.seq:
+            position -= 1
+        if position and held[position - 1].seq == batch.seq:
+            self._count(state, "duplicate_batch")
+            return facts
+        first_missing = own.seq + 1 if position == 0 else held[position - 1].seq + 1
+        if batch.seq > first_missing:
+            self._holes.append(HoleToFetch(state.worker, batch.provenance, own.epoch, first_missing, batch.seq))
+        held.insert(position, batch)
+        self._count(state, "held_batch")
+        return facts
+
+    def _release_behind_hole(self, state: WorkerState, own: _ProvenanceState, provenance: Provenance,
+                             stream_seq: int, facts: list[Fact]) -> None:
+        """Let go the held batches that now follow on (own.seq just advanced); once none is held, the hole is
+        healed: the uncertainty it caused ends."""
+        behind = own.behind_hole
+        held = behind.held
+        while held and held[0].seq <= own.seq + 1:
+            batch = held.pop(0)
+            if batch.seq <= own.seq:
+                continue
+            own.seq = batch.seq
+            self._after.append(batch)
+        if held:
+            return
+        own.behind_hole = None
+        self._count(state, "healed_hole")
+        if behind.healable and own.uncertain_since is not None:
+            own.uncertain_since = None
+            facts.append(UncertaintyFact(state.worker, provenance, False, "hole healed", stream_seq))
+
+    def _give_up_hole(self, state: WorkerState, own: _ProvenanceState, facts: list[Fact]) -> None:
+        """The hole was waited for long enough: its held batches are applied now, in order, over the holes;
+        the worker stays uncertain, and a missing batch that comes later is late."""
+        behind, own.behind_hole = own.behind_hole, None
+        self._count(state, "hole_given_up")
+        for batch in behind.held:
+            if batch.seq > own.seq + 1:
+                _remember_hole(own, own.seq + 1, batch.seq)
+            own.seq = batch.seq
+            self._before.append(batch)
+
     def _hole(
         self, state: WorkerState, own: _ProvenanceState, expected: int, batch: EventBatch, stream_seq: int,
         facts: list[Fact],
@@ -751,10 +894,10 @@ class InventoryFold:
             own.uncertain_since = stream_seq
             facts.append(UncertaintyFact(state.worker, provenance, True, reason, stream_seq))
 
-    def _count(self, state: WorkerState | None, name: str) -> None:
-        self.counters[name] += 1
+    def _count(self, state: WorkerState | None, name: str, amount: int = 1) -> None:
+        self.counters[name] += amount
         if state is not None:
-            state.counters[name] += 1
+            state.counters[name] += amount
 
     def restore_worker(
         self,
@@ -918,6 +1061,8 @@ def _groups_state(own: _ProvenanceState) -> dict[str, dict]:
     }
     if own.unreachable_since is not None:
         state["unreachable"] = {"since": own.unreachable_since, "reason": own.unreachable_reason, "ts": own.unreachable_ts}
+    if own.behind_hole is not None:
+        state["behind_hole"] = own.behind_hole.state()
     return state
 
 
@@ -931,6 +1076,9 @@ def _restore_groups(own: _ProvenanceState, state: dict[str, dict]) -> None:
     if unreachable:
         own.unreachable_since = unreachable["since"]
         own.unreachable_reason, own.unreachable_ts = unreachable["reason"], unreachable["ts"]
+    behind = state.get("behind_hole")
+    if behind:
+        own.behind_hole = BehindHole.of_state(behind)
 
 
 def _worker_order(worker: WorkerId) -> tuple[str, int]:
