@@ -28,6 +28,9 @@ class DecideMetrics(MetricSet):
                                       "Bytes of the index's arrays: compact records, bitmask rows, hash table.")
         self.inventory_seq = self.gauge("kvledger_decide_inventory_seq", "KV_EVENTS stream sequence the index reflects.")
         self.inventory_lag = self.gauge("kvledger_decide_inventory_lag", "KV_EVENTS messages not yet applied to the index.")
+        self.refetch_requests = self.counter(
+            "kvledger_decide_refetch_requests",
+            "Holes mid-stream in KV_EVENTS the index found and asked ingest to fetch again (kvledger.runtime.refetch).")
         self.undecodable_events = self.counter("kvledger_decide_undecodable_events",
                                                "KV_EVENTS messages that could not be decoded.")
         self.stream_regressions = self.counter(

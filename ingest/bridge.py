@@ -48,6 +48,7 @@ from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.http import HttpFront, health_routes
 from kvledger.runtime.lifetime import AsyncLifetime, cancel_and_wait
 from kvledger.runtime.nats_options import connect_options
+from kvledger.runtime.refetch import REFETCH_SUBJECT, RefetchRequest, decode_refetch
 from kvledger.runtime.streams import dead_letter_subject, dead_letters_stream, events_stream
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ log = logging.getLogger("kvledger.ingest")
 IDLE_PROBE_S = 1.0  # how long a quiet stream waits before asking replay for a lost tail
 BURST_LIMIT = 128  # most engine batches handled between yields (and at most half the publish window)
 DEAD_LETTER_LIMIT = 256 * 1024  # raw bytes kept per dead letter: it must fit in one NATS message
+# A hole asked for again within this long (store and decide both ask) is fetched once.
+REFETCH_DEBOUNCE_S = 5.0
 NO_MESSAGE_FOUND = 10037  # JetStream's error code for a seq it does not hold (a missing stream is 10059)
 
 
@@ -92,6 +95,7 @@ class EngineStream:
         self.reachable: bool | None = None
         self.unreachable_published_at: float | None = None  # wall clock
         self._reachable_again = asyncio.Event()
+        self._refetched: dict[tuple[int, int, int], float] = {}  # (epoch, first, end) -> when fetched again
 
     @property
     def name(self) -> str:
@@ -450,6 +454,56 @@ class EngineStream:
         )
         return queued
 
+    async def refetch(self, request: RefetchRequest) -> str:
+        """Publish again the batches [first, end) of the current epoch that a fold found missing mid-stream,
+        from the engine's replay buffer, each under a Msg-Id of its own (the lost copy's may still sit in
+        JetStream's duplicate window); what it no longer buffers as `Gap(stream_lost)` at the end of each
+        missing run. The folds hold the worker's later batches back until these come. Returns the outcome."""
+        tracker, now = self.tracker, time.monotonic()
+        if request.epoch != tracker.epoch or request.end > tracker.next_seq:
+            return "not_this_epoch"  # a restart since: the new epoch's Gap already ended the wait
+        key = (request.epoch, request.first, request.end)
+        if now - self._refetched.get(key, -REFETCH_DEBOUNCE_S) < REFETCH_DEBOUNCE_S:
+            return "repeated"  # store and decide both ask: once is enough
+        self._refetched = {k: at for k, at in self._refetched.items() if now - at < REFETCH_DEBOUNCE_S}
+        self._refetched[key] = now
+        replayed = dict(await self._fetch(request.first)) if self.replay is not None else {}
+        if self.replay is not None:
+            tracker.counters.replays += 1
+            await self._dead_letter_replies()
+        publisher, metrics = self._bridge.publisher, self._bridge.metrics
+        lost_from = None
+        for seq in range(request.first, request.end):
+            payload = replayed.get(seq)
+            if payload is None:
+                lost_from = seq if lost_from is None else lost_from
+                if seq < request.end - 1:
+                    continue
+                batch = EventBatch(self.source.worker, request.epoch, seq, 0.0, time.time(), self.source.provenance,
+                                   (Gap(lost_from, seq + 1, GapReason.STREAM_LOST),))
+                record = encode_batch(batch)
+                metrics.gaps.labels(GapReason.STREAM_LOST.value).inc()
+                metrics.refetch_lost.inc(seq + 1 - lost_from)
+                lost_from = None
+            else:
+                if lost_from is not None:  # the run before this seq is lost: said at its last seq
+                    batch = EventBatch(self.source.worker, request.epoch, seq - 1, 0.0, time.time(),
+                                       self.source.provenance, (Gap(lost_from, seq, GapReason.STREAM_LOST),))
+                    await publisher.publish(self._subject, encode_batch(batch), f"{batch.msg_id}:refetched")
+                    metrics.gaps.labels(GapReason.STREAM_LOST.value).inc()
+                    metrics.refetch_lost.inc(seq - lost_from)
+                    lost_from = None
+                letters: list[Queued] = []
+                batch, record = self._record(Emit(request.epoch, seq, payload), letters)
+                for letter in letters:
+                    await publisher.publish(letter.subject, letter.payload, letter.msg_id)
+                metrics.refetched.inc()
+            await publisher.publish(self._subject, record, f"{batch.msg_id}:refetched")
+        log.warning("%s: fetched seqs %d-%d of epoch %d again for %s (%d from the engine's buffer)", self.name,
+                    request.first, request.end - 1, request.epoch, request.asked_by,
+                    sum(request.first <= seq < request.end for seq in replayed))
+        return "fetched"
+
     def _msg_id(self, epoch: int, seq: int) -> str:
         return EventBatch(self.source.worker, epoch, seq, 0.0, 0.0, self.source.provenance, ()).msg_id
 
@@ -497,6 +551,7 @@ class Bridge(AsyncLifetime):
         await self.publisher.__aenter__()
         await self.publisher.wait_connected(timeout=self.settings.nats.connect_timeout_s * 3)
         self._reader = await nats.connect(**connect_options(self.settings.nats, name="kvledger-ingest-reader"))
+        await self._reader.subscribe(REFETCH_SUBJECT, cb=self._on_refetch)
         router = health_routes(self.is_ready, self.metrics.text)
         self._http = await HttpFront(router, self.settings.ingest.http_host, self._http_port).start()
         self.http_port = self._http.port
@@ -527,6 +582,29 @@ class Bridge(AsyncLifetime):
 
     def is_ready(self) -> bool:
         return all(stream.ready.is_set() for stream in self.streams)
+
+    async def _on_refetch(self, msg) -> None:
+        """A fold's request to fetch a hole mid-stream again (kvledger.runtime.refetch): answered by the
+        stream that follows that engine, if this ingest has it; a request that cannot be read is refused,
+        counted and logged, and ingest goes on."""
+        try:
+            request = decode_refetch(msg.data)
+        except ValueError as error:
+            self.metrics.refetch_requests.labels("refused").inc()
+            log.warning("refused a refetch request: %s", error)
+            return
+        provenance = Provenance(request.provenance)
+        for stream in self.streams:
+            if stream.source.worker == request.worker and stream.source.provenance is provenance \
+                    and stream.tracker is not None:
+                try:
+                    outcome = await stream.refetch(request)
+                except Exception as error:  # noqa: BLE001 - the engine's replay socket or NATS: the fold waits on
+                    outcome = "failed"
+                    log.warning("%s: fetching seqs %d-%d again failed: %s", stream.name, request.first,
+                                request.end - 1, error)
+                self.metrics.refetch_requests.labels(outcome).inc()
+                return
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Every stream subscribed (handshake done) and caught up with its engine's replay buffer."""

@@ -56,6 +56,14 @@ class IngestMetrics(MetricSet):
         self.stream_lost = self.counter(
             "kvledger_ingest_stream_lost_batches",
             "acknowledged batches KV_EVENTS lost that no engine buffered any more (published as Gap stream_lost)")
+        self.refetched = self.counter(
+            "kvledger_ingest_refetched_batches",
+            "batches a hole mid-stream lacked, fetched again from the engine when store or decide asked")
+        self.refetch_lost = self.counter(
+            "kvledger_ingest_refetch_lost_batches",
+            "batches a hole mid-stream lacked that the engine no longer buffered (published as Gap stream_lost)")
+        self.refetch_requests = self.counter(
+            "kvledger_ingest_refetch_requests", "requests to fetch a hole mid-stream again, by outcome", ["outcome"])
         self.unreachable = self.counter(
             "kvledger_ingest_engines_unreachable",
             "times an engine was published unreachable (silent for ingest.engine_timeout_s)", ["publisher"])

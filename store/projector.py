@@ -40,6 +40,7 @@ from kvledger.core.settings import Settings
 from kvledger.core.snapshot import StreamPosition
 from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.metric_set import MetricSet
+from kvledger.runtime.refetch import ask_refetch
 from kvledger.store import tables
 from kvledger.store.changes import ChangeBuilder, ChangeSet, ResidencyIndex
 from kvledger.store.cursor import SqlIdentity, StreamCursor, Verdict, ledger_high, msg_id_of
@@ -105,6 +106,9 @@ class StoreMetrics(MetricSet):
             "kvledger_store_aged_out_messages", "Stream messages removed by the stream's limits before they were projected",
             ["stream"],
         )
+        self.refetch_requests = self.counter(
+            "kvledger_store_refetch_requests",
+            "Holes mid-stream in KV_EVENTS the fold found and asked ingest to fetch again (kvledger.runtime.refetch)")
         self.duplicates = self.counter(
             "kvledger_store_duplicate_messages", "Messages whose batch or decision SQL already held (by identity)",
             ["stream"],
@@ -393,6 +397,8 @@ class EventsProjector:
         self.last_folded = None  # the last KV_EVENTS message folded: a snapshot's position, read when one is written
         self.statistics = PlannerStatistics(engine)
         self._analyzing: asyncio.Task | None = None
+        # The service's NATS connection, on which the holes the fold finds are asked for (kvledger.runtime.refetch).
+        self.nc = None
 
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
         backoff = Backoff()
@@ -537,6 +543,9 @@ class EventsProjector:
                     self.metrics.duplicates.labels(self.stream).inc(fold.counters["duplicate_batch"] - duplicates_before)
                 if others:
                     self.metrics.other_shards.labels(self.stream).inc(others)
+                holes = fold.take_holes()
+                if holes and self.nc is not None:
+                    self.metrics.refetch_requests.inc(await ask_refetch(self.nc, holes, "store"))
                 if fresh or others:
                     builder.finish(changes, fold)
                     if self.snapshots is not None:

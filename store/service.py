@@ -116,6 +116,7 @@ class StoreService:
                 return
             try:
                 js = connection.jetstream()
+                self.events.nc = connection
                 await self._ensure_streams(js, stop)
                 if self.leads and self.horizons_ms:
                     try:

@@ -78,10 +78,12 @@ class IngestProcess:
 
 
 class Pipeline:
-    def __init__(self, settings: Settings, fleet: SimulatedFleet, *, ingest_as_process: bool = False) -> None:
+    def __init__(self, settings: Settings, fleet: SimulatedFleet, *, ingest_as_process: bool = False,
+                 readers: bool = True) -> None:
         self.settings = settings
         self.fleet = fleet
         self.ingest_as_process = ingest_as_process
+        self.readers = readers  # False: store and decide start later (`start_readers`)
         self.store_stop = asyncio.Event()
         self.store: StoreService | None = None
         self._store_task: asyncio.Task | None = None
@@ -103,13 +105,18 @@ class Pipeline:
             ]
             self.bridge = await Bridge(self.settings, sources).__aenter__()
             await self.bridge.wait_ready(timeout=30)
-        self.store = StoreService(self.settings)
-        self._store_task = asyncio.create_task(self.store.run(self.store_stop))
-        self.decide = await DecideService(self.settings).__aenter__()
+        if self.readers:
+            await self.start_readers()
         # The URL may be a cluster's comma-joined list, which nats.connect takes only as a list of servers.
         options = connect_options(self.settings.nats, name="kvledger-test")
         self.nc = await nats.connect(**options)
         return self
+
+    async def start_readers(self) -> None:
+        """store and decide, reading KV_EVENTS from where SQL and their snapshots stand."""
+        self.store = StoreService(self.settings)
+        self._store_task = asyncio.create_task(self.store.run(self.store_stop))
+        self.decide = await DecideService(self.settings).__aenter__()
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self.nc is not None:

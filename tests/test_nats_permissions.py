@@ -119,7 +119,7 @@ async def test_each_service_works_with_its_own_user(locked_down_nats, sqlite_url
             await store_task
 
 
-async def test_decide_cannot_publish_engine_events_and_store_cannot_publish_at_all(locked_down_nats) -> None:
+async def test_decide_cannot_publish_engine_events_and_store_publishes_no_stream_subject(locked_down_nats) -> None:
     refused = await violations_of(locked_down_nats, "decide", ["kv.ev.forged.0", "kv.dlq.forged"])
     assert len(refused) == 2 and all("permissions violation for publish" in error.lower() for error in refused), refused
     subjects = ["kv.ev.forged.0", "kv.dec", "kv.dlq.forged", "kvledger.decide"]
@@ -129,5 +129,9 @@ async def test_decide_cannot_publish_engine_events_and_store_cannot_publish_at_a
     refused = await violations_of(locked_down_nats, "ingest", ["kv.dec", "kvledger.decide"])
     assert len(refused) == 2, refused
     # a router asks, and can forge nothing
-    refused = await violations_of(locked_down_nats, "router", ["kv.ev.forged.0", "kv.dec", "$JS.API.STREAM.DELETE.KV_EVENTS"])
-    assert len(refused) == 3, refused
+    refused = await violations_of(locked_down_nats, "router", ["kv.ev.forged.0", "kv.dec", "$JS.API.STREAM.DELETE.KV_EVENTS",
+                                                               "kvledger.ingest.refetch"])
+    assert len(refused) == 4, refused
+    # store and decide ask ingest to fetch a hole mid-stream again
+    for user in ("store", "decide"):
+        assert await violations_of(locked_down_nats, user, ["kvledger.ingest.refetch"]) == [], user

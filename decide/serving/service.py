@@ -42,6 +42,7 @@ from kvledger.core.snapshot import StreamPosition
 from kvledger.runtime.http import HttpFront, HttpLimits, Request, Response, Route, health_routes
 from kvledger.runtime.lifetime import AsyncLifetime
 from kvledger.runtime.nats_options import auth_failure, connect_options, is_auth_error
+from kvledger.runtime.refetch import ask_refetch
 from kvledger.runtime.streams import (
     ensure_stream,
     DECIDE_BATCH_SUBJECT,
@@ -416,6 +417,9 @@ class DecideService(AsyncLifetime):
             self.index.skip(stream_seq)
         else:
             self.index.apply(batch, stream_seq)
+            holes = self.index.fold.take_holes()
+            if holes and self._nc is not None:
+                self.metrics.refetch_requests.inc(await ask_refetch(self._nc, holes, "decide"))
         self.metrics.inventory_lag.set(metadata.num_pending)
         self._report_index()
         self._check_warm()
