@@ -98,9 +98,10 @@ def _agrees_with_the_fold(index: InventoryIndex, fold: InventoryFold) -> None:
 
 
 def _records_as_decide_keeps_them(fold: InventoryFold, worker: WorkerId) -> list[tuple]:
-    """A worker's records without the local hash and stored-at seq, which promoted records cannot carry back."""
+    """A worker's records without the stored-at seq, which promoted records cannot carry back."""
     return sorted(
-        (record.provenance.value, record.tier.value, record.engine_hash, record.group_idx, record.ownership or "",
+        (record.provenance.value, record.tier.value, record.engine_hash, record.local_hash, record.group_idx,
+         record.ownership or "",
          record.sequence_hash, record.parent_hash if record.parent_hash is not None else -1, record.refs,
          record.conflict, record.unresolved, record.spec_kind or "", record.sliding_window or 0)
         for record in fold.iter_worker_records(worker)

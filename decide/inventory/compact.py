@@ -2,9 +2,9 @@
 
 Nearly every worker of a fleet announces only the plain case: native blocks of KV-cache
 group 0 without an ownership, on the device, host and disk tiers. `InventoryIndex` keeps
-those workers' records here, one 28-byte table entry per (worker, tier, engine hash)
-— engine hash, sequence hash, parent, and a 32-bit tag packing the owner, the
-references and whether there is a parent — where the fold spent about 400 bytes of objects
+those workers' records here, one 36-byte table entry per (worker, tier, engine hash)
+— engine hash, sequence hash, parent, local (content) hash, and a 32-bit tag packing the
+owner, the references and whether there is a parent — where the fold spent about 400 bytes of objects
 and dict entries; the fold still runs every sequence rule for them (`InventoryFold.begin`).
 
 The first announcement that leaves the plain case — a retained batch, another group or
@@ -15,9 +15,10 @@ the worker: its entries become `BlockRecord`s in the fold and the fold applies t
 announcement and every later one itself. So a promoted worker is folded exactly as the
 fold folds it, and a plain one as the fold would (the index tests compare both).
 
-What promoted records cannot carry back: their local hash (decide ranks on sequence
-hashes and never reads it; it is 0) and the stream seq they were stored at (0: copies of
-one block agree while compact, so which is latest never mattered).
+What promoted records cannot carry back: the stream seq they were stored at (0: copies of
+one block agree while compact, so which is latest never mattered). The local hash is kept
+though decide ranks on sequence hashes: Dynamo's `/dump` names each block by it
+(decide/routers/dynamo_indexer.py).
 
 The table: open addressing with linear probing over numpy arrays, an entry's owner
 `slot * 4 + tier + 1` (0: empty; so at most 2**20 workers are held here, the rest are
@@ -59,7 +60,7 @@ REFS_MAX = 511
 _HAS_PARENT = np.uint32(1 << 31)
 MAX_SLOTS = 1 << 20  # owners fit 22 bits
 # Grown by a quarter past 80 % full, so the table stays 64-80 % full (linear probing stays
-# short there) and a residency costs 35-44 bytes, not up to 56.
+# short there) and a residency costs 45-56 bytes, not up to 72.
 _MAX_LOAD = 0.8
 _GROWTH = 1.25
 _MIN_SIZE = 4096
@@ -107,7 +108,7 @@ def _free_position(keys, tags, owner, key):
 
 
 @_inlined
-def _delete(keys, tags, sequences, parents, position):
+def _delete(keys, tags, sequences, parents, local_hashes, position):
     """Empty one entry, shifting later entries of its probe run back (linear probing's deletion)."""
     size = keys.size
     tags[position] = 0
@@ -129,6 +130,7 @@ def _delete(keys, tags, sequences, parents, position):
         tags[hole] = tags[probe_at]
         sequences[hole] = sequences[probe_at]
         parents[hole] = parents[probe_at]
+        local_hashes[hole] = local_hashes[probe_at]
         tags[probe_at] = 0
         hole = probe_at
 
@@ -144,7 +146,7 @@ def _copy_of(keys, tags, first_owner, key):
 
 
 @_compiled
-def store_blocks(keys, tags, sequences, parents, count, limit, first_owner, tier,
+def store_blocks(keys, tags, sequences, parents, local_hashes, count, limit, first_owner, tier,
                  engines, local, has_tokens, parent_engine, has_parent,
                  index_keys, index_rows, index_bits, holders, spilled, position, slot,
                  out_sequences, out_new, counts):
@@ -161,6 +163,7 @@ def store_blocks(keys, tags, sequences, parents, count, limit, first_owner, tier
     owner = first_owner + np.uint32(tier)
     found = np.empty(blocks, dtype=np.int64)
     block_parents = np.empty(blocks, dtype=np.uint64)
+    block_locals = np.empty(blocks, dtype=np.uint64)
     block_has_parent = np.zeros(blocks, dtype=np.bool_)
     parent_sequence = np.uint64(0)
     chained = False
@@ -184,6 +187,7 @@ def store_blocks(keys, tags, sequences, parents, count, limit, first_owner, tier
         if has_tokens:
             sequence = chain_hash(parent_sequence, local[block]) if chained else local[block]
             block_parents[block] = parent
+            block_locals[block] = local[block]
             block_has_parent[block] = parent_known
         else:
             copy = held if held >= 0 else _copy_of(keys, tags, first_owner, engine)
@@ -191,6 +195,7 @@ def store_blocks(keys, tags, sequences, parents, count, limit, first_owner, tier
                 return NOT_PLAIN, 0  # an unresolved placeholder
             sequence = sequences[copy]
             block_parents[block] = parents[copy]
+            block_locals[block] = local_hashes[copy]
             block_has_parent[block] = (tags[copy] & _HAS_PARENT) != 0
         out_sequences[block] = sequence
         out_new[block] = held < 0
@@ -232,13 +237,14 @@ def store_blocks(keys, tags, sequences, parents, count, limit, first_owner, tier
             tags[at] = owner | _ONE_REF | (_HAS_PARENT if block_has_parent[block] else np.uint32(0))
             sequences[at] = out_sequences[block]
             parents[at] = block_parents[block]
+            local_hashes[at] = block_locals[block]
     counts[0] = unknown_parent
     counts[1] = duplicates
     return STORED, added
 
 
 @_compiled
-def remove_blocks(keys, tags, sequences, parents, owner, engines, out_sequences, out_gone):
+def remove_blocks(keys, tags, sequences, parents, local_hashes, owner, engines, out_sequences, out_gone):
     """One plain `Removed` event, as `InventoryFold._remove` applies it: returns (unknown removals, blocks gone)."""
     unknown = 0
     gone = 0
@@ -254,12 +260,12 @@ def remove_blocks(keys, tags, sequences, parents, owner, engines, out_sequences,
         out_sequences[block] = sequences[position]
         out_gone[block] = True
         gone += 1
-        _delete(keys, tags, sequences, parents, position)
+        _delete(keys, tags, sequences, parents, local_hashes, position)
     return unknown, gone
 
 
 @_compiled
-def drop_entries(keys, tags, sequences, parents, first, last):
+def drop_entries(keys, tags, sequences, parents, local_hashes, first, last):
     """Delete every entry whose owner is in [first, last], in place; returns how many.
 
     One pass: a deletion shifts later entries of the run back into the freed position,
@@ -271,7 +277,7 @@ def drop_entries(keys, tags, sequences, parents, first, last):
     while position < keys.size:
         owner = tags[position] & _OWNER
         if owner != 0 and first <= owner <= last:
-            _delete(keys, tags, sequences, parents, position)
+            _delete(keys, tags, sequences, parents, local_hashes, position)
             dropped += 1
         else:
             position += 1
@@ -279,7 +285,8 @@ def drop_entries(keys, tags, sequences, parents, first, last):
 
 
 @_compiled
-def move_entries(keys, tags, sequences, parents, new_keys, new_tags, new_sequences, new_parents):
+def move_entries(keys, tags, sequences, parents, local_hashes, new_keys, new_tags, new_sequences, new_parents,
+                 new_locals):
     """Insert every entry into the empty new table (a larger one); returns how many."""
     moved = 0
     for position in range(keys.size):
@@ -291,12 +298,14 @@ def move_entries(keys, tags, sequences, parents, new_keys, new_tags, new_sequenc
         new_tags[at] = tags[position]
         new_sequences[at] = sequences[position]
         new_parents[at] = parents[position]
+        new_locals[at] = local_hashes[position]
         moved += 1
     return moved
 
 
 @_compiled
-def insert_entries(keys, tags, sequences, parents, new_tags, new_keys, new_sequences, new_parents):
+def insert_entries(keys, tags, sequences, parents, local_hashes, new_tags, new_keys, new_sequences, new_parents,
+                   new_locals):
     """Insert entries known to be absent (a fold's records, taken over at startup)."""
     for item in range(new_keys.size):
         at = _free_position(keys, tags, new_tags[item] & _OWNER, new_keys[item])
@@ -304,6 +313,7 @@ def insert_entries(keys, tags, sequences, parents, new_tags, new_keys, new_seque
         tags[at] = new_tags[item]
         sequences[at] = new_sequences[item]
         parents[at] = new_parents[item]
+        local_hashes[at] = new_locals[item]
 
 
 @_compiled
@@ -335,11 +345,12 @@ class CompactInventory:
         self.tags = mapped_zeros(size, np.uint32)
         self.sequences = mapped_zeros(size, np.uint64)
         self.parents = mapped_zeros(size, np.uint64)
+        self.local_hashes = mapped_zeros(size, np.uint64)
         self.limit = int(size * _MAX_LOAD)
 
     @property
     def arrays(self) -> tuple[np.ndarray, ...]:
-        return self.keys, self.tags, self.sequences, self.parents
+        return self.keys, self.tags, self.sequences, self.parents, self.local_hashes
 
     def nbytes(self) -> int:
         return sum(array.nbytes for array in self.arrays)
@@ -400,12 +411,12 @@ class CompactInventory:
         records = [
             BlockRecord(
                 worker, TIERS[(tag & int(_OWNER)) - first], Provenance.NATIVE, engine, sequence,
-                parent if tag >> 31 else None, 0, 0, False, 0, None, spec_kind, sliding_window,
+                parent if tag >> 31 else None, local, 0, False, 0, None, spec_kind, sliding_window,
                 (tag >> int(_REF_SHIFT)) & REFS_MAX,
             )
-            for tag, engine, sequence, parent in zip(
+            for tag, engine, sequence, parent, local in zip(
                 self.tags[positions].tolist(), self.keys[positions].tolist(), self.sequences[positions].tolist(),
-                self.parents[positions].tolist(),
+                self.parents[positions].tolist(), self.local_hashes[positions].tolist(),
             )
         ]
         self.clear(slot)
@@ -423,6 +434,7 @@ class CompactInventory:
             np.array([record.engine_hash for record in records], dtype=np.uint64),
             np.array([record.sequence_hash for record in records], dtype=np.uint64),
             np.array([record.parent_hash or 0 for record in records], dtype=np.uint64),
+            np.array([record.local_hash for record in records], dtype=np.uint64),
         )
         self.count += len(records)
         self._held[slot] = self._held.get(slot, 0) + len(records)
