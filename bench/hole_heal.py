@@ -125,8 +125,8 @@ async def one_round(nats_url: str, work: Path, args, seed: int) -> dict[str, flo
             backlog = await until(caught_up, "store at the stream's end as it stood")
             store = await until(store_healed, "store healed")
             index = pipeline.decide.index
-            decide = await until(lambda: index.inventory_seq > last and not index.fold.is_uncertain(worker.worker),
-                                 "decide healed")
+            decide = await until(
+                lambda: index.inventory_seq > last and worker.worker.name not in index.uncertain_names(), "decide healed")
     return {"yardstick_s": yardstick, "found_s": found - started, "fetched_s": fetched - found,
             "backlog_s": backlog - found, "store_healed_s": store - found, "decide_healed_s": decide - found}
 

@@ -154,6 +154,29 @@ def test_batches_stored_out_of_order_are_held_and_healed_as_the_fold_heals_them(
     _agrees_with_the_fold(index, fold)
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=plain_batches(max_batches=60))
+def test_a_workers_native_blocks_read_alike_from_the_compact_store_and_the_fold(stream) -> None:
+    """What Dynamo's /dump lists (decide/inventory/blocks.py): the same blocks whether a worker is plain or
+    promoted, each after its parent."""
+    from kvledger.decide.inventory.blocks import native_blocks
+
+    index = InventoryIndex()
+    for batch, stream_seq in stream:
+        index.apply(batch, stream_seq)
+    before = {worker: native_blocks(index, worker) for worker in index.workers}
+    for slot in range(index.worker_count):
+        index._promote(slot)
+    after = {worker: native_blocks(index, worker) for worker in index.workers}
+    assert {worker: set(blocks) for worker, blocks in before.items()} == \
+        {worker: set(blocks) for worker, blocks in after.items()}
+    for blocks in after.values():
+        listed: set[int] = set()
+        for block in blocks:
+            assert block.parent_hash is None or block.parent_hash in listed
+            listed.add(block.engine_hash)
+
+
 def test_a_plain_fleet_stays_out_of_the_fold() -> None:
     """Stores, placeholders, repeats, removals and a restart of plain workers leave no record in decide's fold."""
     stream, index = Stream(), InventoryIndex()

@@ -103,10 +103,11 @@ class SideBySide:
 
 
 @contextlib.contextmanager
-def dynamo_indexer() -> Iterator[int]:
-    """`python -m dynamo.indexer` on a free port, single-threaded; its port."""
+def dynamo_indexer(peers: str | None = None) -> Iterator[int]:
+    """`python -m dynamo.indexer` on a free port, single-threaded (recovering from `peers` first); its port."""
     [port] = free_ports(1)
-    process = subprocess.Popen([sys.executable, "-m", "dynamo.indexer", "--port", str(port), "--threads", "1"],
+    process = subprocess.Popen([sys.executable, "-m", "dynamo.indexer", "--port", str(port), "--threads", "1",
+                                *(("--peers", peers) if peers else ())],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         yield port
@@ -120,8 +121,9 @@ def dynamo_indexer() -> Iterator[int]:
 
 
 @contextlib.asynccontextmanager
-async def side_by_side(nats_url: str, sources: list[StreamSource]) -> AsyncIterator[SideBySide]:
-    settings = pipeline_settings(nats_url, "sqlite://", **{"decide.http_token": TOKEN, "decide.backend": "cpu"})
+async def side_by_side(nats_url: str, sources: list[StreamSource], token: str | None = TOKEN) -> AsyncIterator[SideBySide]:
+    tokens = {"decide.http_token": token} if token else {}
+    settings = pipeline_settings(nats_url, "sqlite://", **tokens, **{"decide.backend": "cpu"})
     with dynamo_indexer() as dynamo_port:
         async with Bridge(settings, sources) as bridge, DecideService(settings) as service, aiohttp.ClientSession() as session:
             await bridge.wait_ready(timeout=30)
@@ -304,6 +306,82 @@ async def test_simulated_vllm_engines_answer_exactly_as_dynamos_indexer(nats_ser
             assert await pair.same("GET", "/workers") == (200, [])
             assert await pair.same("POST", "/query", {"token_ids": paths[0], "model_name": SIM_MODEL}) == (
                 404, {"error": f"no indexer for model={SIM_MODEL} routing_group=default"})
+    finally:
+        for engine in engines.values():
+            await engine.close()
+
+
+def dumped_blocks(dump: dict) -> dict[str, set[tuple]]:
+    """A dump's blocks per partition as (instance, rank, tier, engine hash, content hash, parent engine hash): Dynamo
+    writes a chain as one event, decide a block per event, which replay alike."""
+    found: dict[str, set[tuple]] = {}
+    for partition, body in dump.items():
+        blocks = found.setdefault(partition, set())
+        for item in body["events"]:
+            event = item["event"]
+            stored = event["data"]["stored"]
+            parent = stored["parent_hash"]
+            for block in stored["blocks"]:
+                blocks.add((item["worker_id"], event["dp_rank"], item["storage_tier"], block["block_hash"],
+                            block["tokens_hash"], parent))
+                parent = block["block_hash"]
+    return found
+
+
+async def test_a_dynamo_indexer_recovers_from_decides_dump_and_then_answers_as_decide(nats_server) -> None:
+    """`GET /dump` in Dynamo's format: the blocks Dynamo's own dump lists, and a Dynamo indexer started with
+    `--peers http://<decide>` (the wheel's recovery) answers every query as decide does."""
+    rng = random.Random(34)
+    engines: dict[tuple[int, int], SimulatedEngine] = {}
+    sources = []
+    for instance, ranks in SIM_RANKS.items():
+        pub, replay = engine_endpoints(len(ranks))
+        for rank in ranks:
+            engines[instance, rank] = await SimulatedEngine(pub, replay, dp_rank=rank).__aenter__()
+            sources.append(StreamSource(WorkerId(str(instance), rank), engines[instance, rank].pub_endpoint,
+                                        engines[instance, rank].replay_endpoint, Provenance.NATIVE))
+    try:
+        # Dynamo's recovery asks without a token: decide's API is open here (docs/routers.md says so).
+        async with side_by_side(nats_server.url, sources, token=None) as pair:
+            for (instance, rank), engine in engines.items():
+                body = {"instance_id": instance, "endpoint": engine.pub_endpoint, "model_name": SIM_MODEL,
+                        "block_size": BLOCK, "dp_rank": rank}
+                assert await pair.same("POST", "/register", body) == (201, {"status": "ok"})
+            markers = 0
+            for (instance, rank), engine in engines.items():
+                markers += 1
+                await joined(pair, engine, SIM_MODEL, instance, rank, BLOCK, markers)
+            paths = sim_paths(rng)
+            workers = {key: SimWorker(engine) for key, engine in engines.items()}
+            for _ in range(120):
+                await workers[rng.choice(list(workers))].step(rng, paths)
+            for (instance, rank), engine in engines.items():
+                markers += 1
+                await publish_marker(engine, markers, BLOCK, rank)
+                await pair.wait_for_marker(SIM_MODEL, marker_tokens(markers, BLOCK), instance, rank, BLOCK)
+            (_, dynamo_dump), (status, decide_dump) = await pair.both("GET", "/dump")
+            assert status == 200 and list(decide_dump) == [f"{SIM_MODEL}:default"]
+            assert decide_dump[f"{SIM_MODEL}:default"]["block_size"] == BLOCK
+            blocks = dumped_blocks(decide_dump)
+            assert len(blocks[f"{SIM_MODEL}:default"]) > 100
+            assert blocks == dumped_blocks(dynamo_dump)
+            with dynamo_indexer(peers=pair.kvledger) as recovered_port:
+                recovered = f"http://127.0.0.1:{recovered_port}"
+
+                async def recovered_up() -> bool:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        return (await pair.one(recovered, "GET", "/health"))[0] == 200
+                    return False
+
+                await wait_until(recovered_up, 30, "the recovered Dynamo indexer answering /health")
+                compared = 0
+                for query in [*sim_queries(rng, paths),
+                              *({"token_ids": marker_tokens(number, BLOCK), "model_name": SIM_MODEL}
+                                for number in range(1, markers + 1))]:
+                    expected = await pair.one(pair.kvledger, "POST", "/query", query)
+                    assert await pair.one(recovered, "POST", "/query", query) == expected, query
+                    compared += bool(expected[1]["instances"])
+                assert compared > 50
     finally:
         for engine in engines.values():
             await engine.close()

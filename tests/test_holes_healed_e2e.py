@@ -73,7 +73,7 @@ async def test_a_batch_lost_mid_stream_is_fetched_again_and_store_and_decide_end
             assert pipeline.bridge.metrics.refetched.value >= 1
             assert pipeline.store.events.metrics.refetch_requests.value >= 1
             await assert_decide_matches_reference(pipeline, fleet, list(itertools.islice(requests, 8)), last)
-            assert not pipeline.decide.index.fold.is_uncertain(fleet.workers[0].worker)
+            assert fleet.workers[0].worker.name not in pipeline.decide.index.uncertain_names()
 
 
 async def test_a_batch_lost_mid_stream_the_engine_no_longer_buffers_is_a_gap_and_the_worker_stays_uncertain(

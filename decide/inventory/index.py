@@ -36,6 +36,7 @@ from kvledger.core.fold import (
     BlockRemovedFact,
     BlockStoredFact,
     Fact,
+    HoleToFetch,
     InventoryClearedFact,
     InventoryFold,
     ReachabilityFact,
@@ -177,6 +178,10 @@ class InventoryIndex:
             self._uncertain_cache = None
             self._follow_reachability(batch.worker)
         return facts
+
+    def take_holes(self) -> list[HoleToFetch]:
+        """The holes mid-stream the fold found since the last call (`InventoryFold.take_holes`)."""
+        return self.fold.take_holes()
 
     def _follow_reachability(self, worker: WorkerId) -> None:
         """Withdraw an unreachable worker's native bits, or set them again from its records once it is back."""

@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from kvledger.core.events import EventBatch, WorkerId
-from kvledger.core.fold import Fact
+from kvledger.core.fold import Fact, HoleToFetch
 
 
 class IndexReader(Protocol):
@@ -67,7 +67,10 @@ class IndexWriter(IndexReader, Protocol):
 
     def skip(self, stream_seq: int) -> None: ...
 
+    # The holes mid-stream its fold found since the last call: for the service to ask ingest for them.
+    def take_holes(self) -> list[HoleToFetch]: ...
+
 
 READER_NAMES = frozenset(name for name in dir(IndexReader) if not name.startswith("_")) | frozenset(
     IndexReader.__annotations__)
-WRITER_NAMES = READER_NAMES | {"apply", "skip"}
+WRITER_NAMES = READER_NAMES | {"apply", "skip", "take_holes"}

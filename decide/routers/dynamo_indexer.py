@@ -26,11 +26,12 @@ import attrs
 import msgspec
 import numpy as np
 
-from kvledger.core.events import WorkerId, validate_publisher
+from kvledger.core.events import Tier, WorkerId, validate_publisher
 from kvledger.core.hashing import local_block_hashes
 from kvledger.runtime.http import Request, Response, Route
 
 from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined
+from kvledger.decide.inventory.blocks import native_blocks
 from kvledger.decide.inventory.chain import chain_hash
 from kvledger.decide.inventory.index import InventoryIndex
 from kvledger.decide.inventory.rows import spilled_row
@@ -105,6 +106,44 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     endpoints: dict[str, str]
     listeners: dict[str, ListenerInfo]
 
+
+# Dynamo's dump (`GET /dump`): per partition "model:routing_group", its block size and one stored event per block,
+# as a peer indexer started with `--peers` replays them (the 1.6.1 wheel's recovery reads exactly this).
+class DumpBlock(msgspec.Struct, frozen=True):
+    block_hash: int  # the engine's hash
+    tokens_hash: int  # the local (content) hash
+    mm_extra_info: None = None
+
+
+class DumpStored(msgspec.Struct, frozen=True):
+    parent_hash: int | None
+    start_position: None
+    blocks: list[DumpBlock]
+
+
+class DumpData(msgspec.Struct, frozen=True):
+    stored: DumpStored
+
+
+class DumpKvEvent(msgspec.Struct, frozen=True):
+    event_id: int
+    data: DumpData
+    dp_rank: int
+
+
+class DumpEvent(msgspec.Struct, frozen=True):
+    worker_id: int
+    storage_tier: str
+    residency_domain: str
+    event: DumpKvEvent
+
+
+class DumpPartition(msgspec.Struct, frozen=True):
+    block_size: int
+    events: list[DumpEvent]
+
+
+_STORAGE_TIERS = {Tier.DEVICE: "device", Tier.HOST: "host_pinned", Tier.DISK: "disk"}  # Dynamo's names
 
 _DECODERS = {kind: msgspec.json.Decoder(kind) for kind in (RegisterRequest, UnregisterRequest, QueryRequest, QueryByHashRequest)}
 _encode = msgspec.json.Encoder().encode
@@ -429,6 +468,7 @@ class DynamoIndexerApi:
             ("GET", "/workers"): route(self.workers),
             ("POST", "/query"): route(self.query, max_query_bytes),
             ("POST", "/query_by_hash"): route(self.query_by_hash, max_query_bytes),
+            ("GET", "/dump"): route(self.dump),
             ("GET", "/health"): Route(health),
         }
 
@@ -444,6 +484,24 @@ class DynamoIndexerApi:
         params: Mapping[str, str] = dict(parse_qsl(request.query))
         listed = self.registry.workers(self._index(), params.get("model_name"), params.get("routing_group"))
         return Response(200, _encode(listed), JSON)
+
+    def dump(self, _: Request) -> Response:
+        """Every registered rank's credited native blocks as Dynamo's dump: what a Dynamo indexer started with
+        `--peers http://<decide>` recovers from (decide/inventory/blocks.py says which blocks, in which order)."""
+        index = self._index()
+        partitions = {}
+        for partition, block_size in self.registry.block_sizes.items():
+            events = []
+            for instance, held in self.registry.instances.items():
+                if held.partition != partition:
+                    continue
+                for rank in sorted(held.ranks):
+                    for number, block in enumerate(native_blocks(index, WorkerId(held.publisher, rank))):
+                        stored = DumpStored(block.parent_hash, None, [DumpBlock(block.engine_hash, block.local_hash)])
+                        events.append(DumpEvent(instance, _STORAGE_TIERS[block.tier], "worker",
+                                                DumpKvEvent(number, DumpData(stored), rank)))
+            partitions[f"{partition[0]}:{partition[1]}"] = DumpPartition(block_size, events)
+        return Response(200, _encode(partitions), JSON)
 
     def query(self, request: Request) -> Response:
         body = decode_body(request, QueryRequest)

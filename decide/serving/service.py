@@ -417,7 +417,7 @@ class DecideService(AsyncLifetime):
             self.index.skip(stream_seq)
         else:
             self.index.apply(batch, stream_seq)
-            holes = self.index.fold.take_holes()
+            holes = self.index.take_holes()
             if holes and self._nc is not None:
                 self.metrics.refetch_requests.inc(await ask_refetch(self._nc, holes, "decide"))
         self.metrics.inventory_lag.set(metadata.num_pending)
