@@ -96,6 +96,7 @@ class EngineStream:
         self.unreachable_published_at: float | None = None  # wall clock
         self._reachable_again = asyncio.Event()
         self._refetched: dict[tuple[int, int, int], float] = {}  # (epoch, first, end) -> when fetched again
+        self._refetches = 0
 
     @property
     def name(self) -> str:
@@ -460,13 +461,17 @@ class EngineStream:
         JetStream's duplicate window); what it no longer buffers as `Gap(stream_lost)` at the end of each
         missing run. The folds hold the worker's later batches back until these come. Returns the outcome."""
         tracker, now = self.tracker, time.monotonic()
-        if request.epoch != tracker.epoch or request.end > tracker.next_seq:
+        if request.epoch != tracker.epoch:
             return "not_this_epoch"  # a restart since: the new epoch's Gap already ended the wait
+        if request.end > tracker.next_seq:
+            return "not_published"  # seqs this ingest never published: not a hole it can fill
         key = (request.epoch, request.first, request.end)
         if now - self._refetched.get(key, -REFETCH_DEBOUNCE_S) < REFETCH_DEBOUNCE_S:
             return "repeated"  # store and decide both ask: once is enough
         self._refetched = {k: at for k, at in self._refetched.items() if now - at < REFETCH_DEBOUNCE_S}
         self._refetched[key] = now
+        self._refetches += 1
+        suffix = f":refetched{self._refetches}"  # asked again later, published again (the folds drop repeats)
         replayed = dict(await self._fetch(request.first)) if self.replay is not None else {}
         if self.replay is not None:
             tracker.counters.replays += 1
@@ -489,7 +494,7 @@ class EngineStream:
                 if lost_from is not None:  # the run before this seq is lost: said at its last seq
                     batch = EventBatch(self.source.worker, request.epoch, seq - 1, 0.0, time.time(),
                                        self.source.provenance, (Gap(lost_from, seq, GapReason.STREAM_LOST),))
-                    await publisher.publish(self._subject, encode_batch(batch), f"{batch.msg_id}:refetched")
+                    await publisher.publish(self._subject, encode_batch(batch), batch.msg_id + suffix)
                     metrics.gaps.labels(GapReason.STREAM_LOST.value).inc()
                     metrics.refetch_lost.inc(seq - lost_from)
                     lost_from = None
@@ -498,7 +503,7 @@ class EngineStream:
                 for letter in letters:
                     await publisher.publish(letter.subject, letter.payload, letter.msg_id)
                 metrics.refetched.inc()
-            await publisher.publish(self._subject, record, f"{batch.msg_id}:refetched")
+            await publisher.publish(self._subject, record, batch.msg_id + suffix)
         log.warning("%s: fetched seqs %d-%d of epoch %d again for %s (%d from the engine's buffer)", self.name,
                     request.first, request.end - 1, request.epoch, request.asked_by,
                     sum(request.first <= seq < request.end for seq in replayed))

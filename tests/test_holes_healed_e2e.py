@@ -11,10 +11,12 @@ uncertain: never silently wrong.
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
 from engines import wait_until
+from kvledger.runtime.refetch import REFETCH_SUBJECT
 from kvledger.sim.fleet import SimulatedFleet
 from kvledger.sim.workload import synthetic_requests
 from pipeline import Pipeline, pipeline_settings, truth_inventory
@@ -61,12 +63,23 @@ async def test_a_batch_lost_mid_stream_is_fetched_again_and_store_and_decide_end
         async with Pipeline(settings, fleet, readers=False) as pipeline:
             _, lost_seq = await _serve_and_delete(pipeline, fleet, requests)
             await wait_until(lambda: _stream_holds(pipeline, batches_sent(fleet) - 1), 30, "the rest in KV_EVENTS")
+            # Requests ingest cannot act on are refused or passed over, counted, and ingest goes on.
+            publisher = fleet.workers[0].worker.publisher
+            outcomes = pipeline.bridge.metrics.refetch_requests
+            await pipeline.nc.publish(REFETCH_SUBJECT, b"{not json")
+            await pipeline.nc.publish(REFETCH_SUBJECT, json.dumps({
+                "publisher": publisher, "dp_rank": 0, "provenance": "native", "epoch": 0, "first": 5, "end": 2,
+                "asked_by": "test"}).encode())
+            await pipeline.nc.publish(REFETCH_SUBJECT, json.dumps({
+                "publisher": publisher, "dp_rank": 0, "provenance": "native", "epoch": 9, "first": 1, "end": 2,
+                "asked_by": "test"}).encode())
+            await wait_until(lambda: outcomes.labels("refused").value == 2 and outcomes.labels("not_this_epoch").value == 1,
+                             10, "the bad requests counted")
             await pipeline.start_readers()
             # The deleted batch comes back (published again by ingest), so the stream holds every batch once more.
             last = await pipeline.settled(batches_sent(fleet))
             await wait_until(lambda: pipeline.sql_inventory() == truth_inventory(fleet), 30, "SQL at the truth")
             assert pipeline.sql("SELECT COUNT(*) FROM workers WHERE uncertain_since IS NOT NULL") == [(0,)]
-            publisher = fleet.workers[0].worker.publisher
             periods = pipeline.sql(f"SELECT reason, resolved_by FROM uncertain_periods WHERE publisher = '{publisher}'")
             assert periods == [(f"hole: seq {lost_seq}", "hole healed")], periods
             assert pipeline.sql("SELECT COUNT(*) FROM event_log WHERE kind = 'gap'") == [(0,)]
