@@ -238,8 +238,8 @@ def sim_queries(rng: random.Random, paths: list[list[int]]) -> list[dict]:
     return queries
 
 
-async def test_simulated_vllm_engines_answer_exactly_as_dynamos_indexer(nats_server) -> None:
-    rng = random.Random(33)
+async def sim_engines() -> tuple[dict[tuple[int, int], SimulatedEngine], list[StreamSource]]:
+    """A simulated vLLM engine per (instance, rank) of SIM_RANKS, started, and ingest's source for each."""
     engines: dict[tuple[int, int], SimulatedEngine] = {}
     sources = []
     for instance, ranks in SIM_RANKS.items():
@@ -248,6 +248,12 @@ async def test_simulated_vllm_engines_answer_exactly_as_dynamos_indexer(nats_ser
             engines[instance, rank] = await SimulatedEngine(pub, replay, dp_rank=rank).__aenter__()
             sources.append(StreamSource(WorkerId(str(instance), rank), engines[instance, rank].pub_endpoint,
                                         engines[instance, rank].replay_endpoint, Provenance.NATIVE))
+    return engines, sources
+
+
+async def test_simulated_vllm_engines_answer_exactly_as_dynamos_indexer(nats_server) -> None:
+    rng = random.Random(33)
+    engines, sources = await sim_engines()
     try:
         async with side_by_side(nats_server.url, sources) as pair:
             assert await pair.same("GET", "/workers") == (200, [])
@@ -332,14 +338,7 @@ async def test_a_dynamo_indexer_recovers_from_decides_dump_and_then_answers_as_d
     """`GET /dump` in Dynamo's format: the blocks Dynamo's own dump lists, and a Dynamo indexer started with
     `--peers http://<decide>` (the wheel's recovery) answers every query as decide does."""
     rng = random.Random(34)
-    engines: dict[tuple[int, int], SimulatedEngine] = {}
-    sources = []
-    for instance, ranks in SIM_RANKS.items():
-        pub, replay = engine_endpoints(len(ranks))
-        for rank in ranks:
-            engines[instance, rank] = await SimulatedEngine(pub, replay, dp_rank=rank).__aenter__()
-            sources.append(StreamSource(WorkerId(str(instance), rank), engines[instance, rank].pub_endpoint,
-                                        engines[instance, rank].replay_endpoint, Provenance.NATIVE))
+    engines, sources = await sim_engines()
     try:
         # Dynamo's recovery asks without a token: decide's API is open here (docs/routers.md says so).
         async with side_by_side(nats_server.url, sources, token=None) as pair:

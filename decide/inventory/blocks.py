@@ -19,9 +19,10 @@ import numpy as np
 from kvledger.core.events import Provenance, Tier, WorkerId
 
 from kvledger.decide.compiled import compiled
-from kvledger.decide.inventory.compact import TIERS, entries_of, lookup_rows
+from kvledger.decide.inventory.compact import TIERS, entries_of
 from kvledger.decide.inventory.index import MISSING_ROW, NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, InventoryIndex
 from kvledger.decide.inventory.rows import has_bit
+from kvledger.decide.inventory.table import lookup_rows
 
 _POSITION_OF_TIER = {Tier.DEVICE: NATIVE_DEVICE, Tier.HOST: NATIVE_HOST, Tier.DISK: NATIVE_DISK}
 

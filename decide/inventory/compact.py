@@ -316,15 +316,6 @@ def insert_entries(keys, tags, sequences, parents, local_hashes, new_tags, new_k
         local_hashes[at] = new_locals[item]
 
 
-@_compiled
-def lookup_rows(table_keys, table_rows, table_bits, sequences):
-    """The index's row of each sequence hash (MISSING_ROW for none): one call per event, not a probe per block."""
-    rows = np.empty(sequences.size, dtype=np.int32)
-    for item in range(sequences.size):
-        rows[item] = probe(table_keys, table_rows, table_bits, sequences[item])
-    return rows
-
-
 def entries_of(tags: np.ndarray, first: int, last: int) -> np.ndarray:
     """Positions of the entries whose owner is in [first, last]."""
     owners = tags & _OWNER

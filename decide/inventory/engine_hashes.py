@@ -17,9 +17,10 @@ import numpy as np
 from kvledger.core.events import Provenance, Tier
 
 from kvledger.decide.compiled import compiled
-from kvledger.decide.inventory.compact import TIER_CODE, find_entry, lookup_rows
+from kvledger.decide.inventory.compact import TIER_CODE, find_entry
 from kvledger.decide.inventory.index import MISSING_ROW, NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST, InventoryIndex
 from kvledger.decide.inventory.rows import dense_planes
+from kvledger.decide.inventory.table import lookup_rows
 
 # The native classes, device, host, disk: the tiers `native_holders` answers by.
 NATIVE_TIERS = (NATIVE_DEVICE, NATIVE_HOST, NATIVE_DISK)

@@ -48,9 +48,9 @@ from kvledger.core.reuse import unvouched_names
 from kvledger.runtime.memory import mapped_zeros
 
 from kvledger.decide.inventory.compact import (
-    MAX_SLOTS, NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, lookup_rows, plain_placement, plain_records,
+    MAX_SLOTS, NOT_PLAIN, TIER_CODE, TIERS, CompactInventory, plain_placement, plain_records,
 )
-from kvledger.decide.inventory.table import fill_table
+from kvledger.decide.inventory.table import fill_table, lookup_rows
 from kvledger.decide.inventory.rows import (
     CHANGED, EMPTIED, INLINE, NO_ROOM, PLANES, UNCHANGED, change_bits, change_worker_bits, dense_planes,
     rows_with_bit, spill, spilled_into,

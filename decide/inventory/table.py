@@ -65,9 +65,9 @@ def fill_distinct(keys, table_keys, table_rows, table_bits):
 
 
 @_compiled
-def probe_all(keys, table_keys, table_rows, table_bits):
-    """`probe` of every key: its row, 0 where the table lacks it."""
-    rows = np.empty(keys.size, dtype=np.int64)
-    for item in range(keys.size):
-        rows[item] = probe(table_keys, table_rows, table_bits, keys[item])
+def lookup_rows(table_keys, table_rows, table_bits, sequences):
+    """The row of each sequence hash (`_MISSING_ROW` for none): one call per batch of keys, not a probe per key."""
+    rows = np.empty(sequences.size, dtype=np.int32)
+    for item in range(sequences.size):
+        rows[item] = probe(table_keys, table_rows, table_bits, sequences[item])
     return rows

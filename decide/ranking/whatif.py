@@ -39,7 +39,7 @@ from kvledger.decide.compiled import compiled as _compiled
 from kvledger.decide.inventory.chain import chain_hashes
 from kvledger.decide.inventory.index import CLASSES, InventoryIndex
 from kvledger.decide.inventory.rows import INLINE, PLANES, change_bit, has_bit
-from kvledger.decide.inventory.table import fill_distinct, probe, probe_all
+from kvledger.decide.inventory.table import fill_distinct, lookup_rows, probe
 from kvledger.decide.ranking.cpu import KernelSettings
 from kvledger.decide.ranking.kernels import rank_requests
 
@@ -566,7 +566,7 @@ class StayTimeline:
         # Only rows a request reads matter: a row per distinct hash the requests read, the stays of other hashes
         # left out (a hash table of the requests' hashes, probed by each stay: no sort of either).
         table_keys, table_rows, table_bits, distinct = _table_of(sequence)
-        row_of_stay = probe_all(self.stay_hash, table_keys, table_rows, table_bits)
+        row_of_stay = lookup_rows(table_keys, table_rows, table_bits, self.stay_hash).astype(np.int64)
         wanted = row_of_stay > 0
         rows, slot, plane = row_of_stay[wanted], self.stay_slot[wanted], self.stay_plane[wanted]
         workers = max(worker_count, 1)

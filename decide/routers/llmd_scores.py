@@ -24,7 +24,7 @@ import numpy as np
 from kvledger.core.events import WorkerId
 from kvledger.core.hashing import local_block_hashes, sequence_hashes
 
-from kvledger.decide.inventory.compact import lookup_rows
+from kvledger.decide.inventory.table import lookup_rows
 from kvledger.decide.inventory.index import NATIVE_DEVICE, NATIVE_DISK, NATIVE_HOST
 from kvledger.decide.inventory.rows import dense_planes
 from kvledger.decide.inventory.view import IndexReader
