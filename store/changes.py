@@ -245,6 +245,14 @@ class ChangeBuilder:
             kind = type(fact)
             if kind is BlockStoredFact or kind is BlockRemovedFact:
                 record = fact.record
+                if record.provenance is not owner[1]:
+                    # A store of one provenance resolving the other's placeholders (the fold's
+                    # `_resolve_waiting`) changes that provenance's records: their own index.
+                    owner = (worker, record.provenance)
+                    held = index.get(owner)
+                    if held is None:
+                        held = index[owner] = {}
+                    last_tier = last_place = None
                 if record.tier is not last_tier:
                     last_tier = record.tier
                     tier_held = held.get(last_tier)
@@ -274,7 +282,7 @@ class ChangeBuilder:
             elif kind is InventoryClearedFact:
                 if fact.tier is None:
                     cleared = index.pop((fact.worker, fact.provenance), None) or {}
-                    if fact.worker == worker and fact.provenance is provenance:
+                    if (fact.worker, fact.provenance) == owner:
                         held = index[owner] = {}
                     tiers = _ALL_TIERS
                 else:
