@@ -122,13 +122,13 @@ def test_a_snapshot_keeps_what_is_held_and_the_restored_fold_heals_the_same() ->
     assert inventory(restored) == inventory(fold) == inventory(in_order()) and not restored.is_uncertain(W)
 
 
-def test_a_cleared_inventory_while_waiting_is_applied_in_its_place() -> None:
+def test_a_cleared_inventory_after_a_hole_is_not_held_and_the_late_batch_is_dropped() -> None:
     s = Stream()
     fold = InventoryFold()
     fold.apply_all([s.batch(W, stored([1]), seq=0), s.batch(W, Cleared(), seq=2), s.batch(W, stored([2]), seq=3)])
-    assert [engine for _, engine, _, _ in inventory(fold)] == [1]
-    fold.apply(*s.batch(W, stored([3], parent=1), seq=1))
     assert [engine for _, engine, _, _ in inventory(fold)] == [2] and not fold.is_uncertain(W)
+    assert fold.apply(*s.batch(W, stored([3], parent=1), seq=1)) == []
+    assert fold.counters["late_batch"] == 1 and [engine for _, engine, _, _ in inventory(fold)] == [2]
 
 
 @settings(max_examples=60, deadline=None)
@@ -143,3 +143,17 @@ def test_any_order_of_one_workers_batches_folds_to_the_in_order_inventory(order)
     for seq in order:
         fold.apply(*s.batch(W, *batches[seq], seq=seq))
     assert inventory(fold) == inventory(in_order()) and not fold.is_uncertain(W)
+
+
+def test_a_batch_that_clears_every_tier_ends_the_wait_the_batches_before_it_no_longer_matter() -> None:
+    s = Stream()
+    fold = InventoryFold()
+    fold.apply_all([s.batch(W, stored([1]), seq=0), s.batch(W, stored([2], parent=1), seq=2),
+                    s.batch(W, stored([3], parent=2), seq=3)])
+    assert fold.is_uncertain(W) and [engine for _, engine, _, _ in inventory(fold)] == [1]
+    # seq 5 clears everything: 1 and 4 are not waited for, the held 2 and 3 are dropped, 6 after it applies.
+    fold.apply_all([s.batch(W, stored([6]), seq=6), s.batch(W, Cleared(), stored([5]), seq=5)])
+    assert [engine for _, engine, _, _ in inventory(fold)] == [5, 6] and not fold.is_uncertain(W)
+    assert fold.counters["late_batch"] == 2 and fold.worker_state(W).by_provenance[NATIVE].seq == 6
+    # seq 1 or 4 coming now is late: dropped.
+    assert fold.apply(*s.batch(W, stored([7]), seq=4)) == []

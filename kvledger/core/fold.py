@@ -437,11 +437,12 @@ class InventoryFold:
                 return facts, False
             if batch.seq != own.seq + 1:
                 has_gap = any(type(event) is Gap for event in batch.events)
-                if self.hole_wait_messages > 0 and not has_gap:
+                # A batch that starts by clearing every tier needs nothing before it: it is not held.
+                if self.hole_wait_messages > 0 and not has_gap and not _starts_with_full_clear(batch):
                     return self._hold(state, own, batch, stream_seq, facts), False
                 self._hole(state, own, own.seq + 1, batch, stream_seq, facts)
                 if own.behind_hole is not None:
-                    own.behind_hole.healable = False  # ingest says the seqs are lost: the Gap decides
+                    own.behind_hole.healable = False  # a Gap says the seqs are lost, or a clear made them moot
             if own.behind_hole is not None:
                 own.epoch, own.seq = batch.epoch, batch.seq
                 self._release_behind_hole(state, own, batch.provenance, stream_seq, facts)
@@ -831,6 +832,7 @@ class InventoryFold:
         while held and held[0].seq <= own.seq + 1:
             batch = held.pop(0)
             if batch.seq <= own.seq:
+                self._count(state, "late_batch")  # held behind a batch that made it moot (a Gap, a clear)
                 continue
             own.seq = batch.seq
             self._after.append(batch)
@@ -1008,6 +1010,11 @@ def _holds(own: _ProvenanceState, tier: Tier, sequence_hash: int) -> bool:
         counts = by_group.get(rule.groups[0])
         return counts is not None and counts.get(sequence_hash, 0) > 0
     return rule.holds(lambda group: sequence_hash in by_group.get(group, ()))
+
+
+def _starts_with_full_clear(batch: EventBatch) -> bool:
+    first = batch.events[0] if batch.events else None
+    return type(first) is Cleared and first.tier is None
 
 
 def _starts_with_restart(batch: EventBatch) -> bool:
