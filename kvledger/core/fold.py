@@ -406,7 +406,8 @@ class InventoryFold:
 
         Returns the facts so far (a restart's clear, an uncertainty) and whether the batch's
         events are to be applied (`apply_event`, in order); false for a redelivered, repeated,
-        late or stale batch. decide's index uses the two halves to hold plain workers' records
+        late or stale batch, and for one held back behind a hole. `batches_to_apply` then says
+        which batches to apply: with a hole filled or given up on, the ones it held too. decide's index uses the two halves to hold plain workers' records
         outside the fold.
         """
         if stream_seq <= self.inventory_seq:
@@ -430,7 +431,7 @@ class InventoryFold:
                 own.behind_hole = None
             elif (stream_seq - behind.since >= self.hole_wait_messages or len(behind.held) >= HOLE_MAX_HELD) \
                     and batch.seq > own.seq + 1:
-                self._give_up_hole(state, own, facts)
+                self._give_up_hole(state, own)
         if batch.epoch == own.epoch:
             if batch.seq <= own.seq:
                 self._not_after_last(state, own, batch, stream_seq, facts)
@@ -844,7 +845,7 @@ class InventoryFold:
             own.uncertain_since = None
             facts.append(UncertaintyFact(state.worker, provenance, False, "hole healed", stream_seq))
 
-    def _give_up_hole(self, state: WorkerState, own: _ProvenanceState, facts: list[Fact]) -> None:
+    def _give_up_hole(self, state: WorkerState, own: _ProvenanceState) -> None:
         """The hole was waited for long enough: its held batches are applied now, in order, over the holes;
         the worker stays uncertain, and a missing batch that comes later is late."""
         behind, own.behind_hole = own.behind_hole, None
