@@ -36,7 +36,7 @@ from kvledger.ingest.metrics import IngestMetrics
 from kvledger.ingest.publisher import JetStreamPublisher, Queued, StreamCheckIncomplete
 from kvledger.ingest.replay_client import ReplayClient
 from kvledger.ingest.sequence import Emit, SequenceTracker
-from kvledger.ingest.stream_repair import AckedPositions, LostBatch, Position, plan_repair
+from kvledger.ingest.stream_repair import AckedPositions, LostBatch, LostRun, Loss, Position, Repair, plan_repair
 from kvledger.ingest.subscriber import EngineSubscriber
 from kvledger.ingest.wire import EngineBatch, WireError, decode_payload, split_publisher_frames, well_framed_seq
 from kvledger.core.events import (
@@ -429,22 +429,7 @@ class EngineStream:
             tracker.counters.replays += 1
             tracker.counters.replayed_batches += len(replayed)
         repair = plan_repair(loss, tracker.epoch, replayed, tracker.published, self.positions.gaps_of)
-        queued: list[Queued] = []
-        for item in repair.batches:
-            if isinstance(item, LostBatch):
-                batch = EventBatch(
-                    self.source.worker, item.epoch, item.seq, 0.0, time.time(), self.source.provenance, (item.gap,),
-                )
-                record = encode_batch(batch)
-                metrics.events.inc_each((_kind_of(item.gap),))
-                metrics.gaps.labels(item.gap.reason.value).inc()
-            else:
-                batch, record = self._record(item, queued)  # its dead letters go just before it
-                if item.gaps:
-                    self.positions.note_gaps(item.epoch, item.seq, item.gaps)
-            queued.append(Queued(
-                self._subject, record, batch.msg_id, time.perf_counter(), None, self.positions, batch.epoch, batch.seq,
-            ))
+        queued = self._repair_queue(repair, positions=self.positions)
         metrics.stream_lost.inc(repair.lost)
         metrics.stream_repaired.inc(repair.repaired)
         log.warning(
@@ -476,38 +461,43 @@ class EngineStream:
         if self.replay is not None:
             tracker.counters.replays += 1
             await self._dead_letter_replies()
+        # As the stream check repairs a lost tail: only a batch the engine buffers under that seq and that is
+        # the one published is taken; what it no longer has becomes Gap(stream_lost).
+        repair = plan_repair(Loss((LostRun(request.epoch, request.first, request.end),)), tracker.epoch,
+                             replayed, tracker.published, self.positions.gaps_of)
         publisher, metrics = self._bridge.publisher, self._bridge.metrics
-        lost_from = None
-        for seq in range(request.first, request.end):
-            payload = replayed.get(seq)
-            if payload is None:
-                lost_from = seq if lost_from is None else lost_from
-                if seq < request.end - 1:
-                    continue
-                batch = EventBatch(self.source.worker, request.epoch, seq, 0.0, time.time(), self.source.provenance,
-                                   (Gap(lost_from, seq + 1, GapReason.STREAM_LOST),))
-                record = encode_batch(batch)
-                metrics.gaps.labels(GapReason.STREAM_LOST.value).inc()
-                metrics.refetch_lost.inc(seq + 1 - lost_from)
-                lost_from = None
-            else:
-                if lost_from is not None:  # the run before this seq is lost: said at its last seq
-                    batch = EventBatch(self.source.worker, request.epoch, seq - 1, 0.0, time.time(),
-                                       self.source.provenance, (Gap(lost_from, seq, GapReason.STREAM_LOST),))
-                    await publisher.publish(self._subject, encode_batch(batch), batch.msg_id + suffix)
-                    metrics.gaps.labels(GapReason.STREAM_LOST.value).inc()
-                    metrics.refetch_lost.inc(seq - lost_from)
-                    lost_from = None
-                letters: list[Queued] = []
-                batch, record = self._record(Emit(request.epoch, seq, payload), letters)
-                for letter in letters:
-                    await publisher.publish(letter.subject, letter.payload, letter.msg_id)
-                metrics.refetched.inc()
-            await publisher.publish(self._subject, record, batch.msg_id + suffix)
-        log.warning("%s: fetched seqs %d-%d of epoch %d again for %s (%d from the engine's buffer)", self.name,
-                    request.first, request.end - 1, request.epoch, request.asked_by,
-                    sum(request.first <= seq < request.end for seq in replayed))
+        for item in self._repair_queue(repair, msg_suffix=suffix):
+            await publisher.publish(item.subject, item.payload, item.msg_id)
+        metrics.refetched.inc(repair.repaired)
+        metrics.refetch_lost.inc(repair.lost)
+        log.warning("%s: fetched seqs %d-%d of epoch %d again for %s (%d from the engine's buffer, %d lost)",
+                    self.name, request.first, request.end - 1, request.epoch, request.asked_by, repair.repaired,
+                    repair.lost)
         return "fetched"
+
+    def _repair_queue(self, repair: Repair, *, positions: AckedPositions | None = None,
+                      msg_suffix: str = "") -> list[Queued]:
+        """A repair's batches as messages, in order, each engine batch's dead letters just before it; a lost
+        run's stand-in batch carries only its Gap(stream_lost)."""
+        metrics = self._bridge.metrics
+        queued: list[Queued] = []
+        for item in repair.batches:
+            if isinstance(item, LostBatch):
+                batch = EventBatch(
+                    self.source.worker, item.epoch, item.seq, 0.0, time.time(), self.source.provenance, (item.gap,),
+                )
+                record = encode_batch(batch)
+                metrics.events.inc_each((_kind_of(item.gap),))
+                metrics.gaps.labels(item.gap.reason.value).inc()
+            else:
+                batch, record = self._record(item, queued)  # its dead letters go just before it
+                if item.gaps:
+                    self.positions.note_gaps(item.epoch, item.seq, item.gaps)
+            queued.append(Queued(
+                self._subject, record, batch.msg_id + msg_suffix, time.perf_counter(), None, positions, batch.epoch,
+                batch.seq,
+            ))
+        return queued
 
     def _msg_id(self, epoch: int, seq: int) -> str:
         return EventBatch(self.source.worker, epoch, seq, 0.0, 0.0, self.source.provenance, ()).msg_id
