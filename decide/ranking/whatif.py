@@ -457,7 +457,7 @@ def recorded_outcomes(slot_of, workers: Sequence[WorkerId], sources: np.ndarray,
                       target_prefixes: np.ndarray) -> Outcomes:
     """The recorded decisions' outcomes to judge: sources and targets as places in `workers` (-1: none), their
     slots by `slot_of` (None: not held); tiers as codes in DEVICE, HOST, DISK order (-1 where no source)."""
-    slot_of_place = np.array([_slot_or(slot_of(worker)) for worker in workers] + [NONE], dtype=np.int64)
+    slot_of_place = _slots_by_place(slot_of, workers, NONE).astype(np.int64)
 
     def row(values) -> np.ndarray:
         return np.asarray(values, dtype=np.int64).reshape(1, -1)
@@ -468,7 +468,7 @@ def recorded_outcomes(slot_of, workers: Sequence[WorkerId], sources: np.ndarray,
 
 def _request_slots(slot_of, requests: Requests) -> tuple[np.ndarray, ...]:
     """Targets' and fallbacks' slots (NO_SLOT: not held), whether each request named a target, has a fallback."""
-    slot_of_place = np.array([_slot_or(slot_of(worker)) for worker in requests.workers] + [NO_SLOT], dtype=np.int32)
+    slot_of_place = _slots_by_place(slot_of, requests.workers, NO_SLOT)
     return (slot_of_place[requests.targets], requests.targets >= 0, slot_of_place[requests.fallbacks],
             requests.fallbacks >= 0)
 
@@ -677,8 +677,7 @@ class FoldTimeline:
             if asked:
                 first, stop = asked[0], asked[-1] + 1
                 contiguous = stop - first == len(asked)
-                slot_of_place = np.array([_slot_or(index.slot(worker)) for worker in requests.workers] + [NO_SLOT],
-                                         dtype=np.int32)
+                slot_of_place = _slots_by_place(index.slot, requests.workers, NO_SLOT)
                 target[asked] = slot_of_place[requests.targets[asked]]
                 fallback[asked] = slot_of_place[requests.fallbacks[asked]]
                 if contiguous:
@@ -709,6 +708,12 @@ class FoldTimeline:
                      target, named, fallback, has_fallback, index.table_keys, index.table_rows, index.table_bits,
                      index.holders, index.spilled, index.slots_in_order, index.order_rank, *kernel_settings,
                      *outputs)
+
+
+def _slots_by_place(slot_of, workers: Sequence[WorkerId], none: int) -> np.ndarray:
+    """Each worker's slot by `slot_of` (NO_SLOT where it holds nothing), by its place in `workers`, and `none`
+    last: indexed by a place, -1 (no worker) reads `none`."""
+    return np.array([_slot_or(slot_of(worker)) for worker in workers] + [none], dtype=np.int32)
 
 
 def _slot_or(slot: int | None) -> int:
