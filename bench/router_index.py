@@ -99,9 +99,11 @@ def free_port() -> int:
 class Side:
     """One indexer process, its base URL and how to (re)start it."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], port: int, headers: dict[str, str]) -> None:
+    def __init__(self, name: str, args: list[str], env: dict[str, str], port: int, headers: dict[str, str],
+                 health_port: int | None = None) -> None:
         self.name, self.args, self.env, self.port, self.headers = name, args, env, port, headers
         self.base = f"http://127.0.0.1:{port}"
+        self.health_base = f"http://127.0.0.1:{health_port or port}"  # decide's own port when readers answer
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -126,10 +128,19 @@ class Side:
 
     @property
     def cpu_s(self) -> float:
-        """User and system CPU the process has used (every thread)."""
-        with open(f"/proc/{self.process.pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User and system CPU the process and its children (decide's index readers) have used, every thread."""
+        total = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(entry) == self.process.pid or int(fields[1]) == self.process.pid:
+                total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
 
 
 async def ask(session: aiohttp.ClientSession, side: Side, method: str, path: str, body: object = None) -> tuple[int, object]:
@@ -321,11 +332,14 @@ async def run(args) -> dict:
         ingest_args = [sys.executable, "-m", "kvledger.app.cli", "ingest", "--nats", server.url]
         for number, engine in enumerate(engines):
             ingest_args += ["--endpoint", f"{engine.pub_endpoint},replay={engine.replay_endpoint}", "--publisher", f"w{number}"]
-        decide_port, dynamo_port = free_port(), free_port()
+        decide_port, dynamo_port, readers_port = free_port(), free_port(), free_port()
         decide_env = {**env, "KVLEDGER_DECIDE_HTTP_PORT": str(decide_port), "KVLEDGER_DECIDE_HTTP_HOST": "127.0.0.1",
-                      "KVLEDGER_DECIDE_HTTP_TOKEN": TOKEN, "KVLEDGER_DECIDE_BACKEND": "cpu"}
+                      "KVLEDGER_DECIDE_HTTP_TOKEN": TOKEN, "KVLEDGER_DECIDE_BACKEND": "cpu",
+                      "KVLEDGER_DECIDE_INDEX_READERS": str(args.readers),
+                      "KVLEDGER_DECIDE_INDEX_READERS_PORT": str(readers_port)}
         kvledger = Side("kvledger", [sys.executable, "-m", "kvledger.app.cli", "decide", "--nats", server.url],
-                        decide_env, decide_port, {"Authorization": f"Bearer {TOKEN}"})
+                        decide_env, readers_port if args.readers else decide_port, {"Authorization": f"Bearer {TOKEN}"},
+                        health_port=decide_port)
         dynamo_args = [sys.executable, "-m", "dynamo.indexer", "--port", str(dynamo_port)]
         if args.dynamo_threads:
             dynamo_args += ["--threads", str(args.dynamo_threads)]
@@ -337,6 +351,7 @@ async def run(args) -> dict:
                 for side in sides:
                     side.start()
                 await until(lambda: healthy(session, kvledger, "/readyz"), 300, "decide ready")
+                await until(lambda: healthy(session, kvledger, "/health"), 60, "decide's Dynamo API (its readers')")
                 await until(lambda: healthy(session, dynamo, "/health"), 60, "Dynamo's indexer")
                 rss_before = {side.name: side.rss for side in sides}
                 holdings, pool = held_prompts(args.workers, args.prompts, args.seed)
@@ -366,7 +381,7 @@ async def run(args) -> dict:
 
 
 async def healthy(session: aiohttp.ClientSession, side: Side, path: str) -> bool:
-    async with session.get(side.base + path) as reply:
+    async with session.get((side.health_base if path == "/readyz" else side.base) + path) as reply:
         return reply.status == 200
 
 
@@ -408,6 +423,7 @@ async def restart(args, engines: list[SimulatedEngine], sides: list[Side], sessi
         side.kill()
         side.start()
     await until(lambda: healthy(session, kvledger, "/readyz"), 300, "decide ready again")
+    await until(lambda: healthy(session, kvledger, "/health"), 60, "decide's Dynamo API again")
     await until(lambda: healthy(session, dynamo, "/health"), 60, "Dynamo's indexer again")
     for number, engine in enumerate(engines):
         body = {"instance_id": number + 1, "endpoint": engine.pub_endpoint, "replay_endpoint": engine.replay_endpoint,
@@ -436,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queries", type=int, default=2000, help="distinct query bodies the clients cycle through")
     parser.add_argument("--compared", type=int, default=200, help="queries whose answers are compared first")
     parser.add_argument("--dynamo-threads", type=int, default=0, help="Dynamo's --threads (0: its default)")
+    parser.add_argument("--readers", type=int, default=0,
+                        help="decide's index reader processes (decide.index_readers); the load goes to their port")
     parser.add_argument("--replay-buffer", type=int, default=10_000, help="batches each engine keeps for replay")
     parser.add_argument("--memory", action="store_true", help="build and report memory only, no load")
     parser.add_argument("--restart", action="store_true", help="kill -9 both, restart, report what each kept")

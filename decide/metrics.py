@@ -31,6 +31,11 @@ class DecideMetrics(MetricSet):
         self.refetch_requests = self.counter(
             "kvledger_decide_refetch_requests",
             "Holes mid-stream in KV_EVENTS the index found and asked ingest to fetch again (kvledger.runtime.refetch).")
+        self.reader_queries_passed_on = self.counter(
+            "kvledger_decide_reader_queries_passed_on",
+            "Index queries an index reader passed on to decide (decide busy writing, or its layout unreadable).")
+        self.reader_restarts = self.counter(
+            "kvledger_decide_reader_restarts", "Index reader processes decide started again after one ended.")
         self.undecodable_events = self.counter("kvledger_decide_undecodable_events",
                                                "KV_EVENTS messages that could not be decoded.")
         self.stream_regressions = self.counter(

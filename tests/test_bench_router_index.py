@@ -1,5 +1,6 @@
 """bench/router_index.py at a tiny size: both indexers built from the same engines, compared, loaded at
-two concurrencies, killed and restarted (a smoke test that the benchmark runs, not a measurement)."""
+two concurrencies, killed and restarted, decide alone and with an index reader answering (a smoke test that
+the benchmark runs, not a measurement)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("dynamo.llm", reason="ai-dynamo-runtime is not installed")
 
 
-def test_router_index_runs_at_a_tiny_size(nats_source) -> None:
+@pytest.mark.parametrize("readers", [0, 1], ids=["decide alone", "an index reader"])
+def test_router_index_runs_at_a_tiny_size(nats_source, readers: int) -> None:
     # nats_source: skipped (or failed, services required) where no nats-server is found; the script starts its own.
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "router_index.py"), "--workers", "2", "--prompts", "20", "--chain", "4",
          "--clients", "1,4", "--seconds", "0.3", "--rounds", "2", "--queries", "50", "--compared", "20", "--restart",
-         "--json"],
+         "--readers", str(readers), "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "DYN_LOG": "error"},
     )
     assert done.returncode == 0, done.stderr[-4000:]

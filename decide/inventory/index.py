@@ -24,7 +24,7 @@ since the device last synced are kept as dirty table slots and dirty rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -79,6 +79,17 @@ _MAX_LOAD = 0.5
 _MIN_TABLE_BITS = 10
 
 
+# What the arrays a query reads (table, holders, spilled) are allocated with: process-wide, so that decide can
+# put them in memory its index reader processes map (decide/serving/readers.py).
+_query_array_zeros = mapped_zeros
+
+
+def allocate_query_arrays_with(zeros: Callable) -> None:
+    """Allocate the query arrays of indexes made from now on (and their growth) with `zeros(shape, dtype)`."""
+    global _query_array_zeros
+    _query_array_zeros = zeros
+
+
 def slot_of(key: int, bits: int) -> int:
     return ((key * HASH_MULTIPLIER) & _U64) >> (64 - bits)
 
@@ -123,9 +134,9 @@ class InventoryIndex:
         # table's key that leads to it.
         self.live_rows = 0
         self._rows = _Numbers()  # row 0 is the row of hashes nobody holds: it lists no one
-        self._set_holders(mapped_zeros((1024, INLINE), np.uint32))
+        self._set_holders(_query_array_zeros((1024, INLINE), np.uint32))
         # The bitmask rows of rows with more holders than a row lists (pool row 0 unused).
-        self.spilled = mapped_zeros((16, PLANES, self.words), np.uint64)
+        self.spilled = _query_array_zeros((16, PLANES, self.words), np.uint64)
         self._pool_rows = _Numbers()
         self.table_bits = _MIN_TABLE_BITS
         self._set_table(_MIN_TABLE_BITS)
@@ -358,7 +369,7 @@ class InventoryIndex:
         dense = self._pool_rows.take()
         if dense >= self.spilled.shape[0]:
             # By a quarter: at 1 024 workers a bitmask row is 512 bytes, and few rows spill.
-            grown = mapped_zeros((self.spilled.shape[0] * 5 // 4 + 1, PLANES, self.words), np.uint64)
+            grown = _query_array_zeros((self.spilled.shape[0] * 5 // 4 + 1, PLANES, self.words), np.uint64)
             grown[: self.spilled.shape[0]] = self.spilled
             self.spilled = grown
         spill(self.holders, self.spilled, row, dense)
@@ -503,7 +514,7 @@ class InventoryIndex:
         if slot >= MAX_SLOTS:
             self._promoted.add(slot)  # beyond what an entry's owner field holds: folded as objects
         if len(self.workers) > self.words * 64:
-            grown = mapped_zeros((self.spilled.shape[0], PLANES, self.words * 2), np.uint64)
+            grown = _query_array_zeros((self.spilled.shape[0], PLANES, self.words * 2), np.uint64)
             grown[:, :, : self.words] = self.spilled
             self.words *= 2
             self.spilled = grown
@@ -551,7 +562,7 @@ class InventoryIndex:
     def _new_row(self, sequence_hash: int) -> int:
         row = self._rows.take()
         if row >= self.holders.shape[0]:
-            holders = mapped_zeros((self.holders.shape[0] * 2, INLINE), np.uint32)
+            holders = _query_array_zeros((self.holders.shape[0] * 2, INLINE), np.uint32)
             holders[: self.holders.shape[0]] = self.holders
             self._set_holders(holders)
             self.generation += 1
@@ -590,8 +601,8 @@ class InventoryIndex:
         self._holder_items = memoryview(holders).cast("B").cast("I")
 
     def _set_table(self, bits: int) -> None:
-        self.table_keys = mapped_zeros(1 << bits, np.uint64)
-        self.table_rows = mapped_zeros(1 << bits, np.int32)
+        self.table_keys = _query_array_zeros(1 << bits, np.uint64)
+        self.table_rows = _query_array_zeros(1 << bits, np.int32)
         self.table_rows[:] = EMPTY_ROW
         self._table_key_items = memoryview(self.table_keys).cast("B").cast("Q")
         self._table_row_items = memoryview(self.table_rows).cast("B").cast("i")

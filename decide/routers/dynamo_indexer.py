@@ -320,16 +320,22 @@ def prefix_blocks(table_keys, table_rows, table_bits, holders, spilled, local, w
     One compiled call per query: the request's sequence hashes chained from its local hashes,
     each probed in the index's table, its row's holders read as they are kept (listed or a
     bitmask row); the walk stops at the first block no worker still in its prefix holds.
+
+    Safe on arrays another process is changing (an index reader's, decide/serving/readers.py):
+    a row, pool row or slot past the arrays it was given ends the walk or is passed over
+    instead of read out of bounds; the reader then discards the answer and asks again.
     """
     held = np.zeros((3, worker_count), dtype=np.int64)
     sequence = np.uint64(0)
     for block in range(local.size):
         sequence = local[block] if block == 0 else chain_hash(sequence, local[block])
         row = probe(table_keys, table_rows, table_bits, sequence)
-        if row == 0:
+        if row <= 0 or row >= holders.shape[0]:
             break
         advanced = False
         dense = spilled_row(holders, row)
+        if dense >= spilled.shape[0] or worker_count > spilled.shape[2] * 64:
+            break
         if dense:
             for slot in range(worker_count):
                 word, bit = slot >> 6, np.uint64(slot & 63)
@@ -341,7 +347,8 @@ def prefix_blocks(table_keys, table_rows, table_bits, holders, spilled, local, w
                 entry = holders[row, k]
                 if entry == 0:
                     break
-                advanced |= _extend(held, np.int64(entry >> _FOUR), block, entry & _SEVEN)
+                if np.int64(entry >> _FOUR) < worker_count:
+                    advanced |= _extend(held, np.int64(entry >> _FOUR), block, entry & _SEVEN)
         if not advanced:
             break
     return held
@@ -447,24 +454,28 @@ class DynamoIndexerApi:
         self._index = index
         self.registry = DynamoRegistry()
         self._plans: dict[tuple[str, str], tuple[tuple, PartitionPlan]] = {}
+        self.changed: Callable[[], None] = lambda: None  # told after every registration or its removal
 
     def routes(self, *, max_request_bytes: int, max_query_bytes: int) -> dict[tuple[str, str], Route]:
         """Every path under decide's bearer token except /health, as /healthz; a query takes up to `max_query_bytes`."""
 
-        def route(handler: Callable[[Request], Response], limit: int = max_request_bytes) -> Route:
+        def route(handler: Callable[[Request], Response], limit: int = max_request_bytes, changes: bool = False) -> Route:
             def answer(request: Request) -> Response:
                 try:
                     return handler(request)
                 except Refusal as refusal:
                     return refusal.response
+                finally:
+                    if changes:
+                        self.changed()
             return Route(answer, limit, needs_token=True)  # reads of the index never wait: answered inline
 
         def health(_: Request) -> Response:
             return Response(200, b"")
 
         return {
-            ("POST", "/register"): route(self.register),
-            ("POST", "/unregister"): route(self.unregister),
+            ("POST", "/register"): route(self.register, changes=True),
+            ("POST", "/unregister"): route(self.unregister, changes=True),
             ("GET", "/workers"): route(self.workers),
             ("POST", "/query"): route(self.query, max_query_bytes),
             ("POST", "/query_by_hash"): route(self.query_by_hash, max_query_bytes),

@@ -18,6 +18,8 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -41,6 +43,7 @@ from kvledger.core.settings import Settings
 from kvledger.core.snapshot import StreamPosition
 from kvledger.runtime.http import HttpFront, HttpLimits, Request, Response, Route, health_routes
 from kvledger.runtime.lifetime import AsyncLifetime
+from kvledger.runtime.memory import mapped_zeros
 from kvledger.runtime.nats_options import auth_failure, connect_options, is_auth_error
 from kvledger.runtime.refetch import ask_refetch
 from kvledger.runtime.streams import (
@@ -56,12 +59,15 @@ from kvledger.runtime.backoff import Backoff
 from kvledger.runtime.entry import run_stage
 from kvledger.runtime.system import install_stop_signals
 
-from kvledger.decide.inventory.index import InventoryIndex
+from kvledger.decide.inventory.index import InventoryIndex, allocate_query_arrays_with
 from kvledger.decide.ranking.backend import RankingBackend, choose_backend
 from kvledger.decide.ranking.cpu import compile_kernels
 from kvledger.decide.routers.dynamo_indexer import DynamoIndexerApi
 from kvledger.decide.serving.batching import MicroBatcher
 from kvledger.decide.serving.inflight import InflightLedger, InflightRouting
+from kvledger.decide.serving.readers import (
+    LAYOUT_PATH, IndexSharing, ReaderProcesses, counted, private_socket_path,
+)
 from kvledger.decide.serving.media import (
     MEDIA_TYPES,
     EncodedAnswers,
@@ -153,6 +159,11 @@ class DecideService(AsyncLifetime):
         # requests routed within the TTL (decide/serving/inflight.py).
         self.shadow: ShadowDecisions | None = None
         self.inflight = InflightRouting(InflightLedger(settings.decide.inflight_ttl_ms / 1000))
+        # Index readers (decide/serving/readers.py): the query arrays shared, the readers' processes, decide's
+        # Unix-socket front that answers their layout requests and what they pass on.
+        self.sharing: IndexSharing | None = None
+        self.readers: ReaderProcesses | None = None
+        self._internal_http: HttpFront | None = None
 
     # lifetime
 
@@ -178,6 +189,10 @@ class DecideService(AsyncLifetime):
 
         shadow = shadow_reuse(settings)
         self.shadow = ShadowDecisions(shadow) if shadow is not None else None
+        if settings.decide.index_readers:
+            self.sharing = IndexSharing()
+            allocate_query_arrays_with(self.sharing.arrays.zeros)  # before the index decide answers from is made
+            self.dynamo.changed = lambda: self.sharing.publish(self.index, self.dynamo.registry)
         await self._load_index()
         await self._start_backend()
         await self._follow_events()
@@ -192,6 +207,8 @@ class DecideService(AsyncLifetime):
             token=settings.decide.http_token,
         ).start()
         self.http_port = self._http.port
+        if self.sharing is not None:
+            await self._start_readers(limits)
         log.info("decide: NATS %s and %s; HTTP front, metrics and health on :%d",
                  DECIDE_SUBJECT, DECIDE_BATCH_SUBJECT, self.http_port)
         # --- gRPC front (decide/routers/grpc_front.py): SGLang's KVIndexer and llm-d's IndexerService ---
@@ -217,6 +234,15 @@ class DecideService(AsyncLifetime):
         if self.grpc is not None:  # the gRPC front (decide/routers/grpc_front.py)
             await self.grpc.close()
             self.grpc = None
+        if self.readers is not None:
+            await self.readers.close()
+            self.readers = None
+        if self._internal_http is not None:
+            await self._internal_http.close()
+            self._internal_http = None
+            shutil.rmtree(os.path.dirname(self._internal_http_path), ignore_errors=True)
+        if self.sharing is not None:
+            allocate_query_arrays_with(mapped_zeros)
         if self._events is not None:
             self._subscriptions.append(self._events)
             self._events = None
@@ -240,6 +266,25 @@ class DecideService(AsyncLifetime):
         if self.backend is not None:
             self.backend.close()
         self._stopped.set()
+
+    async def _start_readers(self, limits: HttpLimits) -> None:
+        """decide's Unix-socket front (layout and what readers pass on), then the readers on their shared port."""
+        settings = self.settings.decide
+        routes = self.dynamo.routes(max_request_bytes=settings.http_max_request_bytes,
+                                    max_query_bytes=settings.http_max_batch_bytes)
+        for path in ("/query", "/query_by_hash"):  # a reader passes a query on only when it could not answer
+            routes[("POST", path)] = counted(routes[("POST", path)], self.metrics.reader_queries_passed_on.inc)
+        routes[("GET", LAYOUT_PATH)] = self.sharing.layout_route(lambda: self.index, self.dynamo.registry)
+        self._internal_http_path = private_socket_path()
+        self._internal_http = await HttpFront(routes, "", 0, limits=limits, token=settings.http_token,
+                                              unix_path=self._internal_http_path).start()
+        self.readers = ReaderProcesses(
+            settings.index_readers, host=settings.http_host, port=settings.index_readers_port,
+            socket_path=self._internal_http_path, control=self.sharing.arrays.handle(self.sharing.control),
+            token=settings.http_token, limits=limits, max_request_bytes=settings.http_max_request_bytes,
+            max_query_bytes=settings.http_max_batch_bytes, restarted=self.metrics.reader_restarts.inc)
+        self.readers.start()
+        log.info("decide: %d index readers on :%d", settings.index_readers, settings.index_readers_port)
 
     @property
     def ready(self) -> bool:
@@ -309,6 +354,8 @@ class DecideService(AsyncLifetime):
             log.info("decide: no snapshot in %s that %s still holds; replaying it from the start", SNAPSHOTS_BUCKET, stream)
         if self.backend is not None:
             self.backend.use_index(self.index)
+        if self.sharing is not None:
+            self.sharing.publish(self.index, self.dynamo.registry)
 
     async def _follow_events(self) -> None:
         """Follow KV_EVENTS from the index's seq on with an ordered consumer; ready once at the stream's last seq."""
@@ -407,6 +454,9 @@ class DecideService(AsyncLifetime):
         self._consumer_seq = consumer_seq
         if stream_seq > self._applied.seq:  # a restored consumer may deliver again what the index has
             self._applied = StreamPosition(stream_seq, (msg.headers or {}).get(MSG_ID_HEADER, ""))
+        sharing = self.sharing
+        if sharing is not None:
+            sharing.begin_write()  # index readers keep no answer given while the index changes
         try:
             batch = decode_batch(msg.data)
         except RecordError as error:
@@ -416,10 +466,17 @@ class DecideService(AsyncLifetime):
             log.warning("decide: KV_EVENTS seq %d undecodable (%s); skipped", stream_seq, error)
             self.index.skip(stream_seq)
         else:
-            self.index.apply(batch, stream_seq)
+            try:
+                self.index.apply(batch, stream_seq)
+            finally:
+                if sharing is not None:
+                    sharing.end_write(self.index, self.dynamo.registry)
+                    sharing = None
             holes = self.index.take_holes()
             if holes and self._nc is not None:
                 self.metrics.refetch_requests.inc(await ask_refetch(self._nc, holes, "decide"))
+        if sharing is not None:
+            sharing.end_write(self.index, self.dynamo.registry)
         self.metrics.inventory_lag.set(metadata.num_pending)
         self._report_index()
         self._check_warm()

@@ -440,6 +440,15 @@ class DecideSettings:
         True, "Record each request (its local hashes, block size, target, fallback) with its answer in "
         "KV_DECISIONS, which `kvledger replay` re-answers; off saves about a tenth of the batched rate.",
     )
+    index_readers: int = _setting(
+        0, "Processes that answer Dynamo's indexer API on decide.index_readers_port beside decide, from its index "
+        "in shared memory (queries answered there, registrations passed on to decide; docs/routers.md); 0 = off. "
+        "Linux only.", rule=_between(0, 64),
+    )
+    index_readers_port: int = _setting(
+        9104, "Port the index readers share (on decide.http_host; 0 is refused: the readers must share one port).",
+        rule=_between(1, 65535),
+    )
     grpc_listen: str | None = _setting(
         None, "host:port of decide's gRPC front, serving SGLang's KVIndexer and llm-d's IndexerService from the "
         "index (docs/routers.md); unset = off.", rule=_Rule(lambda value: "must not be empty" if value == "" else None),

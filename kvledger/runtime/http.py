@@ -153,12 +153,15 @@ class HttpFront:
 
     def __init__(
         self, router: Router, host: str, port: int, *, limits: HttpLimits = HttpLimits(), token: str | None = None,
+        reuse_port: bool = False, unix_path: str | None = None,
     ) -> None:
         if token is not None and not token:
             raise ValueError("an empty bearer token would accept an empty Authorization header")
         self.router = dict(router)
         self.paths = {path for _, path in self.router}
         self._host, self._requested_port = host, port
+        self._reuse_port = reuse_port  # several processes listening on one port (decide's index readers)
+        self._unix_path = unix_path  # a Unix socket instead of host and port
         self.limits = limits
         self.expected = f"Bearer {token}" if token is not None else None
         self._server: asyncio.Server | None = None
@@ -170,10 +173,15 @@ class HttpFront:
 
     async def start(self) -> HttpFront:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), self._host, self._requested_port,
-                                                reuse_address=True, backlog=4096)
-        self.address = self._server.sockets[0].getsockname()[:2]  # (host, port) as bound
-        self.port = self.address[1]
+        if self._unix_path is not None:
+            self._server = await loop.create_unix_server(lambda: _Connection(self), self._unix_path, backlog=4096)
+            self.address = (self._unix_path,)
+        else:
+            self._server = await loop.create_server(lambda: _Connection(self), self._host, self._requested_port,
+                                                    reuse_address=True, reuse_port=self._reuse_port or None,
+                                                    backlog=4096)
+            self.address = self._server.sockets[0].getsockname()[:2]  # (host, port) as bound
+            self.port = self.address[1]
         self._sweeper = asyncio.create_task(self._sweep(), name="http-front-timeouts")
         return self
 
