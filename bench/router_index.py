@@ -88,6 +88,16 @@ def resident_bytes(pid: int) -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def proportional_bytes(pid: int) -> int:
+    """The process's proportional set size: its own pages, and a share of each page it maps with others (the
+    index arrays decide shares with its readers count once over them all)."""
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        for line in rollup:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def free_port() -> int:
     import socket
 
@@ -126,10 +136,9 @@ class Side:
     def rss(self) -> int:
         return resident_bytes(self.process.pid)
 
-    @property
-    def cpu_s(self) -> float:
-        """User and system CPU the process and its children (decide's index readers) have used, every thread."""
-        total = 0
+    def _family(self) -> dict[int, list[str]]:
+        """The process and its children (decide's index readers): their /proc stat fields by pid."""
+        found = {}
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -139,8 +148,19 @@ class Side:
             except OSError:
                 continue
             if int(entry) == self.process.pid or int(fields[1]) == self.process.pid:
-                total += int(fields[11]) + int(fields[12])
-        return total / os.sysconf("SC_CLK_TCK")
+                found[int(entry)] = fields
+        return found
+
+    @property
+    def cpu_s(self) -> float:
+        """User and system CPU the process and its children have used, every thread."""
+        return sum(int(fields[11]) + int(fields[12]) for fields in self._family().values()) / os.sysconf("SC_CLK_TCK")
+
+    @property
+    def family_pss(self) -> tuple[int, int]:
+        """(processes, their proportional set sizes summed): the memory they take together."""
+        family = self._family()
+        return len(family), sum(proportional_bytes(pid) for pid in family)
 
 
 async def ask(session: aiohttp.ClientSession, side: Side, method: str, path: str, body: object = None) -> tuple[int, object]:
@@ -363,6 +383,10 @@ async def run(args) -> dict:
                 report["memory"] = {name: {"rss_bytes": rss_after[name], "bytes_per_residency":
                                            (rss_after[name] - rss_before[name]) / residencies} for name in rss_after}
                 report["memory"]["ratio_rss"] = rss_after["kvledger"] / rss_after["dynamo"]
+                if args.readers:
+                    processes, pss = kvledger.family_pss
+                    report["memory"]["kvledger"].update(processes=processes, pss_bytes_together=pss)
+                    report["memory"]["ratio_pss_together"] = pss / proportional_bytes(dynamo.process.pid)
                 bodies = query_bodies(args, pool, args.queries)
                 report["matched_tokens"] = await same_answers(sides, session, bodies[: args.compared])
                 if not args.memory:
@@ -475,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name}: RSS {memory[name]['rss_bytes'] / 2**20:.0f} MiB, "
                   f"{memory[name]['bytes_per_residency']:.1f} B per residency")
         print(f"  RSS kvledger / Dynamo {memory['ratio_rss']:.2f}x")
+        if "pss_bytes_together" in memory["kvledger"]:
+            print(f"  kvledger's {memory['kvledger']['processes']} processes together (decide and its readers, "
+                  f"proportional set size): {memory['kvledger']['pss_bytes_together'] / 2**20:.0f} MiB, "
+                  f"{memory['ratio_pss_together']:.2f}x Dynamo's")
         if "restart" in report:
             for name, kept in report["restart"].items():
                 print(f"  after kill -9 and restart, {name} answers {kept['kept']:.0%} of the tokens it matched before")

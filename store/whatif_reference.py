@@ -714,41 +714,80 @@ class Stays:
         return self.placement.size
 
 
-def stays_of(connection: sa.Connection, first_seq: int, last_seq: int) -> Stays:
+@attrs.frozen(eq=False)
+class StayTables:
+    """What `stays_of` reads in bulk, before it knows the window: the local placements and the integer columns of
+    their stays and removal runs (`stay_tables`)."""
+
+    rows: list  # (placement_id, publisher, dp_rank, provenance, tier) of each local placement
+    read_up_to: int | None  # the stays and removals stored after it were not read (None: all were)
+    stays: list[np.ndarray]  # placement_id, sequence_hash, stored_seq, slot
+    removals: list[np.ndarray]  # placement_id, stored_seq, first_slot, last_slot, removed_seq
+    covers: int | None = None  # every stay stored at or before it was read (None: not known)
+
+
+def stay_tables(connection: sa.Connection, last_seq: int | None = None) -> StayTables:
+    """The local placements, and their stays and removal runs stored at or before `last_seq` (None: all), as
+    int64 columns (SQLite: one `group_concat` text per column, parsed by numpy, the stays read off
+    `ix_stays_sequence_hash`, whose entries carry the table's key; PostgreSQL: `COPY … (FORMAT binary)` read as
+    one numpy record array). Known the window or not: `kvledger replay` reads them while it reads the window."""
+    rows = connection.exec_driver_sql(
+        "SELECT placement_id, publisher, dp_rank, provenance, tier FROM placements ORDER BY placement_id").all()
+    rows = [tuple(row) for row in rows if row[4] in _LOCAL_TIERS]
+    ids = np.array([row[0] for row in rows], dtype=np.int64)
+    removals = ("placement_id", "stored_seq", "first_slot", "last_slot", "removed_seq")
+    if not rows:
+        empty = np.zeros(0, dtype=np.int64)
+        return StayTables(rows, last_seq, [empty] * 4, [empty] * 5)
+    if connection.dialect.name == "postgresql":
+        local = f"placement_id IN ({', '.join(str(int(value)) for value in ids)})"
+        if last_seq is not None:
+            local += f" AND stored_seq <= {int(last_seq)}"
+        stays = _copied(connection, "block_stays", ("placement_id", "sequence_hash", "stored_seq", "slot"), local)
+        runs = _copied(connection, "block_removals", removals, local)
+    else:
+        # Off `ix_stays_sequence_hash`, whose entries carry every column read but the two rarely set (stays_of), and
+        # unfiltered: SQLite spends more per row testing a WHERE than numpy does.
+        stays = _concatenated(connection, "block_stays INDEXED BY ix_stays_sequence_hash",
+                              ("placement_id", "sequence_hash", "stored_seq", "slot"))
+        runs = _concatenated(connection, "block_removals", removals)
+        wanted = np.isin(stays[0], ids)
+        if last_seq is not None:
+            wanted &= stays[2] <= int(last_seq)
+        stays = [column[wanted] for column in stays]
+        wanted = np.isin(runs[0], ids)
+        if last_seq is not None:
+            wanted &= runs[1] <= int(last_seq)
+        runs = [column[wanted] for column in runs]
+    return StayTables(rows, last_seq, stays, runs)
+
+
+def stays_of(connection: sa.Connection, first_seq: int, last_seq: int, tables: StayTables | None = None) -> Stays:
     """`replay_stays`' rows (every stay on a local tier open at some seq of [first_seq, last_seq]) as `Stays`.
 
     The `block_residency` view joins every stay to its placement and its removal run a row at a time, and a
     driver's row costs a Python tuple and an int per column. Here `placements`, `block_stays` and
-    `block_removals` are read apiece, their integer columns in bulk (SQLite: one `group_concat` text per column,
-    parsed by numpy, the stays read off `ix_stays_sequence_hash`, whose entries carry the table's key; PostgreSQL:
-    `COPY … (FORMAT binary)` read as one numpy record array), and each stay is matched to its removal run (same
-    placement and stored seq, first_slot <= slot <= last_slot) by a binary search in numpy. A conflict_since is
-    read for retained placements only: it ends nothing else (kvledger/core/precedence.py, rule 1)."""
-    rows = connection.exec_driver_sql(
-        "SELECT placement_id, publisher, dp_rank, provenance, tier FROM placements ORDER BY placement_id").all()
-    rows = [row for row in rows if row[4] in _LOCAL_TIERS]
+    `block_removals` are read apiece, their integer columns in bulk (`stay_tables`, or `tables` read so
+    before), and each stay is matched to its removal run (same placement and stored seq, first_slot <= slot <=
+    last_slot) by a binary search in numpy. A conflict_since is read for retained placements only: it ends
+    nothing else (kvledger/core/precedence.py, rule 1)."""
+    if tables is None:
+        tables = stay_tables(connection, last_seq)
+    rows = tables.rows
     placements = tuple((publisher, dp_rank, provenance, tier) for _, publisher, dp_rank, provenance, tier in rows)
     ids = np.array([row[0] for row in rows], dtype=np.int64)
     empty = np.zeros(0, dtype=np.int64)
     if not rows:
         return Stays(placements, empty, empty, empty, empty, empty)
-    local = f"placement_id IN ({', '.join(str(int(value)) for value in ids)}) AND stored_seq <= {int(last_seq)}"
-    removals = ("placement_id", "stored_seq", "first_slot", "last_slot", "removed_seq")
-    if connection.dialect.name == "postgresql":
-        pid, hashes, stored, slot = _copied(connection, "block_stays", ("placement_id", "sequence_hash", "stored_seq",
-                                                                        "slot"), local)
-        r_pid, r_stored, r_first, r_last, r_removed = _copied(connection, "block_removals", removals, local)
-    else:
-        # Off `ix_stays_sequence_hash`, whose entries carry every column read but the two rarely set (below), and
-        # unfiltered: SQLite spends more per row testing a WHERE than numpy does.
-        pid, hashes, stored, slot = _concatenated(connection, "block_stays INDEXED BY ix_stays_sequence_hash",
-                                                  ("placement_id", "sequence_hash", "stored_seq", "slot"))
-        r_pid, r_stored, r_first, r_last, r_removed = _concatenated(connection, "block_removals", removals)
-        wanted = np.isin(pid, ids) & (stored <= int(last_seq))
+    pid, hashes, stored, slot = tables.stays
+    r_pid, r_stored, r_first, r_last, r_removed = tables.removals
+    if tables.read_up_to != last_seq:  # read unbounded, or for another window
+        wanted = stored <= int(last_seq)
         pid, hashes, stored, slot = pid[wanted], hashes[wanted], stored[wanted], slot[wanted]
-        wanted = np.isin(r_pid, ids) & (r_stored <= int(last_seq))
+        wanted = r_stored <= int(last_seq)
         r_pid, r_stored, r_first, r_last, r_removed = (column[wanted] for column in
                                                        (r_pid, r_stored, r_first, r_last, r_removed))
+    local = f"placement_id IN ({', '.join(str(int(value)) for value in ids)}) AND stored_seq <= {int(last_seq)}"
     # The stays an unresolved parent keeps out of the index, and retained stays' conflicts: rare, NULL otherwise.
     retained = {int(pid) for pid, row in zip(ids, rows) if row[3] == Provenance.RETAINED.value}
     flagged = connection.exec_driver_sql(

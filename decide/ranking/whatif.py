@@ -26,7 +26,9 @@ clock stands still.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 import numpy as np
@@ -273,6 +275,21 @@ def judge_on_stays(change_bounds, change_rows, change_planes, change_slots, chan
         if stop > first:
             judge_outcomes(items[first:stop], sequence, offsets, source, tier, source_from, source_to, target,
                            target_to, table_keys, table_rows, table_bits, holders, spilled, stale, lost)
+
+
+def _in_parallel(work: Callable[[slice], None], rows: int) -> None:
+    """`work` over `rows` split into one contiguous group per core (at most one group per row), the groups in
+    threads: the kernels release the GIL, so a sweep of settings ranks on every core."""
+    groups = min(rows, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    bounds = [rows * group // max(groups, 1) for group in range(groups + 1)]
+    slices = [slice(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
+    if len(slices) <= 1:
+        for group in slices:
+            work(group)
+        return
+    with ThreadPoolExecutor(len(slices), thread_name_prefix="whatif") as pool:
+        for done in [pool.submit(work, group) for group in slices]:
+            done.result()
 
 
 def _table_of(sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -593,10 +610,21 @@ class StayTimeline:
         present = np.searchsorted(self.firsts, points, "right").astype(np.int64)
         orders, order_ranks = self._orders()
         answers = _empty_answers(len(settings), count)
-        answer_on_stays(change_bounds, change_row, change_plane, change_slot, change_wanted, request_bounds,
-                        present, orders, order_ranks, local, offsets, requests.block_sizes[order], target, named,
-                        fallback, has_fallback, table_keys, table_rows, table_bits, holders, spilled,
-                        *_settings_arrays(settings), *attrs.astuple(answers, recurse=False))
+        outputs = attrs.astuple(answers, recurse=False)
+        kernel_settings = _settings_arrays(settings)
+        block_sizes = requests.block_sizes[order]
+        held_rows = keys // PLANES // workers
+
+        def rank(group: slice) -> None:
+            # A group of settings on rows of its own (the pass changes them); outputs are its rows of the answers.
+            group_holders, group_spilled = (holders, spilled) if group.start == 0 else _rows(distinct, held_rows,
+                                                                                             workers)
+            answer_on_stays(change_bounds, change_row, change_plane, change_slot, change_wanted, request_bounds,
+                            present, orders, order_ranks, local, offsets, block_sizes, target, named, fallback,
+                            has_fallback, table_keys, table_rows, table_bits, group_holders, group_spilled,
+                            *(values[group] for values in kernel_settings), *(values[group] for values in outputs))
+
+        _in_parallel(rank, len(settings))
         back = np.empty(count, dtype=np.int64)
         back[order] = np.arange(count)
         answers = Answers(*(array[:, back] for array in attrs.astuple(answers, recurse=False)))
@@ -611,13 +639,17 @@ class StayTimeline:
         change_bounds, change_row, change_plane, change_slot, change_wanted = _changes(
             keys, start, end, horizon_points, workers, PLANES)
         item_bounds = np.append(np.searchsorted(horizons[items], horizon_points, "left"), items.size).astype(np.int64)
-        holders, spilled = _rows(distinct, keys // PLANES // workers, workers)
-        outcomes = Outcomes.of(recorded, answers)
-        judged = Judged(np.full(outcomes.source.shape, _UNJUDGED, np.int8), np.full(outcomes.source.shape, _UNJUDGED,
-                                                                                    np.int8))
-        judge_on_stays(change_bounds, change_row, change_plane, change_slot, change_wanted, item_bounds, items,
-                       sequence, requests.offsets, *attrs.astuple(outcomes, recurse=False), table_keys, table_rows,
-                       table_bits, holders, spilled, judged.stale, judged.lost)
+        held_rows = keys // PLANES // workers
+        outcomes = attrs.astuple(Outcomes.of(recorded, answers), recurse=False)
+        judged = Judged(np.full(outcomes[0].shape, _UNJUDGED, np.int8), np.full(outcomes[0].shape, _UNJUDGED, np.int8))
+
+        def judge(group: slice) -> None:
+            holders, spilled = _rows(distinct, held_rows, workers)
+            judge_on_stays(change_bounds, change_row, change_plane, change_slot, change_wanted, item_bounds, items,
+                           sequence, requests.offsets, *(values[group] for values in outcomes), table_keys,
+                           table_rows, table_bits, holders, spilled, judged.stale[group], judged.lost[group])
+
+        _in_parallel(judge, outcomes[0].shape[0])
         return answers, judged
 
     def _orders(self) -> tuple[np.ndarray, np.ndarray]:

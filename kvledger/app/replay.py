@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import contextlib
 import math
 import sys
 from pathlib import Path
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 import numpy as np
@@ -178,17 +180,46 @@ def replay(connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon
     """`store.whatif_reference.replay`'s report, from SQL, answered by decide's kernels in a batch per inventory seq."""
     from kvledger.store.whatif_reference import read_columns, stays_of, workers_of
 
-    window = read_columns(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts)
+    with _stays_read_beside(connection, from_ts, to_ts) as prefetched:
+        window = read_columns(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts)
     timeline = None
     if len(window.decisions):  # an empty window loads no kernel and reads no stay
         from kvledger.decide.ranking.whatif import StayTimeline
 
-        stays = stays_of(connection, window.first_seq, window.last_seq)
+        tables = prefetched.result() if prefetched is not None else None
+        if tables is not None and tables.covers < window.last_seq:  # events projected since: read them again
+            tables = None
+        stays = stays_of(connection, window.first_seq, window.last_seq, tables)
         timeline = StayTimeline.of_stays(workers_of(connection), stays.placements, stays.placement,
                                          stays.sequence_hash, stays.stored_seq, stays.removed_seq,
                                          stays.conflict_since)
     return _report((from_ts, to_ts), horizon_s, "sql", window.decisions, settings, placed, timeline,
                    window.unreplayable)
+
+
+@contextlib.contextmanager
+def _stays_read_beside(connection, from_ts: float, to_ts: float):
+    """A file-backed SQLite ledger's stay tables (`store.whatif_reference.stay_tables`), read on a connection of
+    their own in a thread while the caller reads the window: SQLite builds their texts without the GIL. Yields
+    a future of the tables, with every stay stored at or before their `covers` (the events projected before
+    they were read), or None where the database is not one SQLite file (an in-memory one is this connection's
+    alone; PostgreSQL reads the stays the window needs, by seq)."""
+    engine = connection.engine
+    if engine.dialect.name != "sqlite" or engine.url.database in (None, "", ":memory:") or connection.exec_driver_sql(
+            "SELECT 1 FROM decisions WHERE decided_ts >= ? AND decided_ts < ? LIMIT 1",
+            (max(from_ts, -1e18), min(to_ts, 1e18))).first() is None:  # an empty window reads no stay
+        yield None
+        return
+
+    def read():
+        from kvledger.store.whatif_reference import stay_tables
+
+        with engine.connect() as own:
+            covered = own.exec_driver_sql("SELECT MAX(stream_seq) FROM event_log").scalar() or 0
+            return attrs.evolve(stay_tables(own), covers=covered)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="replay-stays") as pool:
+        yield pool.submit(read)
 
 
 async def replay_stream(js, streams, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
