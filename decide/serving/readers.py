@@ -49,7 +49,9 @@ from kvledger.runtime.http import HttpFront, HttpLimits, Request, Response, Rout
 from kvledger.runtime.memory import SharedArrayGone, SharedArrays, SharedHandle, map_shared
 
 from kvledger.decide.inventory.index import InventoryIndex
-from kvledger.decide.routers.dynamo_indexer import DynamoIndexerApi, DynamoRegistry, Listener, Registration
+from kvledger.decide.routers.dynamo_indexer import (
+    DynamoIndexerApi, DynamoRegistry, Listener, Registration, registered_prefixes,
+)
 
 log = logging.getLogger("kvledger.decide.readers")
 
@@ -295,7 +297,7 @@ class IndexReplica:
     """A reader's view of decide's index: the layout it mapped, refreshed when decide's version moves."""
 
     def __init__(self, control: np.ndarray, fetch: Callable[[], IndexLayout]) -> None:
-        self.control = control
+        self.control = memoryview(control).cast("B").cast("q")  # an item read as a Python int: cheaper than numpy's
         self._fetch = fetch
         self.version = -1
         self.index: MappedIndex | None = None
@@ -317,13 +319,13 @@ class IndexReplica:
         control = self.control
         deadline = None
         while True:
-            begin = int(control[0])
+            begin = control[0]
             if not begin & 1:
-                if int(control[1]) != self.version:
+                if control[1] != self.version:
                     self.refresh()
                     continue
                 response = answer()
-                if int(control[0]) == begin:
+                if control[0] == begin:
                     return response
             now = time.monotonic()
             if deadline is None:
@@ -422,6 +424,12 @@ async def _serve(config: dict) -> None:
     control = map_shared(SharedHandle(**{**config["control"], "shape": tuple(config["control"]["shape"])}))
     replica = IndexReplica(control, lambda: fetch_layout(config["socket"], token))
     api = ReaderApi(replica, config["socket"])
+    with contextlib.suppress(SharedArrayGone, OSError):  # decide not ready yet: the first query compiles instead
+        replica.refresh()
+        index = replica.index
+        # The walk on read-only arrays is a specialisation of its own: compiled (or loaded) before the first query.
+        registered_prefixes(index.table_keys, index.table_rows, index.table_bits, index.holders, index.spilled,
+                            np.zeros(1, dtype=np.uint64), len(index.workers), np.zeros(0, dtype=np.int64))
     limits = HttpLimits(idle_timeout_s=config["idle_timeout_s"], body_timeout_s=config["body_timeout_s"])
     front = await HttpFront(api.routes(max_request_bytes=config["max_request_bytes"],
                                        max_query_bytes=config["max_query_bytes"]),
