@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from kvledger.decide.serving.service import DecideService
+from kvledger.decide.startup import StartupError
 from kvledger.ingest.bridge import Bridge
 from engines import wait_until
 from pipeline import pipeline_settings
@@ -180,3 +181,12 @@ async def test_readers_end_with_a_killed_decide(nats_server) -> None:
         if decide.poll() is None:
             decide.kill()
             decide.wait()
+
+
+async def test_a_readers_port_equal_to_decides_own_is_refused(nats_server) -> None:
+    [port] = free_ports(1)
+    settings = pipeline_settings(nats_server.url, "sqlite://", **{
+        "decide.backend": "cpu", "decide.index_readers": 1, "decide.index_readers_port": port, "decide.http_port": port})
+    with pytest.raises(StartupError, match="decide.index_readers_port must differ from decide.http_port"):
+        async with DecideService(settings):
+            pass

@@ -190,6 +190,11 @@ class DecideService(AsyncLifetime):
         shadow = shadow_reuse(settings)
         self.shadow = ShadowDecisions(shadow) if shadow is not None else None
         if settings.decide.index_readers:
+            if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+                raise StartupError("decide.index_readers needs Linux (memfd and /proc); set it to 0 here")
+            if settings.decide.index_readers_port == settings.decide.http_port:
+                raise StartupError("decide.index_readers_port must differ from decide.http_port "
+                                   f"({settings.decide.http_port}): the readers share a port of their own")
             self.sharing = IndexSharing()
             allocate_query_arrays_with(self.sharing.arrays.zeros)  # before the index decide answers from is made
             self.dynamo.changed = lambda: self.sharing.publish(self.index, self.dynamo.registry)
