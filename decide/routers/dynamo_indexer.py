@@ -18,6 +18,7 @@ These queries are reads of the index, not decisions: nothing is recorded in KV_D
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Mapping
 from typing import Annotated
 from urllib.parse import parse_qsl
@@ -27,7 +28,7 @@ import msgspec
 import numpy as np
 
 from kvledger.core.events import Tier, WorkerId, validate_publisher
-from kvledger.core.hashing import local_block_hashes
+from kvledger.core.hashing import block_seed, local_block_hashes
 from kvledger.runtime.http import Request, Response, Route
 
 from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined
@@ -36,6 +37,7 @@ from kvledger.decide.inventory.chain import chain_hash
 from kvledger.decide.inventory.index import InventoryIndex
 from kvledger.decide.inventory.rows import spilled_row
 from kvledger.decide.inventory.table import probe
+from kvledger.decide.inventory.token_hashes import MAX_BLOCK_TOKENS, token_block_hashes
 from kvledger.decide.inventory.view import IndexReader
 
 JSON = "application/json"
@@ -44,6 +46,8 @@ U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec reads no integer past 2**64 - 1
 I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 _U64_MASK = (1 << 64) - 1
+_PLAIN_SEED = np.uint64(block_seed(None))
+_U32 = "I" if array("I").itemsize == 4 else "L"  # the array typecode of a 4-byte unsigned int here
 _ONE, _TWO, _FOUR, _SEVEN = np.uint64(1), np.uint64(2), np.uint32(4), np.uint32(7)
 
 
@@ -518,8 +522,14 @@ class DynamoIndexerApi:
         body = decode_body(request, QueryRequest)
         index = self._index()
         plan = self._plan(body.model_name, body.routing_group, index)
-        local = local_block_hashes(body.token_ids, plan.block_size, lora_name=body.lora_name, cache_salt=body.cache_salt)
-        return Response(200, score_response(plan, index, np.array(local, dtype=np.uint64)), JSON)
+        if body.cache_salt or plan.block_size > MAX_BLOCK_TOKENS:
+            local = np.array(local_block_hashes(body.token_ids, plan.block_size, lora_name=body.lora_name,
+                                                cache_salt=body.cache_salt), dtype=np.uint64)
+        else:  # every block hashed in one compiled call (the tokens are in range: decoded as U32)
+            seed = _PLAIN_SEED if body.lora_name is None else np.uint64(block_seed(body.lora_name))
+            local = token_block_hashes(np.frombuffer(array(_U32, body.token_ids), dtype=np.uint32), plan.block_size,
+                                       seed)
+        return Response(200, score_response(plan, index, local), JSON)
 
     def query_by_hash(self, request: Request) -> Response:
         body = decode_body(request, QueryByHashRequest)
