@@ -459,9 +459,6 @@ class DecideService(AsyncLifetime):
         self._consumer_seq = consumer_seq
         if stream_seq > self._applied.seq:  # a restored consumer may deliver again what the index has
             self._applied = StreamPosition(stream_seq, (msg.headers or {}).get(MSG_ID_HEADER, ""))
-        sharing = self.sharing
-        if sharing is not None:
-            sharing.begin_write()  # index readers keep no answer given while the index changes
         try:
             batch = decode_batch(msg.data)
         except RecordError as error:
@@ -469,22 +466,32 @@ class DecideService(AsyncLifetime):
             # counted and passed over rather than stopping the index.
             self.metrics.undecodable_events.inc()
             log.warning("decide: KV_EVENTS seq %d undecodable (%s); skipped", stream_seq, error)
-            self.index.skip(stream_seq)
-        else:
-            try:
+            batch = None
+        with self._index_written():
+            if batch is None:
+                self.index.skip(stream_seq)
+            else:
                 self.index.apply(batch, stream_seq)
-            finally:
-                if sharing is not None:
-                    sharing.end_write(self.index, self.dynamo.registry)
-                    sharing = None
+        if batch is not None:
             holes = self.index.take_holes()
             if holes and self._nc is not None:
                 self.metrics.refetch_requests.inc(await ask_refetch(self._nc, holes, "decide"))
-        if sharing is not None:
-            sharing.end_write(self.index, self.dynamo.registry)
         self.metrics.inventory_lag.set(metadata.num_pending)
         self._report_index()
         self._check_warm()
+
+    @contextlib.contextmanager
+    def _index_written(self):
+        """Around every change to the index: index readers keep no answer given while it changes."""
+        sharing = self.sharing
+        if sharing is None:
+            yield
+            return
+        sharing.begin_write()
+        try:
+            yield
+        finally:
+            sharing.end_write(self.index, self.dynamo.registry)
 
     def _report_index(self) -> None:
         """The index gauges, from startup on: after a warm start they must not read 0."""
