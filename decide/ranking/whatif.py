@@ -238,19 +238,20 @@ def _copy_answers(ranked, first, setting, items, how, out_target, out_how, out_r
 
 
 @_compiled
-def answer_on_stays(change_bounds, change_rows, change_planes, change_slots, change_wanted, request_bounds,
-                    present, orders, order_ranks, local, offsets, block_sizes, targets, named, fallbacks, has_fallback,
-                    table_keys, table_rows, table_bits, holders, spilled,
+def answer_on_stays(rank_from, rank_to, change_bounds, change_rows, change_planes, change_slots, change_wanted,
+                    request_bounds, present, orders, order_ranks, local, offsets, block_sizes, targets, named,
+                    fallbacks, has_fallback, table_keys, table_rows, table_bits, holders, spilled,
                     weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us,
                     gpu_block_us, out_target, out_how, out_reason, out_baseline, out_target_prefix, out_source,
                     out_tier, out_prefix, out_transfer, out_saving):
-    """One pass over the inventory seqs in order: apply the seq's changes to the rows, rank its requests."""
-    for point in range(change_bounds.size - 1):
+    """One pass over the inventory seqs in order: apply the seq's changes to the rows, rank its requests; the
+    requests of the points [rank_from, rank_to) only (the changes before them applied all the same)."""
+    for point in range(rank_to):
         for change in range(change_bounds[point], change_bounds[point + 1]):
             change_bit(holders, spilled, change_rows[change], change_planes[change], change_slots[change],
                        change_wanted[change])
         first, stop = request_bounds[point], request_bounds[point + 1]
-        if stop == first:
+        if stop == first or point < rank_from:
             continue
         workers = present[point]
         answer_batch(first, stop, workers, local, offsets, block_sizes, targets, named, fallbacks, has_fallback,
@@ -277,18 +278,40 @@ def judge_on_stays(change_bounds, change_rows, change_planes, change_slots, chan
                            target_to, table_keys, table_rows, table_bits, holders, spilled, stale, lost)
 
 
-def _in_parallel(work: Callable[[slice], None], rows: int) -> None:
-    """`work` over `rows` split into one contiguous group per core (at most one group per row), the groups in
-    threads: the kernels release the GIL, so a sweep of settings ranks on every core."""
-    groups = min(rows, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    bounds = [rows * group // max(groups, 1) for group in range(groups + 1)]
-    slices = [slice(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
-    if len(slices) <= 1:
-        for group in slices:
-            work(group)
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _groups(rows: int, parts: int) -> list[slice]:
+    """`rows` in at most `parts` contiguous groups, as even as they go (none empty)."""
+    parts = max(min(rows, parts), 1)
+    bounds = [rows * part // parts for part in range(parts + 1)]
+    return [slice(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
+
+
+def _parts(settings: int, request_bounds: np.ndarray) -> list[tuple[slice, slice]]:
+    """A replay's ranking as (settings group, span of inventory points) parts, one per core: settings in groups
+    while there are as many settings as cores, else each settings' points in spans of about as many requests."""
+    cores, points = _cores(), request_bounds.size - 1
+    if settings >= cores or points < 2:
+        return [(group, slice(0, points)) for group in _groups(settings, cores)]
+    spans = cores // max(settings, 1)
+    count = int(request_bounds[-1])
+    cuts = np.searchsorted(request_bounds, [count * span // spans for span in range(1, spans)], "left").tolist()
+    bounds = sorted({0, *(min(max(cut, 1), points) for cut in cuts), points})
+    return [(group, slice(start, stop)) for group in _groups(settings, settings)
+            for start, stop in zip(bounds, bounds[1:]) if stop > start]
+
+
+def _in_parallel(work: Callable, parts: list) -> None:
+    """`work(part)` for every part, in threads where there are several: the kernels release the GIL, so the
+    parts run on every core."""
+    if len(parts) <= 1:
+        for part in parts:
+            work(part)
         return
-    with ThreadPoolExecutor(len(slices), thread_name_prefix="whatif") as pool:
-        for done in [pool.submit(work, group) for group in slices]:
+    with ThreadPoolExecutor(len(parts), thread_name_prefix="whatif") as pool:
+        for done in [pool.submit(work, part) for part in parts]:
             done.result()
 
 
@@ -615,16 +638,19 @@ class StayTimeline:
         block_sizes = requests.block_sizes[order]
         held_rows = keys // PLANES // workers
 
-        def rank(group: slice) -> None:
-            # A group of settings on rows of its own (the pass changes them); outputs are its rows of the answers.
-            group_holders, group_spilled = (holders, spilled) if group.start == 0 else _rows(distinct, held_rows,
-                                                                                             workers)
-            answer_on_stays(change_bounds, change_row, change_plane, change_slot, change_wanted, request_bounds,
-                            present, orders, order_ranks, local, offsets, block_sizes, target, named, fallback,
-                            has_fallback, table_keys, table_rows, table_bits, group_holders, group_spilled,
-                            *(values[group] for values in kernel_settings), *(values[group] for values in outputs))
+        def rank(part: tuple[slice, slice]) -> None:
+            # Settings `group` for the requests of the points in `span`, on rows of its own (the pass changes
+            # them); its outputs are its rows and columns of the answers.
+            group, span = part
+            own_holders, own_spilled = (holders, spilled) if group.start == span.start == 0 else _rows(
+                distinct, held_rows, workers)
+            answer_on_stays(span.start, span.stop, change_bounds, change_row, change_plane, change_slot,
+                            change_wanted, request_bounds, present, orders, order_ranks, local, offsets, block_sizes,
+                            target, named, fallback, has_fallback, table_keys, table_rows, table_bits, own_holders,
+                            own_spilled, *(values[group] for values in kernel_settings),
+                            *(values[group] for values in outputs))
 
-        _in_parallel(rank, len(settings))
+        _in_parallel(rank, _parts(len(settings), request_bounds))
         back = np.empty(count, dtype=np.int64)
         back[order] = np.arange(count)
         answers = Answers(*(array[:, back] for array in attrs.astuple(answers, recurse=False)))
@@ -643,13 +669,14 @@ class StayTimeline:
         outcomes = attrs.astuple(Outcomes.of(recorded, answers), recurse=False)
         judged = Judged(np.full(outcomes[0].shape, _UNJUDGED, np.int8), np.full(outcomes[0].shape, _UNJUDGED, np.int8))
 
-        def judge(group: slice) -> None:
+        def judge(part: tuple[slice, None]) -> None:
+            group, _ = part
             holders, spilled = _rows(distinct, held_rows, workers)
             judge_on_stays(change_bounds, change_row, change_plane, change_slot, change_wanted, item_bounds, items,
                            sequence, requests.offsets, *(values[group] for values in outcomes), table_keys,
                            table_rows, table_bits, holders, spilled, judged.stale[group], judged.lost[group])
 
-        _in_parallel(judge, outcomes[0].shape[0])
+        _in_parallel(judge, [(group, None) for group in _groups(outcomes[0].shape[0], _cores())])
         return answers, judged
 
     def _orders(self) -> tuple[np.ndarray, np.ndarray]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import contextlib
+import json
 import math
 import sys
 from pathlib import Path
