@@ -93,10 +93,11 @@ ORDER BY d.stream_seq;""",
 
 REPLAY_INGEST_TIMES = Query(
     "replay_ingest_times",
-    "Every event's ingest time in seq order: a decision's horizon seq is the seq before the first event ingested "
-    "at or after its horizon",
+    "Every event batch's ingest time in seq order: a decision's horizon seq is the seq before the first event "
+    "ingested at or after its horizon (a batch's events share its ingest time: its first event stands for it)",
     """SELECT stream_seq, ingest_ts
 FROM event_log
+WHERE event_idx = 0
 ORDER BY stream_seq;""",
     (),
 )
