@@ -50,7 +50,7 @@ from kvledger.runtime.memory import SharedArrayGone, SharedArrays, SharedHandle,
 
 from kvledger.decide.inventory.index import InventoryIndex
 from kvledger.decide.routers.dynamo_indexer import (
-    DynamoIndexerApi, DynamoRegistry, Listener, Registration, registered_prefixes,
+    DynamoIndexerApi, DynamoRegistry, Listener, Refusal, Registration, registered_prefixes,
 )
 
 log = logging.getLogger("kvledger.decide.readers")
@@ -343,7 +343,6 @@ class ReaderApi:
         self.api = DynamoIndexerApi(lambda: replica.index)
         self._socket_path = socket_path
         self._session: aiohttp.ClientSession | None = None
-        self.passed_on = 0
 
     def routes(self, *, max_request_bytes: int, max_query_bytes: int) -> dict[tuple[str, str], Route]:
         routes = {key: Route(self.pass_on, route.max_body_bytes, needs_token=route.needs_token)
@@ -355,8 +354,6 @@ class ReaderApi:
         return routes
 
     def _local(self, handler: Callable[[Request], Response]) -> Callable[[Request], Response]:
-        from kvledger.decide.routers.dynamo_indexer import Refusal
-
         def answer(request: Request) -> Response:
             def once() -> Response:
                 self.api.registry = self.replica.registry
@@ -388,7 +385,6 @@ class ReaderApi:
         return _parsed_response(bytes(received))
 
     async def pass_on(self, request: Request) -> Response:
-        self.passed_on += 1
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self._socket_path))
         url = f"http://decide{request.path}" + (f"?{request.query}" if request.query else "")
