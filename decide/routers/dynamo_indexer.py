@@ -89,8 +89,8 @@ class QueryRequest(msgspec.Struct, frozen=True):
 
 class _QueryTokens(QueryRequest, frozen=True):
     """`QueryRequest` with the token ids read as any integers, range-checked after in C while they are copied to
-    u32 (`_token_array`): msgspec's per-item bound costs a query more than the copy. A body this takes and
-    `QueryRequest` refuses is decoded again as `QueryRequest` for msgspec's own refusal."""
+    u32 (`DynamoIndexerApi.query`): msgspec's per-item bound costs a query more than the copy. A body this takes
+    and `QueryRequest` refuses is decoded again as `QueryRequest` for msgspec's own refusal."""
 
     token_ids: list[int]
 
