@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import signal
@@ -15,9 +16,11 @@ import time
 import aiohttp
 import pytest
 
+from kvledger.decide.serving.readers import ask_decide
 from kvledger.decide.serving.service import DecideService
 from kvledger.decide.startup import StartupError
 from kvledger.ingest.bridge import Bridge
+from kvledger.runtime.http import Request
 from engines import wait_until
 from pipeline import pipeline_settings
 from services import free_ports
@@ -111,6 +114,12 @@ async def test_readers_answer_as_decide_through_churn_and_a_killed_reader(nats_s
                 held += bool(on_reader[1]["instances"])
             assert held > len(queries) // 4, "the workload left too little to compare"
             assert service.metrics.reader_queries_passed_on.value == passed_on, "answered by decide, not the readers"
+            # A query a reader passes on (decide busy writing) is answered by decide as on its own port.
+            body = json.dumps(queries[0]).encode()
+            passed = await asyncio.to_thread(ask_decide, service._internal_http_path, Request(  # blocking: decide
+                "POST", "/query", {"content-type": "application/json", "authorization": f"Bearer {TOKEN}"}, body))
+            assert (passed.status, json.loads(passed.body)) == await ask(session, main, "POST", "/query", queries[0])
+            assert service.metrics.reader_queries_passed_on.value == passed_on + 1
             hashed = {"block_hashes": [1, 2, -3], "model_name": SIM_MODEL}
             assert await ask(session, readers_port, "POST", "/query_by_hash", hashed) == \
                 await ask(session, main, "POST", "/query_by_hash", hashed)

@@ -276,21 +276,31 @@ def registry_of(layout: IndexLayout) -> DynamoRegistry:
 
 def fetch_layout(socket_path: str, token: str | None) -> IndexLayout:
     """decide's layout now, over its Unix socket (blocking: a reader needs it before it can answer)."""
-    head = f"GET {LAYOUT_PATH} HTTP/1.1\r\nHost: decide\r\nConnection: close\r\n"
-    if token is not None:
-        head += f"Authorization: Bearer {token}\r\n"
+    headers = {"authorization": f"Bearer {token}"} if token is not None else {}
+    response = ask_decide(socket_path, Request("GET", LAYOUT_PATH, headers, b""))
+    if response.status != 200:
+        raise SharedArrayGone(f"decide answered the layout with {response.status}: {response.body[:200]!r}")
+    return _decode_layout(response.body)
+
+
+def ask_decide(socket_path: str, request: Request) -> Response:
+    """`request` sent to decide over its Unix socket and answered, blocking (a reader's synchronous routes
+    cannot wait: only the layout and the queries decide was too busy for go this way)."""
+    head = f"{request.method} {request.path}{'?' + request.query if request.query else ''} HTTP/1.1\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in request.headers.items()
+                    if name not in ("host", "connection", "content-length", "transfer-encoding"))
+    head += f"Host: decide\r\nContent-Length: {len(request.body)}\r\nConnection: close\r\n\r\n"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
         connection.settimeout(10)
         connection.connect(socket_path)
-        connection.sendall((head + "\r\n").encode())
+        connection.sendall(head.encode("latin-1") + request.body)
         received = bytearray()
         while chunk := connection.recv(1 << 20):
             received += chunk
-    status_line, _, rest = bytes(received).partition(b"\r\n")
-    _, _, body = rest.partition(b"\r\n\r\n")
-    if b" 200 " not in status_line + b" ":
-        raise SharedArrayGone(f"decide answered the layout with {status_line.decode(errors='replace')}")
-    return _decode_layout(body)
+    head_bytes, _, body = bytes(received).partition(b"\r\n\r\n")
+    lines = head_bytes.decode("latin-1").split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
+    return Response(int(lines[0].split()[1]), body, headers.get("content-type", "text/plain; charset=utf-8"))
 
 
 class IndexReplica:
@@ -366,23 +376,8 @@ class ReaderApi:
             except (SharedArrayGone, OSError) as error:
                 log.warning("index reader: decide's layout unreadable (%s); passing the query on", error)
                 response = None
-            return response if response is not None else self._pass_on_later(request)
+            return response if response is not None else ask_decide(self._socket_path, request)
         return answer
-
-    def _pass_on_later(self, request: Request) -> Response:
-        # A synchronous route cannot wait: the answer comes from decide over a blocking call (rare: decide busy).
-        head = f"{request.method} {request.path}{'?' + request.query if request.query else ''} HTTP/1.1\r\n"
-        head += "".join(f"{name}: {value}\r\n" for name, value in request.headers.items()
-                        if name not in ("connection", "content-length", "transfer-encoding"))
-        head += f"Content-Length: {len(request.body)}\r\nConnection: close\r\n\r\n"
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.settimeout(10)
-            connection.connect(self._socket_path)
-            connection.sendall(head.encode("latin-1") + request.body)
-            received = bytearray()
-            while chunk := connection.recv(1 << 20):
-                received += chunk
-        return _parsed_response(bytes(received))
 
     async def pass_on(self, request: Request) -> Response:
         if self._session is None:
@@ -397,14 +392,6 @@ class ReaderApi:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
-
-
-def _parsed_response(raw: bytes) -> Response:
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
-    return Response(status, body, headers.get("content-type", "text/plain; charset=utf-8"))
 
 
 def _end_with_parent(parent: int) -> None:
