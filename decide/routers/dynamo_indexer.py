@@ -339,6 +339,8 @@ def prefix_blocks(table_keys, table_rows, table_bits, holders, spilled, local, w
     instead of read out of bounds; the reader then discards the answer and asks again.
     """
     held = np.zeros((3, worker_count), dtype=np.int64)
+    if worker_count > spilled.shape[2] * 64:
+        return held
     sequence = np.uint64(0)
     for block in range(local.size):
         sequence = local[block] if block == 0 else chain_hash(sequence, local[block])
@@ -347,7 +349,7 @@ def prefix_blocks(table_keys, table_rows, table_bits, holders, spilled, local, w
             break
         advanced = False
         dense = spilled_row(holders, row)
-        if dense >= spilled.shape[0] or worker_count > spilled.shape[2] * 64:
+        if dense >= spilled.shape[0]:
             break
         if dense:
             for slot in range(worker_count):
