@@ -669,14 +669,13 @@ class StayTimeline:
         outcomes = attrs.astuple(Outcomes.of(recorded, answers), recurse=False)
         judged = Judged(np.full(outcomes[0].shape, _UNJUDGED, np.int8), np.full(outcomes[0].shape, _UNJUDGED, np.int8))
 
-        def judge(part: tuple[slice, None]) -> None:
-            group, _ = part
+        def judge(group: slice) -> None:
             holders, spilled = _rows(distinct, held_rows, workers)
             judge_on_stays(change_bounds, change_row, change_plane, change_slot, change_wanted, item_bounds, items,
                            sequence, requests.offsets, *(values[group] for values in outcomes), table_keys,
                            table_rows, table_bits, holders, spilled, judged.stale[group], judged.lost[group])
 
-        _in_parallel(judge, [(group, None) for group in _groups(outcomes[0].shape[0], _cores())])
+        _in_parallel(judge, _groups(outcomes[0].shape[0], _cores()))
         return answers, judged
 
     def _orders(self) -> tuple[np.ndarray, np.ndarray]:
