@@ -18,7 +18,6 @@ These queries are reads of the index, not decisions: nothing is recorded in KV_D
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Mapping
 from typing import Annotated
 from urllib.parse import parse_qsl
@@ -31,14 +30,11 @@ from kvledger.core.events import Tier, WorkerId, validate_publisher
 from kvledger.core.hashing import block_seed, local_block_hashes
 from kvledger.runtime.http import Request, Response, Route
 
-from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined
 from kvledger.decide.inventory.blocks import native_blocks
-from kvledger.decide.inventory.chain import chain_hash
 from kvledger.decide.inventory.index import InventoryIndex
-from kvledger.decide.inventory.rows import spilled_row
-from kvledger.decide.inventory.table import probe
-from kvledger.decide.inventory.token_hashes import MAX_BLOCK_TOKENS, token_block_hashes
+from kvledger.decide.inventory.token_hashes import MAX_BLOCK_TOKENS
 from kvledger.decide.inventory.view import IndexReader
+from kvledger.decide.routers.dynamo_answers import block_scores, json_token_ids, token_scores
 
 JSON = "application/json"
 DEFAULT_GROUP = "default"
@@ -47,8 +43,6 @@ U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec reads no integer past 2**64 
 I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 _U64_MASK = (1 << 64) - 1
 _PLAIN_SEED = np.uint64(block_seed(None))
-_U32 = "I" if array("I").itemsize == 4 else "L"  # the array typecode of a 4-byte unsigned int here
-_ONE, _TWO, _FOUR, _SEVEN = np.uint64(1), np.uint64(2), np.uint32(4), np.uint32(7)
 
 
 # --- the wire: one schema per body, as Dynamo's serde structs read and write them -----------------
@@ -87,12 +81,12 @@ class QueryRequest(msgspec.Struct, frozen=True):
     cache_salt: str | None = None  # enters the first block, as Dynamo's cache namespace does
 
 
-class _QueryTokens(QueryRequest, frozen=True):
-    """`QueryRequest` with the token ids read as any integers, range-checked after in C while they are copied to
-    u32 (`DynamoIndexerApi.query`): msgspec's per-item bound costs a query more than the copy. A body this takes
-    and `QueryRequest` refuses is decoded again as `QueryRequest` for msgspec's own refusal."""
+class _QueryText(QueryRequest, frozen=True):
+    """`QueryRequest` with its token ids kept as their JSON text, read in compiled code (`json_token_ids`):
+    msgspec's list of ints and its copy to u32 cost a query more than the index's walk. A body whose ids
+    that reading does not take is decoded again as `QueryRequest`, for msgspec's own refusal."""
 
-    token_ids: list[int]
+    token_ids: msgspec.Raw
 
 
 class QueryByHashRequest(msgspec.Struct, frozen=True):
@@ -158,7 +152,7 @@ class DumpPartition(msgspec.Struct, frozen=True):
 _STORAGE_TIERS = {Tier.DEVICE: "device", Tier.HOST: "host_pinned", Tier.DISK: "disk"}  # Dynamo's names
 
 _DECODERS = {kind: msgspec.json.Decoder(kind)
-             for kind in (RegisterRequest, UnregisterRequest, QueryRequest, _QueryTokens, QueryByHashRequest)}
+             for kind in (RegisterRequest, UnregisterRequest, QueryRequest, _QueryText, QueryByHashRequest)}
 _encode = msgspec.json.Encoder().encode
 _OK = {"status": "ok"}
 
@@ -312,151 +306,41 @@ class DynamoRegistry:
 # --- the answers -----------------------------------------------------------------------------------
 
 
-@_inlined
-def _extend(held, slot, block, planes):
-    """Worker `slot` holds block `block` in `planes` (bit 0 device, 1 host, 2 disk): lengthen its prefixes."""
-    if held[2, slot] != block or planes & 7 == 0:
-        return False
-    held[2, slot] = block + 1
-    if held[1, slot] == block and planes & 3 != 0:
-        held[1, slot] = block + 1
-    if held[0, slot] == block and planes & 1 != 0:
-        held[0, slot] = block + 1
-    return True
-
-
-@_compiled
-def prefix_blocks(table_keys, table_rows, table_bits, holders, spilled, local, worker_count):
-    """Per worker slot, how many leading blocks of the request it holds natively: [0] on device,
-    [1] on device or host, [2] on any of the three.
-
-    One compiled call per query: the request's sequence hashes chained from its local hashes,
-    each probed in the index's table, its row's holders read as they are kept (listed or a
-    bitmask row); the walk stops at the first block no worker still in its prefix holds.
-
-    Safe on arrays another process is changing (an index reader's, decide/serving/readers.py):
-    a row, pool row or slot past the arrays it was given ends the walk or is passed over
-    instead of read out of bounds; the reader then discards the answer and asks again.
-    """
-    held = np.zeros((3, worker_count), dtype=np.int64)
-    if worker_count > spilled.shape[2] * 64:
-        return held
-    sequence = np.uint64(0)
-    for block in range(local.size):
-        sequence = local[block] if block == 0 else chain_hash(sequence, local[block])
-        row = probe(table_keys, table_rows, table_bits, sequence)
-        if row <= 0 or row >= holders.shape[0]:
-            break
-        advanced = False
-        dense = spilled_row(holders, row)
-        if dense >= spilled.shape[0]:
-            break
-        if dense:
-            for slot in range(worker_count):
-                word, bit = slot >> 6, np.uint64(slot & 63)
-                planes = (((spilled[dense, 0, word] >> bit) & _ONE) | (((spilled[dense, 1, word] >> bit) & _ONE) << _ONE)
-                          | (((spilled[dense, 2, word] >> bit) & _ONE) << _TWO))
-                advanced |= _extend(held, slot, block, planes)
-        else:
-            for k in range(holders.shape[1]):
-                entry = holders[row, k]
-                if entry == 0:
-                    break
-                if np.int64(entry >> _FOUR) < worker_count:
-                    advanced |= _extend(held, np.int64(entry >> _FOUR), block, entry & _SEVEN)
-        if not advanced:
-            break
-    return held
-
-
-@_compiled
-def registered_prefixes(table_keys, table_rows, table_bits, holders, spilled, local, worker_count, slots):
-    """`prefix_blocks` for the ranks at `slots` that hold a prefix: rows of (position in `slots`, device, device
-    or host, any tier), so a fleet's other workers cost the answer nothing."""
-    held = prefix_blocks(table_keys, table_rows, table_bits, holders, spilled, local, worker_count)
-    count = 0
-    for position in range(slots.size):
-        if held[2, slots[position]]:
-            count += 1
-    found = np.empty((count, 4), dtype=np.int64)
-    count = 0
-    for position in range(slots.size):
-        slot = slots[position]
-        if held[2, slot]:
-            found[count, 0] = position
-            found[count, 1] = held[0, slot]
-            found[count, 2] = held[1, slot]
-            found[count, 3] = held[2, slot]
-            count += 1
-    return found
-
-
 @attrs.frozen
 class PartitionPlan:
     """A partition's registered ranks as the index's worker slots: what a query of it reads."""
 
     block_size: int
     slots: np.ndarray  # per registered rank (that the index knows), its worker slot
-    names: tuple[tuple[str, str], ...]  # per registered rank, (instance, rank) as Dynamo names them
+    instance_ids: np.ndarray  # per registered rank, its instance id (u64); an instance's ranks together
+    ranks: np.ndarray  # per registered rank, its dp rank
+
+    def scores(self, index: IndexReader, local: np.ndarray) -> bytes:
+        """Dynamo's answer for the request's local block hashes, as JSON (dynamo_answers.scores_json says what)."""
+        return block_scores(local, self.block_size, index.table_keys, index.table_rows, index.table_bits,
+                            index.holders, index.spilled, len(index.workers), self.slots, self.instance_ids,
+                            self.ranks).tobytes()
+
+    def token_scores(self, index: IndexReader, tokens: np.ndarray, seed: np.uint64) -> bytes:
+        """The same for the request's token ids, hashed in the same compiled call."""
+        return token_scores(tokens, seed, self.block_size, index.table_keys, index.table_rows, index.table_bits,
+                            index.holders, index.spilled, len(index.workers), self.slots, self.instance_ids,
+                            self.ranks).tobytes()
 
 
 def partition_plan(registry: DynamoRegistry, index: IndexReader, partition: tuple[str, str]) -> PartitionPlan:
-    names, slots = [], []
+    instance_ids, ranks, slots = [], [], []
     for instance, held in registry.instances.items():
         if held.partition != partition:
             continue
         for rank in held.ranks:
             slot = index.slot(WorkerId(held.publisher, rank))
             if slot is not None:
-                names.append((str(instance), str(rank)))
+                instance_ids.append(instance)
+                ranks.append(rank)
                 slots.append(slot)
-    return PartitionPlan(registry.block_sizes[partition], np.array(slots, dtype=np.int64), tuple(names))
-
-
-_NOTHING = b'{"scores":{},"frequencies":[],"instances":{}}'
-
-
-def score_response(plan: PartitionPlan, index: IndexReader, local: np.ndarray) -> bytes:
-    """Dynamo's answer for one partition, as JSON: its instances' prefixes in tokens.
-
-    `{"scores": {instance: {rank: device prefix}} (ranks with one only), "frequencies": [],
-    "instances": {instance: {longest_matched, gpu, dp: {rank: device prefix}, cpu, disk}}}`,
-    `cpu` and `disk` counting the tiers before them too (Mooncake RFC #1403).
-
-    Written as text here: the answer names a few instances, and building it as structs and
-    dicts for an encoder cost more than the index's walk.
-    """
-    if not local.size or not plan.slots.size:
-        return _NOTHING
-    found = registered_prefixes(index.table_keys, index.table_rows, index.table_bits, index.holders, index.spilled,
-                                local, len(index.workers), plan.slots)
-    if not found.shape[0]:
-        return _NOTHING
-    block_size = plan.block_size
-    names = plan.names
-    rows = found.tolist()
-    scores, instances = [], []
-    item, count = 0, len(rows)
-    while item < count:
-        position, gpu, cpu, disk = rows[item]
-        instance, rank = names[position]
-        dp = f'"{rank}":{gpu * block_size}'
-        device = dp if gpu else ""
-        item += 1
-        while item < count and names[rows[item][0]][0] == instance:  # the instance's other ranks (plans list them together)
-            position, rank_gpu, rank_cpu, rank_disk = rows[item]
-            named = f'"{names[position][1]}":{rank_gpu * block_size}'
-            dp += "," + named
-            if rank_gpu:
-                device = f"{device},{named}" if device else named
-            gpu, cpu, disk = max(gpu, rank_gpu), max(cpu, rank_cpu), max(disk, rank_disk)
-            item += 1
-        if device:
-            scores.append(f'"{instance}":{{{device}}}')
-        gpu, cpu, disk = gpu * block_size, cpu * block_size, disk * block_size
-        instances.append(f'"{instance}":{{"longest_matched":{max(gpu, cpu, disk)},"gpu":{gpu},"dp":{{{dp}}},'
-                         f'"cpu":{cpu},"disk":{disk}}}')
-    return f'{{"scores":{{{",".join(scores)}}},"frequencies":[],"instances":{{{",".join(instances)}}}}}'.encode()
+    return PartitionPlan(registry.block_sizes[partition], np.array(slots, dtype=np.int64),
+                         np.array(instance_ids, dtype=np.uint64), np.array(ranks, dtype=np.int64))
 
 
 # --- the routes ------------------------------------------------------------------------------------
@@ -530,21 +414,18 @@ class DynamoIndexerApi:
         return Response(200, _encode(partitions), JSON)
 
     def query(self, request: Request) -> Response:
-        body = decode_body(request, _QueryTokens)
-        try:
-            tokens = np.frombuffer(array(_U32, body.token_ids), dtype=np.uint32)
-        except OverflowError:  # a token id out of u32's range: refused as QueryRequest's decoding refuses it
-            decode_body(request, QueryRequest)
-            raise
+        body = decode_body(request, _QueryText)
+        read, tokens = json_token_ids(np.frombuffer(body.token_ids, dtype=np.uint8))
+        if not read:  # not plain u32s: `QueryRequest` refuses it as Dynamo does, or reads what the fast path does not
+            tokens = np.array(decode_body(request, QueryRequest).token_ids, dtype=np.uint32)
         index = self._index()
         plan = self._plan(body.model_name, body.routing_group, index)
         if body.cache_salt or plan.block_size > MAX_BLOCK_TOKENS:
-            local = np.array(local_block_hashes(body.token_ids, plan.block_size, lora_name=body.lora_name,
+            local = np.array(local_block_hashes(tokens.tolist(), plan.block_size, lora_name=body.lora_name,
                                                 cache_salt=body.cache_salt), dtype=np.uint64)
-        else:  # every block hashed in one compiled call
-            seed = _PLAIN_SEED if body.lora_name is None else np.uint64(block_seed(body.lora_name))
-            local = token_block_hashes(tokens, plan.block_size, seed)
-        return Response(200, score_response(plan, index, local), JSON)
+            return Response(200, plan.scores(index, local), JSON)
+        seed = _PLAIN_SEED if body.lora_name is None else np.uint64(block_seed(body.lora_name))
+        return Response(200, plan.token_scores(index, tokens, seed), JSON)
 
     def query_by_hash(self, request: Request) -> Response:
         body = decode_body(request, QueryByHashRequest)
@@ -554,7 +435,7 @@ class DynamoIndexerApi:
         index = self._index()
         plan = self._plan(body.model_name, body.routing_group, index)
         local = np.array(body.block_hashes, dtype=np.int64).view(np.uint64)  # Dynamo's `h as u64`
-        return Response(200, score_response(plan, index, local), JSON)
+        return Response(200, plan.scores(index, local), JSON)
 
     def _plan(self, model_name: str, routing_group: str, index: IndexReader) -> PartitionPlan:
         """The partition's plan, made again when a registration changed, the index was replaced or gained a worker."""

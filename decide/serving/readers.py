@@ -12,7 +12,7 @@ Consistency, as a sequence lock: decide bumps a shared counter before and after 
 the index (odd while it writes); a reader notes the counter, answers, and keeps the answer
 only if the counter has not moved, else asks again, so every answer is one the index gave
 between two of decide's writes, as decide's own. The walk is bounds-safe on arrays changing
-under it (decide/routers/dynamo_indexer.py `prefix_blocks`). When decide replaces an array
+under it (decide/routers/dynamo_answers.py `prefix_blocks`). When decide replaces an array
 (growth), adds a worker or a registration changes, it bumps the layout version; a reader
 seeing a new version fetches the layout (the arrays' handles, the workers, the registrations)
 from decide before it answers. A reader that finds decide writing for longer than
@@ -50,8 +50,9 @@ from kvledger.runtime.memory import SharedArrayGone, SharedArrays, SharedHandle,
 
 from kvledger.decide.inventory.index import InventoryIndex
 from kvledger.decide.routers.dynamo_indexer import (
-    DynamoIndexerApi, DynamoRegistry, Listener, Refusal, Registration, registered_prefixes,
+    DynamoIndexerApi, DynamoRegistry, Listener, PartitionPlan, Refusal, Registration,
 )
+from kvledger.decide.routers.dynamo_answers import json_token_ids
 
 log = logging.getLogger("kvledger.decide.readers")
 
@@ -410,9 +411,11 @@ async def _serve(config: dict) -> None:
     with contextlib.suppress(SharedArrayGone, OSError):  # decide not ready yet: the first query compiles instead
         replica.refresh()
         index = replica.index
-        # The walk on read-only arrays is a specialisation of its own: compiled (or loaded) before the first query.
-        registered_prefixes(index.table_keys, index.table_rows, index.table_bits, index.holders, index.spilled,
-                            np.zeros(1, dtype=np.uint64), len(index.workers), np.zeros(0, dtype=np.int64))
+        # The kernels on read-only arrays are specialisations of their own: compiled (or loaded) before the first query.
+        _, tokens = json_token_ids(np.frombuffer(b"[1]", dtype=np.uint8))
+        plan = PartitionPlan(1, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64))
+        plan.token_scores(index, tokens, np.uint64(0))
+        plan.scores(index, np.zeros(1, dtype=np.uint64))
     limits = HttpLimits(idle_timeout_s=config["idle_timeout_s"], body_timeout_s=config["body_timeout_s"])
     front = await HttpFront(api.routes(max_request_bytes=config["max_request_bytes"],
                                        max_query_bytes=config["max_query_bytes"]),
