@@ -222,18 +222,20 @@ ORDER BY stream_seq;""",
 DECISION_QUALITY_SUMMARY = Query(
     "decision_quality_summary",
     "Stale-hint and lost-credit rates at a horizon, per worker, tier, reason and hour, with the median time to a chosen block's first eviction",
-    _JUDGED + """,
--- each judged decision once with its keys; the counts are summed per combination of keys first,
--- so each dimension then adds up a few rows per key instead of every decision
+    """WITH
+-- each judged decision once with its keys, read from the two tables (only the columns used); the counts are
+-- summed per combination of keys first, so each dimension then adds up a few rows per key instead of every
+-- decision; the hour stays a number until then
 keys AS (
-  SELECT CASE WHEN stale IS NULL THEN NULL WHEN chosen_dp_rank = 0 THEN chosen_source
-              ELSE chosen_source || '/' || CAST(chosen_dp_rank AS VARCHAR(12)) END AS source,
-         target, COALESCE(chosen_tier, 'none') AS tier, reason,
-         CAST((CAST(decided_ts / 3600 AS BIGINT)
-               - CASE WHEN CAST(decided_ts / 3600 AS BIGINT) > decided_ts / 3600 THEN 1 ELSE 0 END) * 3600
-              AS VARCHAR(20)) AS hour,
-         stale, lost_credit, first_eviction_ms
-  FROM judged_quality WHERE stale IS NOT NULL OR lost_credit IS NOT NULL
+  SELECT CASE WHEN v.stale IS NULL THEN NULL WHEN d.chosen_dp_rank = 0 THEN d.chosen_source
+              ELSE d.chosen_source || '/' || CAST(d.chosen_dp_rank AS VARCHAR(12)) END AS source,
+         d.target, COALESCE(d.chosen_tier, 'none') AS tier, d.reason,
+         (CAST(d.decided_ts / 3600 AS BIGINT)
+          - CASE WHEN CAST(d.decided_ts / 3600 AS BIGINT) > d.decided_ts / 3600 THEN 1 ELSE 0 END) * 3600 AS hour,
+         v.stale, v.lost_credit, v.first_eviction_ms
+  FROM decision_verdicts v
+  JOIN decisions d ON d.stream_seq = v.stream_seq
+  WHERE v.horizon_ms = :horizon_ms AND (v.stale IS NOT NULL OR v.lost_credit IS NOT NULL)
 ),
 combined AS (
   SELECT source, target, tier, reason, hour, COUNT(stale) AS hints, COALESCE(SUM(stale), 0) AS stale_hints,
@@ -251,7 +253,7 @@ per_key AS (
   UNION ALL
   SELECT 'reason', reason, hints, stale_hints, credited, lost, evictions FROM combined
   UNION ALL
-  SELECT 'hour', hour, hints, stale_hints, credited, lost, evictions FROM combined
+  SELECT 'hour', CAST(hour AS VARCHAR(20)), hints, stale_hints, credited, lost, evictions FROM combined
 ),
 totals AS (
   SELECT dimension, key, SUM(hints) AS hints, SUM(stale_hints) AS stale_hints, SUM(credited) AS credited,
@@ -267,7 +269,7 @@ evicted AS (
   UNION ALL
   SELECT 'reason', reason, first_eviction_ms FROM keys WHERE first_eviction_ms IS NOT NULL
   UNION ALL
-  SELECT 'hour', hour, first_eviction_ms FROM keys WHERE first_eviction_ms IS NOT NULL
+  SELECT 'hour', CAST(hour AS VARCHAR(20)), first_eviction_ms FROM keys WHERE first_eviction_ms IS NOT NULL
 ),
 ranked AS (
   SELECT dimension, key, first_eviction_ms,
