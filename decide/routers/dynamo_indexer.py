@@ -328,6 +328,15 @@ class PartitionPlan:
                             self.ranks).tobytes()
 
 
+def compile_answer_kernels(index: IndexReader) -> None:
+    """Compile (or load from the kernel cache) the kernels a query runs, for this index's arrays (a reader's
+    read-only ones are specialisations of their own), so that no router's first query waits for them."""
+    _, tokens = json_token_ids(np.frombuffer(b"[1]", dtype=np.uint8))
+    plan = PartitionPlan(1, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64))
+    plan.token_scores(index, tokens, _PLAIN_SEED)
+    plan.scores(index, np.zeros(1, dtype=np.uint64))
+
+
 def partition_plan(registry: DynamoRegistry, index: IndexReader, partition: tuple[str, str]) -> PartitionPlan:
     instance_ids, ranks, slots = [], [], []
     for instance, held in registry.instances.items():

@@ -50,9 +50,8 @@ from kvledger.runtime.memory import SharedArrayGone, SharedArrays, SharedHandle,
 
 from kvledger.decide.inventory.index import InventoryIndex
 from kvledger.decide.routers.dynamo_indexer import (
-    DynamoIndexerApi, DynamoRegistry, Listener, PartitionPlan, Refusal, Registration,
+    DynamoIndexerApi, DynamoRegistry, Listener, Refusal, Registration, compile_answer_kernels,
 )
-from kvledger.decide.routers.dynamo_answers import json_token_ids
 
 log = logging.getLogger("kvledger.decide.readers")
 
@@ -410,12 +409,7 @@ async def _serve(config: dict) -> None:
     api = ReaderApi(replica, config["socket"])
     with contextlib.suppress(SharedArrayGone, OSError):  # decide not ready yet: the first query compiles instead
         replica.refresh()
-        index = replica.index
-        # The kernels on read-only arrays are specialisations of their own: compiled (or loaded) before the first query.
-        _, tokens = json_token_ids(np.frombuffer(b"[1]", dtype=np.uint8))
-        plan = PartitionPlan(1, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64))
-        plan.token_scores(index, tokens, np.uint64(0))
-        plan.scores(index, np.zeros(1, dtype=np.uint64))
+        compile_answer_kernels(replica.index)
     limits = HttpLimits(idle_timeout_s=config["idle_timeout_s"], body_timeout_s=config["body_timeout_s"])
     front = await HttpFront(api.routes(max_request_bytes=config["max_request_bytes"],
                                        max_query_bytes=config["max_query_bytes"]),

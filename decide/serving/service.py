@@ -62,7 +62,7 @@ from kvledger.runtime.system import install_stop_signals
 from kvledger.decide.inventory.index import InventoryIndex, allocate_query_arrays_with
 from kvledger.decide.ranking.backend import RankingBackend, choose_backend
 from kvledger.decide.ranking.cpu import compile_kernels
-from kvledger.decide.routers.dynamo_indexer import DynamoIndexerApi
+from kvledger.decide.routers.dynamo_indexer import DynamoIndexerApi, compile_answer_kernels
 from kvledger.decide.serving.batching import MicroBatcher
 from kvledger.decide.serving.inflight import InflightLedger, InflightRouting
 from kvledger.decide.serving.readers import (
@@ -331,6 +331,7 @@ class DecideService(AsyncLifetime):
         started = time.perf_counter()
         await asyncio.to_thread(compile_kernels, self.settings.reuse)
         await asyncio.to_thread(compile_record_kernels)
+        await asyncio.to_thread(compile_answer_kernels, self.index)  # a router's first /query
         if self.shadow is not None:
             await asyncio.to_thread(compile_shadow_kernels, self.settings.reuse, self.shadow.reuse)
         self.backend, self.backend_line = choose_backend(self.settings.decide.backend, self.index)
