@@ -3,10 +3,10 @@ from its JSON text, and the answer written as JSON text.
 
 A router's query is small and the index's walk quick: in Python, the body's token ids as a
 list of ints, their copy to u32 and the answer built as text cost several times the walk
-(docs/routers.md, "What was tried"). Here a query costs three compiled calls: its token ids
+(docs/routers.md, "What was tried"). Here a `/query` costs two compiled calls: its token ids
 read (`json_token_ids`), then its blocks hashed, walked and its answer written
-(`token_scores`); a query by hash, or one the compiled hashing does not cover, the last two
-(`block_scores`).
+(`token_scores`); a `/query_by_hash`, or a query whose blocks the compiled hashing does not
+cover, one (`block_scores`) after its hashes are had.
 """
 
 from __future__ import annotations
