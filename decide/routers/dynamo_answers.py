@@ -18,7 +18,7 @@ from kvledger.decide.inventory.chain import chain_hash
 from kvledger.decide.inventory.rows import spilled_row
 from kvledger.decide.inventory.table import probe
 from kvledger.decide.inventory.token_hashes import token_block_hashes
-from kvledger.decide.ranking.kernels import _put, _text
+from kvledger.decide.ranking.kernels import _put, _put_integer, _text
 
 _ONE, _TWO, _FOUR, _SEVEN = np.uint64(1), np.uint64(2), np.uint32(4), np.uint32(7)
 _U32_MAX = np.uint64(0xFFFFFFFF)
@@ -158,30 +158,16 @@ _LONGEST_RANK = 48  # a rank's entry: two numbers of up to 20 digits, quotes, co
 
 
 @_inlined
-def _put_unsigned(out, position, value):
-    """`str(value)` of a non-negative integer."""
-    rest = np.uint64(value)
-    digits, bound = 1, _TEN
-    while digits < 20 and rest >= bound:
-        digits += 1
-        bound *= _TEN  # past 10**19 it wraps, but only once digits reached 20
-    for place in range(digits - 1, -1, -1):
-        out[position + place] = np.uint8(np.uint64(48) + rest % _TEN)
-        rest //= _TEN
-    return position + digits
-
-
-@_inlined
 def _put_rank(out, position, first, rank, tokens):
     """`"rank":tokens` after a comma unless `first`."""
     if not first:
         out[position] = 44
         position += 1
     out[position] = 34
-    position = _put_unsigned(out, position + 1, rank)
+    position = _put_integer(out, position + 1, rank)
     out[position] = 34
     out[position + 1] = 58
-    return _put_unsigned(out, position + 2, tokens)
+    return _put_integer(out, position + 2, tokens)
 
 
 @_inlined
@@ -191,7 +177,7 @@ def _put_instance(out, position, first, instance):
         out[position] = 44
         position += 1
     out[position] = 34
-    return _put_unsigned(out, position + 1, instance)
+    return _put_integer(out, position + 1, instance)
 
 
 @_compiled
@@ -236,16 +222,16 @@ def scores_json(found, instance_ids, ranks, block_size):
         gpu, cpu, disk = gpu * block_size, cpu * block_size, disk * block_size
         at = _put_instance(out, at, row == 0, instance)
         at = _put(out, at, _LONGEST)
-        at = _put_unsigned(out, at, max(gpu, cpu, disk))
+        at = _put_integer(out, at, max(gpu, cpu, disk))
         at = _put(out, at, _GPU)
-        at = _put_unsigned(out, at, gpu)
+        at = _put_integer(out, at, gpu)
         at = _put(out, at, _DP)
         for item in range(row, end):
             at = _put_rank(out, at, item == row, ranks[found[item, 0]], found[item, 1] * block_size)
         at = _put(out, at, _CPU)
-        at = _put_unsigned(out, at, cpu)
+        at = _put_integer(out, at, cpu)
         at = _put(out, at, _DISK)
-        at = _put_unsigned(out, at, disk)
+        at = _put_integer(out, at, disk)
         out[at] = 125  # "}"
         at += 1
         row = end
@@ -266,6 +252,5 @@ def token_scores(tokens, seed, block_size, table_keys, table_rows, table_bits, h
                  instance_ids, ranks):
     """The answer's JSON text for a request's token ids: its full blocks hashed (`token_block_hashes`), walked,
     then written."""
-    local = token_block_hashes(tokens, block_size, seed)
-    found = registered_prefixes(table_keys, table_rows, table_bits, holders, spilled, local, worker_count, slots)
-    return scores_json(found, instance_ids, ranks, block_size)
+    return block_scores(token_block_hashes(tokens, block_size, seed), block_size, table_keys, table_rows, table_bits,
+                        holders, spilled, worker_count, slots, instance_ids, ranks)
