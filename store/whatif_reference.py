@@ -28,6 +28,7 @@ import asyncio
 import bisect
 import collections
 import math
+import operator
 import struct
 import warnings
 from collections.abc import Iterable, Sequence
@@ -77,19 +78,23 @@ ORDER BY d.stream_seq;""",
 
 # The same without the horizon seq, which `read_window` finds from `replay_ingest_times` instead: the
 # correlated MIN above scans event_log once per decision (a replay's time grew with decisions × events).
-REPLAY_DECISIONS = Query(
-    "replay_decisions",
-    "The decisions of a window with the requests they answered",
-    """SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.target, d.reason, d.baseline_blocks,
+# `read_columns` runs it without its ORDER BY and sorts the rows itself: they come in decided_ts order off
+# the index, nearly the seqs' order, which Python sorts in one pass where SQLite builds a B-tree.
+_REPLAY_DECISIONS_UNORDERED = """SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.target, d.reason, d.baseline_blocks,
        d.chosen_source, d.chosen_dp_rank, d.chosen_tier, d.chosen_prefix_blocks, d.chosen_transfer_blocks,
        d.chosen_saving_ms, d.target_prefix_blocks,
        r.block_size, r.blocks, r.requested_target, r.fallback, r.local_hashes
 FROM decisions d
 JOIN decision_requests r ON r.stream_seq = d.stream_seq
-WHERE d.decided_ts >= :from_ts AND d.decided_ts < :to_ts
-ORDER BY d.stream_seq;""",
+WHERE d.decided_ts >= :from_ts AND d.decided_ts < :to_ts"""
+REPLAY_DECISIONS = Query(
+    "replay_decisions",
+    "The decisions of a window with the requests they answered",
+    _REPLAY_DECISIONS_UNORDERED + "\nORDER BY d.stream_seq;",
     ("from_ts", "to_ts"),
 )
+# The window's decisions, with or without their requests: those without are `replay_unreplayable`'s.
+_WINDOW_DECISIONS = "SELECT COUNT(*) FROM decisions WHERE decided_ts >= :from_ts AND decided_ts < :to_ts"
 
 REPLAY_INGEST_TIMES = Query(
     "replay_ingest_times",
@@ -421,8 +426,12 @@ class RecordedColumns:
                                        else WorkerId.parse(value)] for value in set(values)}
             return np.fromiter(map(by_value.__getitem__, values), dtype=np.int32, count=count)
 
-        def integers(values, dtype=np.int64) -> np.ndarray:
-            return np.fromiter((0 if value is None else value for value in values), dtype=dtype, count=count)
+        def integers(values, dtype=np.int64, none=0) -> np.ndarray:
+            if isinstance(values, np.ndarray):
+                return values.astype(dtype).reshape(count)
+            if None not in values:  # numpy converts a list of numbers in one call
+                return np.array(values, dtype=dtype).reshape(count)
+            return np.fromiter((none if value is None else value for value in values), dtype=dtype, count=count)
 
         offsets = np.zeros(count + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -433,10 +442,10 @@ class RecordedColumns:
         tier[source == NO_CODE] = NO_CODE
         recorded = OutcomeColumns(
             names.of(targets), reason_codes.of(reasons), source, tier, integers(prefixes), integers(transfers),
-            np.fromiter((0.0 if value is None else value for value in savings), dtype=np.float64, count=count),
+            integers(savings, np.float64, 0.0),
             np.full(count, -1, np.int8), np.full(count, -1, np.int8))
         return cls(workers, names, reason_codes, request_ids, integers(inventory_seqs),
-                   np.fromiter((-1 if seq is None else seq for seq in horizon_seqs), dtype=np.int64, count=count),
+                   integers(horizon_seqs, none=-1),
                    local, offsets, integers(block_sizes), integers(blocks), worker_codes(requested_targets),
                    worker_codes(fallbacks), recorded, integers(baselines), worker_codes(targets),
                    integers(target_prefixes))
@@ -644,9 +653,10 @@ def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float 
     """`read_window` (its horizon seqs from the events' ingest times) as columns: the driver's tuples read in
     bulk, each request's hashes one slice of a single buffer. Raises ReplayRefused as `read_window` does."""
     window = {"from_ts": max(from_ts, -1e18), "to_ts": min(to_ts, 1e18)}
-    result = connection.execute(sa.text(REPLAY_DECISIONS.sql.rstrip(";")), window)
+    result = connection.execute(sa.text(_REPLAY_DECISIONS_UNORDERED), window)
     rows = result.cursor.fetchall()  # the driver's tuples: a Row or a dict each would cost more than the rest
     result.close()
+    rows.sort(key=operator.itemgetter(0))  # by seq, as `replay_decisions` orders them
     (_seq, request_ids, decided_ts, inventory_seqs, targets, reasons, baselines, chosen_sources, chosen_ranks, tiers,
      prefixes, transfers, savings, target_prefixes, block_sizes, blocks, requested_targets, fallbacks,
      local_hashes) = (list(column) for column in zip(*rows)) if rows else ([] for _ in range(19))
@@ -678,7 +688,8 @@ def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float 
         block_sizes=block_sizes, blocks=blocks, requested_targets=requested_targets, fallbacks=fallbacks,
         targets=targets, reasons=reasons, baselines=baselines, sources=list(map(by_pair.__getitem__, pairs)),
         tiers=tiers, prefixes=prefixes, transfers=transfers, savings=savings, target_prefixes=target_prefixes)
-    unreplayable = run(connection, UNREPLAYABLE, **window)[0]["decisions"]
+    # As `replay_unreplayable` counts them (a decision has one request at most), off the decided_ts index alone.
+    unreplayable = connection.execute(sa.text(_WINDOW_DECISIONS), window).scalar() - len(rows)
     first = int(inventory.min()) if inventory.size else 0
     last = max(int(inventory.max()) if inventory.size else 0, int(horizons.max()) if horizons.size else 0)
     refusal = sql_refusal(connection, first if inventory.size else None, from_ts)

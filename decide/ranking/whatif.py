@@ -339,27 +339,54 @@ def _rows(distinct: int, held_rows: np.ndarray, workers: int) -> tuple[np.ndarra
     return holders, spilled
 
 
-def _changes(keys: np.ndarray, start: np.ndarray, end: np.ndarray, points: np.ndarray, workers: int,
-             planes: int) -> tuple[np.ndarray, ...]:
+def _changes(keys: np.ndarray, start: np.ndarray, end: np.ndarray, parts: tuple[np.ndarray, ...],
+             points: np.ndarray) -> tuple[np.ndarray, ...]:
     """Disjoint intervals [start, end) of (row, slot, plane) keys, sorted by (key, start) (`merge_intervals`), as
     changes at the sorted `points` they cover: set at the first covered point, cleared after the last; (bounds
-    per point, row, plane, slot, set or cleared), at each point its sets before its clears, each in key order."""
-    first_point = np.searchsorted(points, start, "left")
-    end_point = np.searchsorted(points, end, "left")
+    per point, row, plane, slot, set or cleared), at each point its sets before its clears, each in key order.
+    `parts`: each interval's row, plane and slot, the key's parts (gathered: dividing the keys costs more)."""
+    first_point = points_at_or_after(points, start)
+    end_point = points_at_or_after(points, end)
     # Intervals apart in seqs may touch or vanish in points: merged again, in the order they are in.
-    keys, first_point, end_point = _merged(np.arange(keys.size), keys, first_point, end_point)
-    change_bounds, change_key, change_wanted = _by_point(keys, first_point, end_point, points.size)
-    return (change_bounds, change_key // planes // workers, change_key % planes, change_key // planes % workers,
-            change_wanted)
+    keys, first_point, end_point, firsts = _merged(np.arange(keys.size), keys, first_point, end_point)
+    return _by_point(firsts, first_point, end_point, points.size, *parts)
+
+
+def points_at_or_after(points: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+    """For each seq, the index of the first of the sorted, distinct `points` at or after it (`points.size` past
+    the last): `np.searchsorted(points, seqs, "left")`, read off a table over the points' span where it is
+    not much wider than the seqs are many (a binary search per seq costs more)."""
+    if not points.size or not seqs.size:
+        return np.searchsorted(points, seqs, "left")
+    low, high = int(points[0]), int(points[-1])
+    if high - low > max(4 * seqs.size, 1 << 16):
+        return np.searchsorted(points, seqs, "left")
+    return _points_by_table(points, seqs, low, high)
 
 
 @_compiled
-def _by_point(keys, first_point, end_point, point_count):
-    """The sets (at first_point) and clears (at end_point, unless past the last point) of intervals, grouped
-    by point in one counting pass: per point its sets, then its clears, each in the intervals' order."""
+def _points_by_table(points, seqs, low, high):
+    table = np.empty(high - low + 1, dtype=np.int64)
+    point = 0
+    for seq in range(low, high + 1):
+        if points[point] < seq:
+            point += 1
+        table[seq - low] = point
+    found = np.empty(seqs.size, dtype=np.int64)
+    for item in range(seqs.size):
+        seq = seqs[item]
+        found[item] = 0 if seq <= low else points.size if seq > high else table[seq - low]
+    return found
+
+
+@_compiled
+def _by_point(items, first_point, end_point, point_count, rows, planes, slots):
+    """The sets (at first_point) and clears (at end_point, unless past the last point) of intervals (their
+    `items` into `rows`, `planes` and `slots`), grouped by point in one counting pass: per point its sets, then
+    its clears, each in the intervals' order; (bounds per point, row, plane, slot, set or cleared)."""
     sets = np.zeros(point_count + 1, dtype=np.int64)
     clears = np.zeros(point_count + 1, dtype=np.int64)
-    for item in range(keys.size):
+    for item in range(items.size):
         sets[first_point[item]] += 1
         if end_point[item] < point_count:
             clears[end_point[item]] += 1
@@ -368,19 +395,23 @@ def _by_point(keys, first_point, end_point, point_count):
         bounds[point + 1] = bounds[point] + sets[point] + clears[point]
     set_at = bounds[:point_count].copy()
     clear_at = bounds[:point_count] + sets[:point_count]
-    out_keys = np.empty(bounds[point_count], dtype=np.int64)
+    out_rows = np.empty(bounds[point_count], dtype=np.int64)
+    out_planes = np.empty(bounds[point_count], dtype=np.int64)
+    out_slots = np.empty(bounds[point_count], dtype=np.int64)
     out_wanted = np.empty(bounds[point_count], dtype=np.bool_)
-    for item in range(keys.size):
+    for item in range(items.size):
+        interval = items[item]
+        row, plane, slot = rows[interval], planes[interval], slots[interval]
         point = first_point[item]
-        out_keys[set_at[point]] = keys[item]
-        out_wanted[set_at[point]] = True
-        set_at[point] += 1
+        at = set_at[point]
+        out_rows[at], out_planes[at], out_slots[at], out_wanted[at] = row, plane, slot, True
+        set_at[point] = at + 1
         point = end_point[item]
         if point < point_count:
-            out_keys[clear_at[point]] = keys[item]
-            out_wanted[clear_at[point]] = False
-            clear_at[point] += 1
-    return bounds, out_keys, out_wanted
+            at = clear_at[point]
+            out_rows[at], out_planes[at], out_slots[at], out_wanted[at] = row, plane, slot, False
+            clear_at[point] = at + 1
+    return bounds, out_rows, out_planes, out_slots, out_wanted
 
 
 @_compiled
@@ -433,10 +464,11 @@ def judge_outcomes(items, sequence, offsets, source, tier, source_from, source_t
 
 def merge_intervals(keys: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, ...]:
     """Per key, the union of its intervals [start, end) as disjoint, non-touching ones, sorted by (key, start):
-    held at a seq when some interval covers it, however many stays overlap there."""
+    held at a seq when some interval covers it, however many stays overlap there. Also each one's first item
+    (an index into the arguments), to gather what else its key stands for."""
     keys, starts, ends = keys.astype(np.int64), starts.astype(np.int64), ends.astype(np.int64)
     if not keys.size:
-        return keys, starts, ends
+        return keys, starts, ends, np.zeros(0, dtype=np.int64)
     low, high = int(starts.min()), int(starts.max())
     if int(keys.min()) >= 0 and (int(keys.max()) + 1) * (high - low + 1) < 2**63:
         order = np.argsort(keys * (high - low + 1) + (starts - low))  # one int64 sort, not lexsort's two passes
@@ -450,6 +482,7 @@ def _merged(order, keys, starts, ends):
     out_keys = np.empty(keys.size, dtype=np.int64)
     out_starts = np.empty(keys.size, dtype=np.int64)
     out_ends = np.empty(keys.size, dtype=np.int64)
+    out_firsts = np.empty(keys.size, dtype=np.int64)
     count = -1
     for position in range(order.size):
         item = order[position]
@@ -461,8 +494,9 @@ def _merged(order, keys, starts, ends):
                 out_ends[count] = end
             continue
         count += 1
-        out_keys[count], out_starts[count], out_ends[count] = key, start, end
-    return out_keys[:count + 1].copy(), out_starts[:count + 1].copy(), out_ends[:count + 1].copy()
+        out_keys[count], out_starts[count], out_ends[count], out_firsts[count] = key, start, end, item
+    return (out_keys[:count + 1].copy(), out_starts[:count + 1].copy(), out_ends[:count + 1].copy(),
+            out_firsts[:count + 1].copy())
 
 
 @attrs.frozen
@@ -611,14 +645,15 @@ class StayTimeline:
         rows, slot, plane = row_of_stay[wanted], self.stay_slot[wanted], self.stay_plane[wanted]
         workers = max(worker_count, 1)
         # Each (row, slot, plane)'s stays as disjoint intervals, sorted once for both passes.
-        keys, start, end = merge_intervals((rows * workers + slot) * PLANES + plane, self.stay_start[wanted],
-                                           self.stay_end[wanted])
+        keys, start, end, firsts = merge_intervals((rows * workers + slot) * PLANES + plane, self.stay_start[wanted],
+                                                   self.stay_end[wanted])
+        held_rows, held_plane, held_slot = rows[firsts], plane[firsts], slot[firsts]
 
         # Ranking: each interval as the inventory seqs it covers, applied at the first and undone after the last.
         points = np.unique(requests.inventory_seqs)
         change_bounds, change_row, change_plane, change_slot, change_wanted = _changes(
-            keys, start, end, points, workers, PLANES)
-        holders, spilled = _rows(distinct, keys // PLANES // workers, workers)
+            keys, start, end, (held_rows, held_plane, held_slot), points)
+        holders, spilled = _rows(distinct, held_rows, workers)
 
         # The requests in inventory seq order (stable: KV_DECISIONS order within a seq), answered, put back.
         order = np.argsort(requests.inventory_seqs, kind="stable")
@@ -636,7 +671,6 @@ class StayTimeline:
         outputs = attrs.astuple(answers, recurse=False)
         kernel_settings = _settings_arrays(settings)
         block_sizes = requests.block_sizes[order]
-        held_rows = keys // PLANES // workers
 
         def rank(part: tuple[slice, slice]) -> None:
             # Settings `group` for the requests of the points in `span`, on rows of its own (the pass changes
@@ -657,15 +691,15 @@ class StayTimeline:
 
         # Judging: a second pass, over the horizon seqs, on rows of the native stays alone (the tier codes are
         # their planes), each request's outcomes judged once its horizon seq is reached.
-        native = keys % PLANES < 3
+        native = held_plane < 3
         keys, start, end = keys[native], start[native], end[native]
+        held_rows, held_plane, held_slot = held_rows[native], held_plane[native], held_slot[native]
         items = np.flatnonzero(horizons >= 0)
         items = items[np.argsort(horizons[items], kind="stable")]
         horizon_points = np.unique(horizons[items])
         change_bounds, change_row, change_plane, change_slot, change_wanted = _changes(
-            keys, start, end, horizon_points, workers, PLANES)
+            keys, start, end, (held_rows, held_plane, held_slot), horizon_points)
         item_bounds = np.append(np.searchsorted(horizons[items], horizon_points, "left"), items.size).astype(np.int64)
-        held_rows = keys // PLANES // workers
         outcomes = attrs.astuple(Outcomes.of(recorded, answers), recurse=False)
         judged = Judged(np.full(outcomes[0].shape, _UNJUDGED, np.int8), np.full(outcomes[0].shape, _UNJUDGED, np.int8))
 
