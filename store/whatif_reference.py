@@ -55,7 +55,7 @@ from kvledger.store import tables
 from kvledger.store.audit import Query, run
 from kvledger.store.pruning import DECISIONS_PRUNED, pruned_through
 from kvledger.store.quality import judge
-from kvledger.store.tables import to_signed
+from kvledger.store.tables import STAYS_FLAGGED, to_signed
 from kvledger.store.verdicts import first_seq_at_or_after
 
 # Each recorded decision in the window with its request, and its horizon seq as the quality
@@ -802,9 +802,11 @@ def stays_of(connection: sa.Connection, first_seq: int, last_seq: int, tables: S
     local = f"placement_id IN ({', '.join(str(int(value)) for value in ids)}) AND stored_seq <= {int(last_seq)}"
     # The stays an unresolved parent keeps out of the index, and retained stays' conflicts: rare, NULL otherwise.
     retained = {int(pid) for pid, row in zip(ids, rows) if row[3] == Provenance.RETAINED.value}
+    # Off `ix_stays_flagged`, whose terms these are (SQLite, without statistics, would scan the table's key).
+    table = "block_stays INDEXED BY ix_stays_flagged" if connection.dialect.name == "sqlite" else "block_stays"
     flagged = connection.exec_driver_sql(
-        "SELECT placement_id, stored_seq, slot, unresolved, conflict_since FROM block_stays "
-        f"WHERE {local} AND (unresolved OR conflict_since IS NOT NULL)").all()
+        f"SELECT placement_id, stored_seq, slot, unresolved, conflict_since FROM {table} "
+        f"WHERE {local} AND ({STAYS_FLAGGED})").all()
     u_pid, u_stored, u_slot = (np.array([row[part] for row in flagged if row[3]], dtype=np.int64) for part in range(3))
     conflicts = [row for row in flagged if row[4] is not None and row[0] in retained]
     c_pid, c_stored, c_slot, c_since = (np.array([row[part] for row in conflicts], dtype=np.int64)

@@ -30,9 +30,9 @@ def empty_db(request: pytest.FixtureRequest) -> str:
 
 def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, capsys) -> None:
     assert main(["db", "upgrade", "--db", empty_db]) == 0
-    assert "empty -> 0013" in capsys.readouterr().out
+    assert "empty -> 0014" in capsys.readouterr().out
     with database.opened(empty_db) as engine:
-        assert database.current_revision(engine) == database.head_revision() == "0013"
+        assert database.current_revision(engine) == database.head_revision() == "0014"
         with engine.connect() as connection:
             # The migrations build exactly the tables the code writes to.
             # (an index made on one engine only is compared there only)
@@ -49,12 +49,17 @@ def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, cap
     with database.opened(empty_db) as engine, engine.connect() as connection:
         # PostgreSQL finds a worker's stays by a deduplicated index and keeps no key beside it;
         # SQLite's table is its key
+        # SQLite's table is its key; the flagged stays have a partial index of their own on both
+        flagged = {"ix_stays_flagged": ["placement_id", "stored_seq", "slot"]}
         if connection.dialect.name == "postgresql":
-            assert _stays_keys(connection) == ({"ix_stays_placement": ["placement_id", "stored_seq"]}, [])
+            assert _stays_keys(connection) == ({"ix_stays_placement": ["placement_id", "stored_seq"], **flagged}, [])
         else:
-            assert _stays_keys(connection) == ({}, ["placement_id", "stored_seq", "slot"])
+            assert _stays_keys(connection) == (flagged, ["placement_id", "stored_seq", "slot"])
     assert main(["db", "downgrade", "--db", empty_db]) == 0
     with database.opened(empty_db) as engine:
+        assert database.current_revision(engine) == "0013"
+        assert "ix_stays_flagged" not in {i["name"] for i in sa.inspect(engine).get_indexes("block_stays")}
+        database.downgrade(engine, "0012")
         assert database.current_revision(engine) == "0012"
         assert "unreachable_periods" not in set(sa.inspect(engine).get_table_names())
         assert "unreachable_since" not in {c["name"] for c in sa.inspect(engine).get_columns("workers")}
@@ -81,7 +86,7 @@ def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, cap
             assert columns[:3] == ["placement_id", "stored_seq", "slot"]
             assert _residency(connection) == EXPECTED_STAYS
         database.upgrade(engine)
-        assert database.current_revision(engine) == "0013"
+        assert database.current_revision(engine) == "0014"
         with engine.connect() as connection:
             assert _residency(connection) == EXPECTED_STAYS  # and forward again
         database.downgrade(engine, "0007")
@@ -143,7 +148,7 @@ def _residency(connection: sa.Connection) -> list[tuple]:
 async def test_the_store_refuses_an_older_schema_and_says_which_command_to_run(nats_server, empty_db) -> None:
     with database.opened(empty_db) as engine:
         database.upgrade(engine, "0001")
-    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0013; run `kvledger db upgrade --db "):
+    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0014; run `kvledger db upgrade --db "):
         await StoreService(store_settings(nats_server.url, empty_db)).run(asyncio.Event())
 
 
