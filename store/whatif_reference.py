@@ -740,9 +740,10 @@ class StayTables:
 
 def stay_tables(connection: sa.Connection, last_seq: int | None = None) -> StayTables:
     """The local placements, and their stays and removal runs stored at or before `last_seq` (None: all), as
-    int64 columns (SQLite: one `group_concat` text per column, parsed by numpy, the stays read off
-    `ix_stays_sequence_hash`, whose entries carry the table's key; PostgreSQL: `COPY … (FORMAT binary)` read as
-    one numpy record array). Known the window or not: `kvledger replay` reads them while it reads the window."""
+    int64 columns (SQLite: one `group_concat` text per column, parsed by numpy, each table read in its key's
+    order, (placement, stored seq, slot), which makes matching a stay to its removal run a search of sorted
+    keys; PostgreSQL: `COPY … (FORMAT binary)` read as one numpy record array). Known the window or not:
+    `kvledger replay` reads them while it reads the window."""
     rows = connection.exec_driver_sql(
         "SELECT placement_id, publisher, dp_rank, provenance, tier FROM placements ORDER BY placement_id").all()
     rows = [tuple(row) for row in rows if row[4] in _LOCAL_TIERS]
@@ -758,11 +759,10 @@ def stay_tables(connection: sa.Connection, last_seq: int | None = None) -> StayT
         stays = _copied(connection, "block_stays", ("placement_id", "sequence_hash", "stored_seq", "slot"), local)
         runs = _copied(connection, "block_removals", removals, local)
     else:
-        # Off `ix_stays_sequence_hash`, whose entries carry every column read but the two rarely set (stays_of), and
-        # unfiltered: SQLite spends more per row testing a WHERE than numpy does.
-        stays = _concatenated(connection, "block_stays INDEXED BY ix_stays_sequence_hash",
-                              ("placement_id", "sequence_hash", "stored_seq", "slot"))
-        runs = _concatenated(connection, "block_removals", removals)
+        # Unfiltered: SQLite spends more per row testing a WHERE than numpy does.
+        stays = _concatenated(connection, "block_stays", ("placement_id", "sequence_hash", "stored_seq", "slot"),
+                              ("placement_id", "stored_seq", "slot"))
+        runs = _concatenated(connection, "block_removals", removals, ("placement_id", "stored_seq", "first_slot"))
         wanted = np.isin(stays[0], ids)
         if last_seq is not None:
             wanted &= stays[2] <= int(last_seq)
@@ -861,31 +861,51 @@ def _stay_keys(*triples: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.
 
 
 # A group_concat text may not pass SQLite's length limit (10^9 bytes by default, 20 bytes or fewer a value): past
-# this many stays the hash space is read in ranges.
+# this many rows a table is read in pieces of its key's order.
 _ROWS_PER_TEXT = 20_000_000
 
 
-def _concatenated(connection: sa.Connection, table: str, columns: Sequence[str]) -> list[np.ndarray]:
-    """SQLite: integer columns (none NULL) of every row of `table` (block_stays or block_removals), as int64
-    arrays: one `group_concat` text per column, which numpy parses without a Python int per value (per range of
-    sequence hashes where a text could pass SQLite's length limit)."""
+def _concatenated(connection: sa.Connection, table: str, columns: Sequence[str], key: Sequence[str]) -> list[np.ndarray]:
+    """SQLite: integer columns (none NULL, `key`'s among them) of every row of `table` (block_stays or
+    block_removals), as int64 arrays in the order of `key`, the table's primary key (a WITHOUT ROWID table's rows
+    lie in that order): one `group_concat` text per column, which numpy parses without a Python int per value;
+    where a text could pass SQLite's length limit, pieces of `_ROWS_PER_TEXT` rows, each after the last one's key."""
     raw = connection.connection.driver_connection
     aggregated = ", ".join(f"group_concat({column})" for column in columns)
-    ranges = [""]
-    if "sequence_hash" in columns:
-        total = raw.execute(f"SELECT COUNT(*) FROM {table.split()[0]}").fetchone()[0]
-        parts = -(-total // _ROWS_PER_TEXT)
-        if parts > 1:
-            step = 2**64 // parts
-            bounds = [-(2**63) + step * part for part in range(parts)] + [2**63]
-            ranges = [f" WHERE sequence_hash >= {low}" + (f" AND sequence_hash < {high}" if high < 2**63 else "")
-                      for low, high in zip(bounds, bounds[1:])]
-    texts = []
-    for where in ranges:
-        texts += raw.execute(f"SELECT COUNT(*), {aggregated} FROM {table}{where}").fetchall()
-    texts = [row for row in texts if row[0]]
-    count = sum(row[0] for row in texts)
-    return [_parsed(",".join(row[item + 1] for row in texts), count) for item in range(len(columns))]
+    ordered = ", ".join(key)
+
+    def piece(after: str, limit: str) -> list:
+        # The key's order asked of a subquery: the aggregate alone would scan the smaller index that covers it.
+        return raw.execute(f"SELECT COUNT(*), {aggregated} FROM (SELECT {', '.join(columns)} FROM {table}{after} "
+                           f"ORDER BY {ordered}{limit})").fetchone()
+
+    if raw.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] <= _ROWS_PER_TEXT:
+        count, *texts = piece("", "")
+        return [_parsed(text, count) for text in texts]
+    pieces, after = [], ""
+    while True:
+        count, *texts = piece(after, f" LIMIT {_ROWS_PER_TEXT}")
+        if not count:
+            break
+        pieces.append([_parsed(text, count) for text in texts])
+        if count < _ROWS_PER_TEXT:
+            break
+        last = _last_key([pieces[-1][columns.index(column)] for column in key])
+        after = f" WHERE ({ordered}) > ({', '.join(map(str, last))})"
+    if not pieces:
+        return [np.zeros(0, dtype=np.int64) for _ in columns]
+    return [np.concatenate([part[item] for part in pieces]) for item in range(len(columns))]
+
+
+def _last_key(parts: Sequence[np.ndarray]) -> tuple[int, ...]:
+    """The greatest key among rows whose key columns are `parts` (whatever order the rows came in)."""
+    rows = np.ones(parts[0].size, dtype=bool)
+    last = []
+    for part in parts:
+        value = int(part[rows].max())
+        rows &= part == value
+        last.append(value)
+    return tuple(last)
 
 
 def _parsed(text: str, count: int) -> np.ndarray:
