@@ -315,6 +315,20 @@ def _in_parallel(work: Callable, parts: list) -> None:
             done.result()
 
 
+@_compiled
+def _segments_in_order(values, offsets, order):
+    """The segments values[offsets[i]:offsets[i + 1]] end to end in `order`, and their offsets there."""
+    out_offsets = np.zeros(order.size + 1, dtype=np.int64)
+    for position in range(order.size):
+        item = order[position]
+        out_offsets[position + 1] = out_offsets[position] + offsets[item + 1] - offsets[item]
+    out = np.empty(out_offsets[order.size], dtype=values.dtype)
+    for position in range(order.size):
+        item = order[position]
+        out[out_offsets[position]:out_offsets[position + 1]] = values[offsets[item]:offsets[item + 1]]
+    return out, out_offsets
+
+
 def _table_of(sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
     """A table (keys, rows, bits) of the distinct hashes of `sequence`, rows 1, 2, … in order of first sight
     (row 0 reads as "nobody"), at most half full; and the count of rows."""
@@ -657,11 +671,7 @@ class StayTimeline:
 
         # The requests in inventory seq order (stable: KV_DECISIONS order within a seq), answered, put back.
         order = np.argsort(requests.inventory_seqs, kind="stable")
-        local_of = [requests.local[requests.offsets[item]:requests.offsets[item + 1]] for item in order.tolist()]
-        lengths = np.diff(requests.offsets)[order]
-        offsets = np.zeros(count + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        local = np.concatenate(local_of) if local_of else np.zeros(0, np.uint64)
+        local, offsets = _segments_in_order(requests.local, requests.offsets, order)
         target, named, fallback, has_fallback = (array[order] for array in _request_slots(self.slot, requests))
         request_bounds = np.searchsorted(requests.inventory_seqs[order], points, "left").astype(np.int64)
         request_bounds = np.append(request_bounds, count)
