@@ -680,10 +680,10 @@ def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float 
     inventory = inventory + offsets
     pairs = list(zip(chosen_sources, chosen_ranks))
     by_pair = {pair: None if pair[0] is None else worker_of(*pair) for pair in set(pairs)}
-    buffer = b"".join(local_hashes)
+    buffer = bytearray().join(local_hashes)  # numpy reads it where it is, writable
     decisions = RecordedColumns.of(
         request_ids=request_ids, inventory_seqs=inventory, horizon_seqs=horizons,
-        local=np.frombuffer(buffer, dtype="<u8").astype(np.uint64),
+        local=np.frombuffer(buffer, dtype="<u8").astype(np.uint64, copy=False),
         lengths=np.fromiter(map(len, local_hashes), dtype=np.int64, count=len(local_hashes)) // 8,
         block_sizes=block_sizes, blocks=blocks, requested_targets=requested_targets, fallbacks=fallbacks,
         targets=targets, reasons=reasons, baselines=baselines, sources=list(map(by_pair.__getitem__, pairs)),
@@ -766,11 +766,11 @@ def stay_tables(connection: sa.Connection, last_seq: int | None = None) -> StayT
         wanted = np.isin(stays[0], ids)
         if last_seq is not None:
             wanted &= stays[2] <= int(last_seq)
-        stays = [column[wanted] for column in stays]
+        stays = _where(wanted, *stays)
         wanted = np.isin(runs[0], ids)
         if last_seq is not None:
             wanted &= runs[1] <= int(last_seq)
-        runs = [column[wanted] for column in runs]
+        runs = _where(wanted, *runs)
     return StayTables(rows, last_seq, stays, runs)
 
 
@@ -794,11 +794,9 @@ def stays_of(connection: sa.Connection, first_seq: int, last_seq: int, tables: S
     pid, hashes, stored, slot = tables.stays
     r_pid, r_stored, r_first, r_last, r_removed = tables.removals
     if tables.read_up_to != last_seq:  # read unbounded, or for another window
-        wanted = stored <= int(last_seq)
-        pid, hashes, stored, slot = pid[wanted], hashes[wanted], stored[wanted], slot[wanted]
-        wanted = r_stored <= int(last_seq)
-        r_pid, r_stored, r_first, r_last, r_removed = (column[wanted] for column in
-                                                       (r_pid, r_stored, r_first, r_last, r_removed))
+        pid, hashes, stored, slot = _where(stored <= int(last_seq), pid, hashes, stored, slot)
+        r_pid, r_stored, r_first, r_last, r_removed = _where(r_stored <= int(last_seq), r_pid, r_stored, r_first,
+                                                             r_last, r_removed)
     local = f"placement_id IN ({', '.join(str(int(value)) for value in ids)}) AND stored_seq <= {int(last_seq)}"
     # The stays an unresolved parent keeps out of the index, and retained stays' conflicts: rare, NULL otherwise.
     retained = {int(pid) for pid, row in zip(ids, rows) if row[3] == Provenance.RETAINED.value}
@@ -836,24 +834,43 @@ def stays_of(connection: sa.Connection, first_seq: int, last_seq: int, tables: S
         if u_pid.size:
             at = order[np.minimum(np.searchsorted(ordered, unresolved_key), order.size - 1)]
             kept[at[stay_key[at] == unresolved_key]] = False
-    placement = np.searchsorted(ids, pid[kept])
-    return Stays(placements, placement, hashes[kept], stored[kept], removed[kept], conflict[kept])
+    pid, hashes, stored, removed, conflict = _where(kept, pid, hashes, stored, removed, conflict)
+    return Stays(placements, np.searchsorted(ids, pid), hashes, stored, removed, conflict)
+
+
+def _where(wanted: np.ndarray, *columns: np.ndarray) -> list[np.ndarray]:
+    """The columns' items where `wanted` is true: the columns themselves where it is everywhere (a window of
+    the whole ledger keeps every stay, and a copy of a ledger's columns costs a pass over each)."""
+    if wanted.all():
+        return list(columns)
+    return [column[wanted] for column in columns]
 
 
 def _stay_keys(*triples: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:
     """(placement, stored seq, slot) triples of several tables as int64 keys that order and compare as the
     triples do, the slot (never negative: a block's place in its event) the last digit, so that a key less its
     slot is its pair's own."""
-    values = [np.concatenate([triple[part] for triple in triples]) for part in range(3)]
-    if not values[0].size:
+    present = [triple for triple in triples if triple[0].size]
+    if not present:
         return tuple(np.zeros(0, np.int64) for _ in triples)
-    placement_span = int(values[0].max()) - int(values[0].min()) + 1
-    seq_span = int(values[1].max()) - int(values[1].min()) + 1
-    slot_span = int(values[2].max()) + 1
+    low = [min(int(triple[part].min()) for triple in present) for part in range(2)]
+    placement_span = max(int(triple[0].max()) for triple in present) - low[0] + 1
+    seq_span = max(int(triple[1].max()) for triple in present) - low[1] + 1
+    slot_span = max(int(triple[2].max()) for triple in present) + 1
     if placement_span * seq_span * slot_span < 2**62:
-        combined = ((values[0] - int(values[0].min())) * seq_span + (values[1] - int(values[1].min()))) * slot_span \
-            + values[2]
+        # Each table's keys apart, in place: its columns are long, and each pass a copy would add costs a pass.
+        keys = []
+        for placement, seq, slot in triples:
+            key = placement - low[0]
+            key *= seq_span
+            key += seq
+            key -= low[1]
+            key *= slot_span
+            key += slot
+            keys.append(key)
+        return tuple(keys)
     else:  # too wide for one int64: the pairs ranked first (np.unique sorts them), then the slots beside them
+        values = [np.concatenate([triple[part] for triple in triples]) for part in range(3)]
         pairs = np.unique(np.stack([values[0], values[1]], axis=1), axis=0, return_inverse=True)[1].reshape(-1)
         combined = pairs.astype(np.int64) * slot_span + values[2]
     bounds = np.cumsum([0, *(triple[0].size for triple in triples)])

@@ -476,19 +476,99 @@ def judge_outcomes(items, sequence, offsets, source, tier, source_from, source_t
                 lost[outcome, request] = verdict
 
 
-def merge_intervals(keys: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Per key, the union of its intervals [start, end) as disjoint, non-touching ones, sorted by (key, start):
-    held at a seq when some interval covers it, however many stays overlap there. Also each one's first item
-    (an index into the arguments), to gather what else its key stands for."""
-    keys, starts, ends = keys.astype(np.int64), starts.astype(np.int64), ends.astype(np.int64)
-    if not keys.size:
-        return keys, starts, ends, np.zeros(0, dtype=np.int64)
-    low, high = int(starts.min()), int(starts.max())
-    if int(keys.min()) >= 0 and (int(keys.max()) + 1) * (high - low + 1) < 2**63:
-        order = np.argsort(keys * (high - low + 1) + (starts - low))  # one int64 sort, not lexsort's two passes
-    else:
-        order = np.lexsort((starts, keys))
+def merge_intervals(rows: np.ndarray, minors: np.ndarray, minor_count: int, starts: np.ndarray,
+                    ends: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per key (row * minor_count + minor), the union of its intervals [start, end) as disjoint, non-touching
+    ones, sorted by (key, start): held at a seq when some interval covers it, however many stays overlap there.
+    Returns their keys, starts, ends and first items (an index into the arguments, to gather what else a key
+    stands for)."""
+    rows, minors = rows.astype(np.int64, copy=False), minors.astype(np.int64, copy=False)
+    starts, ends = starts.astype(np.int64, copy=False), ends.astype(np.int64, copy=False)
+    if not rows.size:
+        return rows, starts, ends, np.zeros(0, dtype=np.int64)
+    keys = rows * minor_count + minors
+    # Stays come in their placement's seq order (SQL's key): two stable counting sorts, by minor then by row,
+    # leave each key's items in start order, where a sort of the keys costs n log n. Checked, and sorted else.
+    order, in_start_order = _counting_order(rows, minors, minor_count, int(rows.max()) + 1, starts)
+    if not in_start_order:
+        low, high = int(starts.min()), int(starts.max())
+        if int(keys.min()) >= 0 and (int(keys.max()) + 1) * (high - low + 1) < 2**63:
+            order = np.argsort(keys * (high - low + 1) + (starts - low))  # one int64 sort, not lexsort's two
+        else:
+            order = np.lexsort((starts, keys))
     return _merged(order, keys, starts, ends)
+
+
+@_compiled
+def _stays_read(row_of_stay, stay_slot, stay_plane, stay_start, stay_end, planes):
+    """The stays of hashes some request reads (row > 0): their rows, slots, planes, minors (slot * planes +
+    plane), starts and ends, in one pass (the stays are many: a copy per column costs a pass each)."""
+    count = 0
+    for stay in range(row_of_stay.size):
+        if row_of_stay[stay] > 0:
+            count += 1
+    rows, slots = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+    out_planes, minors = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+    starts, ends = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+    item = 0
+    for stay in range(row_of_stay.size):
+        if row_of_stay[stay] > 0:
+            rows[item], slots[item], out_planes[item] = row_of_stay[stay], stay_slot[stay], stay_plane[stay]
+            minors[item] = stay_slot[stay] * planes + stay_plane[stay]
+            starts[item], ends[item] = stay_start[stay], stay_end[stay]
+            item += 1
+    return rows, slots, out_planes, minors, starts, ends
+
+
+@_compiled
+def _native_only(keys, starts, ends, rows, planes, slots):
+    """The intervals on a native plane (below 3: the tier codes), every column in one pass."""
+    count = 0
+    for item in range(keys.size):
+        if planes[item] < 3:
+            count += 1
+    out = (np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64),
+           np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64))
+    kept = 0
+    for item in range(keys.size):
+        if planes[item] < 3:
+            out[0][kept], out[1][kept], out[2][kept] = keys[item], starts[item], ends[item]
+            out[3][kept], out[4][kept], out[5][kept] = rows[item], planes[item], slots[item]
+            kept += 1
+    return out
+
+
+@_compiled
+def _counting_order(rows, minors, minor_count, row_count, starts):
+    """The items by (row, minor), stably (LSD: by minor, then by row), and whether the starts of each
+    (row, minor) then rise."""
+    count = rows.size
+    bounds = np.zeros(minor_count + 1, dtype=np.int64)
+    for item in range(count):
+        bounds[minors[item] + 1] += 1
+    for minor in range(minor_count):
+        bounds[minor + 1] += bounds[minor]
+    by_minor = np.empty(count, dtype=np.int64)
+    for item in range(count):
+        minor = minors[item]
+        by_minor[bounds[minor]] = item
+        bounds[minor] += 1
+    row_bounds = np.zeros(row_count + 1, dtype=np.int64)
+    for item in range(count):
+        row_bounds[rows[item] + 1] += 1
+    for row in range(row_count):
+        row_bounds[row + 1] += row_bounds[row]
+    order = np.empty(count, dtype=np.int64)
+    for position in range(count):
+        item = by_minor[position]
+        row = rows[item]
+        order[row_bounds[row]] = item
+        row_bounds[row] += 1
+    for position in range(1, count):
+        item, before = order[position], order[position - 1]
+        if rows[item] == rows[before] and minors[item] == minors[before] and starts[item] < starts[before]:
+            return order, False
+    return order, True
 
 
 @_compiled
@@ -578,10 +658,11 @@ class StayTimeline:
         slot_of_item[by_first] = np.arange(len(workers))
         self._slot = {worker: slot for slot, worker in enumerate(self.workers)}
         self.stay_slot = slot_of_item[stay_worker] if len(workers) else stay_worker.astype(np.int64)
-        self.stay_plane = stay_plane.astype(np.int64)
-        self.stay_hash = stay_hash.astype(np.uint64)
-        self.stay_start = stay_start.astype(np.int64)
-        self.stay_end = stay_end.astype(np.int64)
+        # Not copied where they are already so: a ledger's stays are many.
+        self.stay_plane = stay_plane.astype(np.int64, copy=False)
+        self.stay_hash = stay_hash.astype(np.uint64, copy=False)
+        self.stay_start = stay_start.astype(np.int64, copy=False)
+        self.stay_end = stay_end.astype(np.int64, copy=False)
 
     @classmethod
     def of_columns(cls, workers: Sequence[tuple[WorkerId, int]], publisher: Sequence[str], dp_rank: Sequence[int],
@@ -654,13 +735,12 @@ class StayTimeline:
         # Only rows a request reads matter: a row per distinct hash the requests read, the stays of other hashes
         # left out (a hash table of the requests' hashes, probed by each stay: no sort of either).
         table_keys, table_rows, table_bits, distinct = _table_of(sequence)
-        row_of_stay = lookup_rows(table_keys, table_rows, table_bits, self.stay_hash).astype(np.int64)
-        wanted = row_of_stay > 0
-        rows, slot, plane = row_of_stay[wanted], self.stay_slot[wanted], self.stay_plane[wanted]
+        row_of_stay = lookup_rows(table_keys, table_rows, table_bits, self.stay_hash)
+        rows, slot, plane, minor, start, end = _stays_read(row_of_stay, self.stay_slot, self.stay_plane,
+                                                           self.stay_start, self.stay_end, PLANES)
         workers = max(worker_count, 1)
         # Each (row, slot, plane)'s stays as disjoint intervals, sorted once for both passes.
-        keys, start, end, firsts = merge_intervals((rows * workers + slot) * PLANES + plane, self.stay_start[wanted],
-                                                   self.stay_end[wanted])
+        keys, start, end, firsts = merge_intervals(rows, minor, workers * PLANES, start, end)
         held_rows, held_plane, held_slot = rows[firsts], plane[firsts], slot[firsts]
 
         # Ranking: each interval as the inventory seqs it covers, applied at the first and undone after the last.
@@ -701,9 +781,8 @@ class StayTimeline:
 
         # Judging: a second pass, over the horizon seqs, on rows of the native stays alone (the tier codes are
         # their planes), each request's outcomes judged once its horizon seq is reached.
-        native = held_plane < 3
-        keys, start, end = keys[native], start[native], end[native]
-        held_rows, held_plane, held_slot = held_rows[native], held_plane[native], held_slot[native]
+        keys, start, end, held_rows, held_plane, held_slot = _native_only(keys, start, end, held_rows, held_plane,
+                                                                          held_slot)
         items = np.flatnonzero(horizons >= 0)
         items = items[np.argsort(horizons[items], kind="stable")]
         horizon_points = np.unique(horizons[items])
