@@ -665,39 +665,14 @@ class StayTimeline:
         self.stay_end = stay_end.astype(np.int64, copy=False)
 
     @classmethod
-    def of_columns(cls, workers: Sequence[tuple[WorkerId, int]], publisher: Sequence[str], dp_rank: Sequence[int],
-                   provenance: Sequence[str], tier: Sequence[str], sequence_hash: Sequence[int],
-                   stored_seq: Sequence[int], removed_seq: Sequence[int | None],
-                   conflict_since: Sequence[int | None]) -> StayTimeline:
-        """From `block_residency`'s columns (sequence hashes signed, as SQL keeps them). A retained stay stops
-        being indexed at conflict_since (kvledger/core/precedence.py, rule 1); retained host and disk stays are never
-        read (neither credit nor baseline counts them), so they are left out."""
-        workers = list(workers)
-        item_of = {(worker.publisher, worker.dp_rank): item for item, (worker, _first) in enumerate(workers)}
-        for key in set(zip(publisher, dp_rank)) - item_of.keys():  # a stay of a worker never listed: never present
-            item_of[key] = len(workers)
-            workers.append((WorkerId(*key), FOREVER))
-        plane_of = {(p.value, t.value): plane for (p, t), plane in _PLANE_OF.items()}
-        count = len(publisher)
-        stay_worker = np.fromiter(map(item_of.__getitem__, zip(publisher, dp_rank)), dtype=np.int64, count=count)
-        stay_plane = np.fromiter((plane_of.get(key, -1) for key in zip(provenance, tier)), dtype=np.int64,
-                                 count=count)
-        start = np.array(stored_seq, dtype=np.int64).reshape(count)
-        end = np.array([FOREVER if seq is None else seq for seq in removed_seq], dtype=np.int64).reshape(count)
-        conflict = np.array([FOREVER if seq is None else seq for seq in conflict_since], dtype=np.int64).reshape(count)
-        retained = stay_plane == _PLANE_OF[(Provenance.RETAINED, Tier.DEVICE)]
-        end = np.where(retained, np.minimum(end, conflict), end)
-        kept = stay_plane >= 0
-        hashes = np.array(sequence_hash, dtype=np.int64).reshape(count).view(np.uint64)
-        return cls(workers, stay_worker[kept], stay_plane[kept], hashes[kept], start[kept], end[kept])
-
-    @classmethod
     def of_stays(cls, workers: Sequence[tuple[WorkerId, int]], placements: Sequence[tuple[str, int, str, str]],
                  placement: np.ndarray, sequence_hash: np.ndarray, stored_seq: np.ndarray, removed_seq: np.ndarray,
                  conflict_since: np.ndarray) -> StayTimeline:
-        """As `of_columns`, from arrays (`store.whatif_reference.Stays`): per placement (publisher, dp_rank, provenance,
-        tier), and per stay its placement (an index), sequence hash (signed), stored seq, removed seq and
-        conflict_since (int64 max where none): the same timeline without a Python object per stay."""
+        """From `block_residency`'s stays as arrays (`store.whatif_reference.Stays`): per placement (publisher,
+        dp_rank, provenance, tier), and per stay its placement (an index), sequence hash (signed, as SQL keeps
+        it), stored seq, removed seq and conflict_since (int64 max where none), without a Python object per stay.
+        A retained stay stops being indexed at conflict_since (kvledger/core/precedence.py, rule 1); retained host
+        and disk stays are never read (neither credit nor baseline counts them), so they are left out."""
         workers = list(workers)
         item_of = {(worker.publisher, worker.dp_rank): item for item, (worker, _first) in enumerate(workers)}
         plane_of = {(p.value, t.value): plane for (p, t), plane in _PLANE_OF.items()}
