@@ -542,33 +542,28 @@ def _native_only(keys, starts, ends, rows, planes, slots):
 def _counting_order(rows, minors, minor_count, row_count, starts):
     """The items by (row, minor), stably (LSD: by minor, then by row), and whether the starts of each
     (row, minor) then rise."""
-    count = rows.size
-    bounds = np.zeros(minor_count + 1, dtype=np.int64)
-    for item in range(count):
-        bounds[minors[item] + 1] += 1
-    for minor in range(minor_count):
-        bounds[minor + 1] += bounds[minor]
-    by_minor = np.empty(count, dtype=np.int64)
-    for item in range(count):
-        minor = minors[item]
-        by_minor[bounds[minor]] = item
-        bounds[minor] += 1
-    row_bounds = np.zeros(row_count + 1, dtype=np.int64)
-    for item in range(count):
-        row_bounds[rows[item] + 1] += 1
-    for row in range(row_count):
-        row_bounds[row + 1] += row_bounds[row]
-    order = np.empty(count, dtype=np.int64)
-    for position in range(count):
-        item = by_minor[position]
-        row = rows[item]
-        order[row_bounds[row]] = item
-        row_bounds[row] += 1
-    for position in range(1, count):
+    order = _stably_by(rows, row_count, _stably_by(minors, minor_count, np.arange(rows.size)))
+    for position in range(1, order.size):
         item, before = order[position], order[position - 1]
         if rows[item] == rows[before] and minors[item] == minors[before] and starts[item] < starts[before]:
             return order, False
     return order, True
+
+
+@_compiled
+def _stably_by(values, value_count, items):
+    """`items` in the order of their values (each below value_count), stably: one counting sort."""
+    bounds = np.zeros(value_count + 1, dtype=np.int64)
+    for position in range(items.size):
+        bounds[values[items[position]] + 1] += 1
+    for value in range(value_count):
+        bounds[value + 1] += bounds[value]
+    ordered = np.empty(items.size, dtype=np.int64)
+    for position in range(items.size):
+        value = values[items[position]]
+        ordered[bounds[value]] = items[position]
+        bounds[value] += 1
+    return ordered
 
 
 @_compiled
