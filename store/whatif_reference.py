@@ -78,23 +78,23 @@ ORDER BY d.stream_seq;""",
 
 # The same without the horizon seq, which `read_window` finds from `replay_ingest_times` instead: the
 # correlated MIN above scans event_log once per decision (a replay's time grew with decisions × events).
-# `read_columns` runs it without its ORDER BY and sorts the rows itself: they come in decided_ts order off
-# the index, nearly the seqs' order, which Python sorts in one pass where SQLite builds a B-tree.
-_REPLAY_DECISIONS_UNORDERED = """SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.target, d.reason, d.baseline_blocks,
+# `read_columns` runs it as a LEFT JOIN without its ORDER BY: one statement reads the window's decisions and
+# counts those without a request (`replay_unreplayable`'s) in the same snapshot, and it sorts the rows itself:
+# they come in decided_ts order off the index, nearly the seqs' order, which Python sorts in one pass where
+# SQLite builds a B-tree.
+_REPLAY_DECISIONS_JOINED = """SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.target, d.reason, d.baseline_blocks,
        d.chosen_source, d.chosen_dp_rank, d.chosen_tier, d.chosen_prefix_blocks, d.chosen_transfer_blocks,
        d.chosen_saving_ms, d.target_prefix_blocks,
        r.block_size, r.blocks, r.requested_target, r.fallback, r.local_hashes
 FROM decisions d
-JOIN decision_requests r ON r.stream_seq = d.stream_seq
+{join} decision_requests r ON r.stream_seq = d.stream_seq
 WHERE d.decided_ts >= :from_ts AND d.decided_ts < :to_ts"""
 REPLAY_DECISIONS = Query(
     "replay_decisions",
     "The decisions of a window with the requests they answered",
-    _REPLAY_DECISIONS_UNORDERED + "\nORDER BY d.stream_seq;",
+    _REPLAY_DECISIONS_JOINED.format(join="JOIN") + "\nORDER BY d.stream_seq;",
     ("from_ts", "to_ts"),
 )
-# The window's decisions, with or without their requests: those without are `replay_unreplayable`'s.
-_WINDOW_DECISIONS = "SELECT COUNT(*) FROM decisions WHERE decided_ts >= :from_ts AND decided_ts < :to_ts"
 
 REPLAY_INGEST_TIMES = Query(
     "replay_ingest_times",
@@ -653,9 +653,12 @@ def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float 
     """`read_window` (its horizon seqs from the events' ingest times) as columns: the driver's tuples read in
     bulk, each request's hashes one slice of a single buffer. Raises ReplayRefused as `read_window` does."""
     window = {"from_ts": max(from_ts, -1e18), "to_ts": min(to_ts, 1e18)}
-    result = connection.execute(sa.text(_REPLAY_DECISIONS_UNORDERED), window)
+    result = connection.execute(sa.text(_REPLAY_DECISIONS_JOINED.format(join="LEFT JOIN")), window)
     rows = result.cursor.fetchall()  # the driver's tuples: a Row or a dict each would cost more than the rest
     result.close()
+    read = len(rows)
+    rows = [row for row in rows if row[-1] is not None]  # local_hashes is NOT NULL: None is no request
+    unreplayable = read - len(rows)  # `replay_unreplayable`'s count, in the same snapshot as the rows
     rows.sort(key=operator.itemgetter(0))  # by seq, as `replay_decisions` orders them
     (_seq, request_ids, decided_ts, inventory_seqs, targets, reasons, baselines, chosen_sources, chosen_ranks, tiers,
      prefixes, transfers, savings, target_prefixes, block_sizes, blocks, requested_targets, fallbacks,
@@ -688,8 +691,6 @@ def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float 
         block_sizes=block_sizes, blocks=blocks, requested_targets=requested_targets, fallbacks=fallbacks,
         targets=targets, reasons=reasons, baselines=baselines, sources=list(map(by_pair.__getitem__, pairs)),
         tiers=tiers, prefixes=prefixes, transfers=transfers, savings=savings, target_prefixes=target_prefixes)
-    # As `replay_unreplayable` counts them (a decision has one request at most), off the decided_ts index alone.
-    unreplayable = connection.execute(sa.text(_WINDOW_DECISIONS), window).scalar() - len(rows)
     first = int(inventory.min()) if inventory.size else 0
     last = max(int(inventory.max()) if inventory.size else 0, int(horizons.max()) if horizons.size else 0)
     refusal = sql_refusal(connection, first if inventory.size else None, from_ts)
