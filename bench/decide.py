@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             texts = cpu.answer_texts(batch, reuse_off)
         if requests == "batch":
-            request_header_texts(batch, texts.arrays)
+            request_header_texts(batch, texts.arrays, texts.targets)
         elif requests == "str":
             request_texts(batch, texts.arrays)
         elif requests == "python":

@@ -296,7 +296,7 @@ async def publish_ledger(nats_url: str, decisions: int, shape: FleetShape, reuse
             if shadows is not None:
                 shadow_texts, shadow_relied = shadows.answer(backend, requests)
                 relied = [max(live, other, key=len) for live, other in zip(relied, shadow_relied)]
-            headers = request_header_texts(requests, answers.arrays)
+            headers = request_header_texts(requests, answers.arrays, answers.targets)
             decide_s += time.perf_counter() - clock
             await window.acquire()
             now = time.time()

@@ -24,9 +24,9 @@ from kvledger.decide.inventory.view import IndexReader
 from kvledger.decide.ranking.kernels import answer_request, answer_requests, rank_requests
 from kvledger.decide.ranking.packed import split_text_pairs
 from kvledger.decide.ranking.ranked import (
-    NO_TEXT, REASONS, AnswerBatch, AnswerTexts, Clock, PerSettings, RankedBatch, RequestArrays, WorkerTexts,
-    answer_endings, answer_pieces, digest_of, inventory_target_text, json_string_text, requested_targets,
-    source_tier_codes, target_slot,
+    NO_TEXT, REASONS, AnswerBatch, AnswerTexts, BatchTargets, Clock, PerSettings, RankedBatch, RequestArrays,
+    WorkerTexts, answer_endings, answer_pieces, digest_of, inventory_target_text, json_string_text,
+    requested_targets, source_tier_codes, target_slot,
 )
 
 INT64_MAX = 2**63 - 1
@@ -75,14 +75,16 @@ class CpuBackend:
         batch = RequestArrays.of(requests)
         arguments = rank_arguments(index, requests, batch, settings, clock, started)
         target = arguments[2]
+        worker_texts = WorkerTexts.of(index)
         answers, answer_bounds, relied, relied_bounds, reason_counts = answer_requests(
             *arguments,
-            *answer_pieces(requests, batch.ids, batch.id_bounds, target, index.inventory_seq, WorkerTexts.of(index)),
+            *answer_pieces(requests, batch.ids, batch.id_bounds, target, index.inventory_seq, worker_texts),
             *answer_endings(index.uncertain_names(), self.name, digest_of(settings)), MAX_RELIED_BLOCKS,
         )
         return AnswerTexts(
             *split_text_pairs(answers, answer_bounds, relied, relied_bounds, count),
             {REASONS[code]: number for code, number in enumerate(reason_counts.tolist()) if number}, batch,
+            BatchTargets(target, arguments[3], worker_texts.name_texts),
         )
 
     def _answer_text(self, request: ReuseRequest, settings: ReuseSettings, clock: Clock, started: float) -> AnswerTexts:

@@ -232,6 +232,22 @@ def inventory_target_text(inventory_seq: int) -> np.ndarray:
 
 
 @attrs.frozen
+class BatchTargets:
+    """A batch's targets as the ranking read them: each request's target slot (NO_TARGET for none or a
+    worker the index has never seen), whether it named one, and the index's worker names as JSON strings
+    by slot (`WorkerTexts.name_texts`)."""
+
+    slots: np.ndarray  # int32
+    named: np.ndarray  # uint8 (a bool's bytes)
+    names: tuple[np.ndarray, np.ndarray]
+
+    @property
+    def all_known(self) -> bool:
+        """Whether every request that named a target named one the index knows (its name is in `names`)."""
+        return not np.any((self.slots < 0) & (self.named != 0))
+
+
+@attrs.frozen
 class WorkerTexts:
     """Each worker's pieces of answer JSON, by slot: made once per index and worker count,
     since workers only ever join an index."""
@@ -423,6 +439,8 @@ class AnswerTexts:
     # The batch's requests as the kernels read them, when the backend made them: each record's
     # request header is written from them (`decide.serving.recorder.request_texts`) without converting again.
     arrays: RequestArrays | None = attrs.field(default=None, eq=False)
+    # Their targets' slots, as ranked, for the request headers' target names.
+    targets: BatchTargets | None = attrs.field(default=None, eq=False)
 
     @classmethod
     def of(cls, batch: AnswerBatch) -> AnswerTexts:

@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import attrs
 import nats
@@ -41,7 +42,7 @@ from kvledger.runtime.jetstream_ack import AckError, read_ack
 from kvledger.decide.compiled import compiled as _compiled
 from kvledger.decide.compiled import inlined as _inlined
 from kvledger.decide.ranking.kernels import copy_bytes
-from kvledger.decide.ranking.ranked import RequestArrays
+from kvledger.decide.ranking.ranked import BatchTargets, RequestArrays
 
 
 @attrs.frozen(eq=False)
@@ -380,8 +381,22 @@ def write_frames(hpub, reply_prefix, ack_to, ack_bounds, ids, id_bounds, stream_
 # hashes, as the backend already converted them (`AnswerTexts.arrays`), are written by one
 # compiled call into the same JSON, byte for byte, which `write_frames` copies into the
 # records as it is: no Python value per request.
-def _names(requests: Sequence[ReuseRequest], field: str) -> Texts:
-    """The named workers (`target` or `fallback`) of requests, "" for none, one a line (`_line_bounds`)."""
+class NameSpans(NamedTuple):
+    """One worker name per request, or none: request i's is `buffer[starts[i]:starts[i] + lengths[i]]`,
+    none where its length is 0."""
+
+    buffer: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def none(cls, count: int) -> NameSpans:
+        zeros = np.zeros(count, dtype=np.int64)
+        return cls(_NO_TEXT, zeros, zeros)
+
+
+def _names(requests: Sequence[ReuseRequest], field: str) -> NameSpans:
+    """The named workers (`target` or `fallback`) of requests, "" for none, one a line (`_line_spans`)."""
     # A worker's name needs no JSON escapes (publishers are NATS subject tokens: letters,
     # digits, '_' and '-'), so the kernel quotes it as it is; nor a line break, so the names
     # are joined by one and a compiled call finds their bounds (cheaper than a len each).
@@ -389,36 +404,55 @@ def _names(requests: Sequence[ReuseRequest], field: str) -> Texts:
     text = "\n".join(["" if worker is None else worker.publisher if worker.dp_rank == 0 else worker.name
                       for worker in workers]).encode()
     buffer = np.frombuffer(text, dtype=np.uint8)
-    return Texts(buffer, _line_bounds(buffer, len(requests)))
+    return NameSpans(buffer, *_line_spans(buffer, len(requests)))
 
 
 @_compiled
-def _line_bounds(buffer, count):
-    """Where each of `count` texts joined by line breaks starts, and one past the end: text i is
-    `buffer[bounds[i]:bounds[i + 1] - 1]` (`_name_length`)."""
-    bounds = np.empty(count + 1, dtype=np.int64)
-    bounds[0] = 0
-    item = 1
+def _line_spans(buffer, count):
+    """Where each of `count` texts joined by line breaks starts, and its length."""
+    starts = np.empty(count, dtype=np.int64)
+    lengths = np.empty(count, dtype=np.int64)
+    item, start = 0, 0
     for position in range(buffer.size):
         if buffer[position] == 10:
-            bounds[item] = position + 1
+            starts[item], lengths[item] = start, position - start
             item += 1
-    bounds[count] = buffer.size + 1
-    return bounds
+            start = position + 1
+    starts[item], lengths[item] = start, buffer.size - start
+    return starts, lengths
 
 
-@_inlined
-def _name_length(bounds, item):
-    """The length of name `item` of `_line_bounds` (-1 in an all-zero bounds: no names)."""
-    return bounds[item + 1] - bounds[item] - 1
+@_compiled
+def _slot_spans(slots, named, name_bounds):
+    """Each request's target name read off the index's names by slot (JSON strings: the name between
+    the quotes); none where it named no target."""
+    count = slots.size
+    starts = np.zeros(count, dtype=np.int64)
+    lengths = np.zeros(count, dtype=np.int64)
+    for request in range(count):
+        slot = slots[request]
+        if named[request] and slot >= 0:
+            starts[request] = name_bounds[slot] + 1
+            lengths[request] = name_bounds[slot + 1] - name_bounds[slot] - 2
+    return starts, lengths
+
+
+def _target_names(requests: Sequence[ReuseRequest], targets: BatchTargets | None) -> NameSpans:
+    """The requests' target names: off the index's names by the slots the ranking read where every named
+    target is one the index knows (no Python value per request), else from the requests."""
+    if targets is not None and len(targets.slots) == len(requests) and targets.all_known:
+        buffer, bounds = targets.names
+        return NameSpans(buffer, *_slot_spans(targets.slots, targets.named, bounds))
+    return _names(requests, "target")
 
 
 _fallback = operator.attrgetter("fallback")
 
 
-def request_header_texts(requests: Sequence[ReuseRequest], arrays: RequestArrays | None = None) -> Texts:
+def request_header_texts(requests: Sequence[ReuseRequest], arrays: RequestArrays | None = None,
+                         targets: BatchTargets | None = None) -> Texts:
     """Each request's `REQUEST_HEADER` value (`kvledger.core.decision_codec.request_header`'s text), from the
-    batch's arrays (made here when the backend did not keep them)."""
+    batch's arrays and targets as ranked (found here when the backend did not keep them)."""
     count = len(requests)
     if not count:
         return Texts.empty(0)
@@ -427,12 +461,10 @@ def request_header_texts(requests: Sequence[ReuseRequest], arrays: RequestArrays
         return Texts(np.frombuffer(text, dtype=np.uint8), np.array([0, len(text)], dtype=np.int64))
     if arrays is None:
         arrays = RequestArrays.of(requests)
-    none = Texts.empty(count)
-    # (`any`, not `count(None)`: a WorkerId compared with None runs attrs' Python __eq__.)
-    targets = _names(requests, "target")  # nearly always named: no test first
-    fallbacks = _names(requests, "fallback") if any(map(_fallback, requests)) else none
-    return Texts(*_request_texts(arrays.local, arrays.offsets, arrays.block_sizes, targets.buffer, targets.bounds,
-                                 fallbacks.buffer, fallbacks.bounds, MAX_RELIED_BLOCKS))
+    target_names = _target_names(requests, targets)
+    fallbacks = _names(requests, "fallback") if any(map(_fallback, requests)) else NameSpans.none(count)
+    return Texts(*_request_texts(arrays.local, arrays.offsets, arrays.block_sizes, *target_names, *fallbacks,
+                                 MAX_RELIED_BLOCKS))
 
 
 def compile_record_kernels() -> None:
@@ -489,7 +521,8 @@ def _hex_words(words, local, first_word, first, count):
 
 
 @_compiled
-def _request_texts(local, offsets, block_sizes, targets, target_bounds, fallbacks, fallback_bounds, max_blocks):
+def _request_texts(local, offsets, block_sizes, targets, target_starts, target_lengths, fallbacks, fallback_starts,
+                   fallback_lengths, max_blocks):
     count = offsets.size - 1
     # The hashes' hex first, 16 digits (two u64 words) a hash, in loops that do nothing else
     # (so they vectorise): all of them at once where no request is past `max_blocks`.
@@ -509,8 +542,7 @@ def _request_texts(local, offsets, block_sizes, targets, target_bounds, fallback
     fixed = _OPEN.size + _BLOCKS.size + _HASHES.size + _TARGET.size + _FALLBACK.size + 4 + 40
     size = 16 * written
     for request in range(count):
-        size += fixed + target_bounds[request + 1] - target_bounds[request] + fallback_bounds[request + 1] \
-            - fallback_bounds[request]
+        size += fixed + target_lengths[request] + fallback_lengths[request]
     out = np.empty(size, dtype=np.uint8)
     bounds = np.zeros(count + 1, dtype=np.int64)
     position = 0
@@ -525,15 +557,14 @@ def _request_texts(local, offsets, block_sizes, targets, target_bounds, fallback
         length = 16 * min(blocks, max_blocks)
         position = copy_bytes(out, position, digits, at, length)
         at += length
-        if _name_length(target_bounds, request) > 0:
+        if target_lengths[request] > 0:
             position = _put(out, position, _TARGET)
-            position = copy_bytes(out, position, targets, target_bounds[request], _name_length(target_bounds, request))
+            position = copy_bytes(out, position, targets, target_starts[request], target_lengths[request])
         out[position] = 34  # the closing quote of the hashes, or of the target
         position += 1
-        if _name_length(fallback_bounds, request) > 0:
+        if fallback_lengths[request] > 0:
             position = _put(out, position, _FALLBACK)
-            position = copy_bytes(out, position, fallbacks, fallback_bounds[request],
-                                  _name_length(fallback_bounds, request))
+            position = copy_bytes(out, position, fallbacks, fallback_starts[request], fallback_lengths[request])
             out[position] = 34
             position += 1
         out[position] = 125  # }

@@ -558,8 +558,8 @@ class DecideService(AsyncLifetime):
             answers, shadows = self._decide_many(requests)
             relied = shadows.relied_prefixes if shadows is not None else answers.relied_prefixes
             # Each record carries its request, for a what-if replay (one compiled call for the batch).
-            asked = (request_header_texts(requests, answers.arrays) if self.settings.decide.record_requests
-                     else None)
+            asked = (request_header_texts(requests, answers.arrays, answers.targets)
+                     if self.settings.decide.record_requests else None)
             for (position, _), payload in zip(valid, answers.answers):
                 parts[position] = payload
             arrays = answers.arrays

@@ -38,8 +38,8 @@ from kvledger.decide.ranking.kernels import (
 )
 from kvledger.decide.ranking.packed import split_text_pairs
 from kvledger.decide.ranking.ranked import (
-    NO_TEXT, REASONS, AnswerTexts, Clock, PerSettings, RequestArrays, WorkerTexts, _texts, answer_endings,
-    answer_pieces, digest_of,
+    NO_TEXT, REASONS, AnswerTexts, BatchTargets, Clock, PerSettings, RequestArrays, WorkerTexts, _texts,
+    answer_endings, answer_pieces, digest_of,
 )
 from kvledger.decide.serving.recorder import Texts
 from kvledger.decide.startup import StartupError
@@ -153,7 +153,7 @@ def answer_with_shadow(
     answer_list, relied_list = split_text_pairs(answers, answer_bounds, relied, relied_bounds, count)
     live_texts = AnswerTexts(answer_list, relied_list,
                              {REASONS[code]: number for code, number in enumerate(reason_counts.tolist()) if number},
-                             batch)
+                             batch, BatchTargets(target, arguments[3], worker_texts.name_texts))
     floats = s_floats.reshape(-1)
     flagged = np.flatnonzero(needs_repr(floats))
     items = np.full(floats.size, -1, dtype=np.int64)
