@@ -19,8 +19,8 @@ turns, the order alternating from round to round. The yardstick is Dynamo's inde
 in the same run: printed per concurrency are both q/s, p50 and p99 and kvledger / Dynamo.
 
 `--memory`: each process's resident memory after the build and per residency (the build's
-growth over the (worker, block) residencies); `--residencies N` sizes the inventory instead
-of `--prompts`. `--restart`: both processes are killed (SIGKILL) and started again, the
+growth over the (worker, block) residencies), and no load; without it the memory is printed
+again after the load. `--residencies N` sizes the inventory instead of `--prompts`. `--restart`: both processes are killed (SIGKILL) and started again, the
 workers registered again, and each is asked what it still knows: kvledger's decide comes back
 from KV_EVENTS, Dynamo's indexer from what each engine's replay buffer still holds.
 """
@@ -391,6 +391,12 @@ async def run(args) -> dict:
                 report["matched_tokens"] = await same_answers(sides, session, bodies[: args.compared])
                 if not args.memory:
                     report["load"] = await measure(args, sides, bodies)
+                    # What the load added: a reader's own pages grow as it answers (buffers, its heap, and the
+                    # pages of decide's it wrote to when it was forked from decide).
+                    report["memory_after_load"] = {side.name: side.rss for side in sides}
+                    if args.readers:
+                        report["memory_after_load"]["kvledger_pss_together"] = kvledger.family_pss[1]
+                        report["memory_after_load"]["dynamo_pss"] = proportional_bytes(dynamo.process.pid)
                 if args.restart:
                     report["restart"] = await restart(args, engines, sides, session, bodies[: args.compared],
                                                       report["matched_tokens"])
@@ -503,6 +509,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  kvledger's {memory['kvledger']['processes']} processes together (decide and its readers, "
                   f"proportional set size): {memory['kvledger']['pss_bytes_together'] / 2**20:.0f} MiB, "
                   f"{memory['ratio_pss_together']:.2f}x Dynamo's")
+        if "memory_after_load" in report:
+            after = report["memory_after_load"]
+            line = f"  after the load: RSS kvledger {after['kvledger'] / 2**20:.0f} MiB, Dynamo {after['dynamo'] / 2**20:.0f} MiB"
+            if "kvledger_pss_together" in after:
+                line += (f"; kvledger's processes together {after['kvledger_pss_together'] / 2**20:.0f} MiB PSS, "
+                         f"{after['kvledger_pss_together'] / after['dynamo_pss']:.2f}x Dynamo's")
+            print(line)
         if "restart" in report:
             for name, kept in report["restart"].items():
                 print(f"  after kill -9 and restart, {name} answers {kept['kept']:.0%} of the tokens it matched before")

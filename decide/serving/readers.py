@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -191,8 +192,14 @@ class ReaderProcesses:
         process.stdin.close()
         return process
 
-    def start(self) -> None:
-        self.processes = [self._start_one() for _ in range(self.count)]
+    def start(self, *, fork: bool = True) -> None:
+        """The readers, forked from decide where `fork` (they share its modules and compiled kernels
+        instead of loading their own; see `ForkedReader`), else each a new interpreter."""
+        if fork and hasattr(os, "fork"):
+            config = json.loads(self._config)
+            self.processes = [ForkedReader.start(config) for _ in range(self.count)]
+        else:
+            self.processes = [self._start_one() for _ in range(self.count)]
         self._watcher = asyncio.create_task(self._watch(), name="decide-index-readers")
 
     async def _watch(self) -> None:
@@ -220,6 +227,104 @@ class ReaderProcesses:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+class ForkedReader:
+    """A reader forked from decide, with the part of `subprocess.Popen` that `ReaderProcesses` uses.
+
+    A reader started as a new interpreter loads numpy, numba and the answer kernels again: about 70 MB
+    of its own. Forked, it shares those pages with decide until one of them writes a page; decide's
+    objects are kept out of the reader's garbage collections (`gc.freeze`), which would otherwise
+    write to every one of them. The child closes every descriptor it inherited (decide's sockets,
+    NATS connection and files stay decide's alone: a connection decide closes must not stay open in a
+    reader) and never returns into decide's code: it runs the reader on a loop of its own and leaves
+    by `os._exit`. Readers started again after one died are new interpreters (`ReaderProcesses._watch`):
+    forked from a decide that has run a while, a reader would keep the old copy of every page decide
+    changes afterwards.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    @classmethod
+    def start(cls, config: dict) -> ForkedReader:
+        gc.freeze()
+        try:
+            pid = os.fork()
+        except BaseException:
+            gc.unfreeze()
+            raise
+        if pid == 0:  # the reader
+            code = 1
+            try:
+                _run_forked(config)
+                code = 0
+            except BaseException:  # everything ends here: nothing may return into decide's frames
+                with contextlib.suppress(BaseException):
+                    log.exception("index reader: ended by an error")
+            finally:
+                os._exit(code)
+        gc.unfreeze()
+        return cls(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid == 0:
+                    return None
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, signum: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"index reader {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+
+def _run_forked(config: dict) -> None:
+    """The reader, in a child just forked from decide."""
+    _end_with_parent(config["parent"])
+    os.closerange(3, _highest_descriptor() + 1)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)
+    asyncio.events._set_running_loop(None)  # decide's loop, running in the frames below, is not this process's
+    loop = _new_loop()
+    asyncio.set_event_loop(loop)
+    loop.run_until_complete(_serve(config))
+
+
+def _highest_descriptor() -> int:
+    try:
+        return max(int(name) for name in os.listdir("/proc/self/fd"))
+    except (OSError, ValueError):
+        return os.sysconf("SC_OPEN_MAX")
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
 
 
 def counted(route: Route, count: Callable[[], object]) -> Route:
@@ -260,6 +365,20 @@ class MappedIndex:
 
     def slot(self, worker: WorkerId) -> int | None:
         return self._slots.get(worker)
+
+
+def read_only_view(index: InventoryIndex) -> MappedIndex:
+    """`index`'s query arrays as a reader maps them (read-only, which the kernels compile for apart), so
+    that decide loads a reader's kernels before it forks its readers and they share them."""
+    def read_only(array: np.ndarray) -> np.ndarray:
+        view = array.view()
+        view.flags.writeable = False
+        return view
+
+    workers = list(index.workers)
+    return MappedIndex(read_only(index.table_keys), read_only(index.table_rows), index.table_bits,
+                       read_only(index.holders), read_only(index.spilled), workers,
+                       {worker: slot for slot, worker in enumerate(workers)})
 
 
 def registry_of(layout: IndexLayout) -> DynamoRegistry:
@@ -394,10 +513,15 @@ class ReaderApi:
             await self._session.close()
 
 
+READER_NAME = b"kvledger-reader"  # the process's name (/proc/PID/comm, `ps -o comm`), forked or not
+
+
 def _end_with_parent(parent: int) -> None:
-    """SIGTERM to this process when its parent (decide) ends, even by SIGKILL."""
+    """SIGTERM to this process when its parent (decide) ends, even by SIGKILL; and the reader's name."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(15, ctypes.c_char_p(READER_NAME))  # PR_SET_NAME
     if os.getppid() != parent:  # decide ended before the signal was asked for
         raise SystemExit(0)
 

@@ -66,7 +66,7 @@ from kvledger.decide.routers.dynamo_indexer import DynamoIndexerApi, compile_ans
 from kvledger.decide.serving.batching import MicroBatcher
 from kvledger.decide.serving.inflight import InflightLedger, InflightRouting
 from kvledger.decide.serving.readers import (
-    LAYOUT_PATH, IndexSharing, ReaderProcesses, counted, private_socket_path,
+    LAYOUT_PATH, IndexSharing, ReaderProcesses, counted, private_socket_path, read_only_view,
 )
 from kvledger.decide.serving.media import (
     MEDIA_TYPES,
@@ -288,6 +288,9 @@ class DecideService(AsyncLifetime):
             socket_path=self._internal_http_path, control=self.sharing.arrays.handle(self.sharing.control),
             token=settings.http_token, limits=limits, max_request_bytes=settings.http_max_request_bytes,
             max_query_bytes=settings.http_max_batch_bytes, restarted=self.metrics.reader_restarts.inc)
+        # The readers' kernels (read-only arrays are a type of their own) loaded here first, so the readers
+        # forked next share them with decide.
+        await asyncio.to_thread(compile_answer_kernels, read_only_view(self.index))
         self.readers.start()
         log.info("decide: %d index readers on :%d", settings.index_readers, settings.index_readers_port)
 
