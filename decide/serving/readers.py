@@ -260,6 +260,8 @@ class ForkedReader:
             try:
                 _run_forked(config)
                 code = 0
+            except SystemExit as exit:  # decide ended before the reader could ask to end with it
+                code = exit.code if isinstance(exit.code, int) else 1
             except BaseException:  # everything ends here: nothing may return into decide's frames
                 with contextlib.suppress(BaseException):
                     log.exception("index reader: ended by an error")
