@@ -16,7 +16,7 @@ import time
 import aiohttp
 import pytest
 
-from kvledger.decide.serving.readers import READER_NAME, ask_decide
+from kvledger.decide.serving.readers import READER_NAME, ask_decide, remove_stale_socket_folders
 from kvledger.decide.serving.service import DecideService
 from kvledger.decide.startup import StartupError
 from kvledger.ingest.bridge import Bridge
@@ -199,3 +199,18 @@ async def test_a_readers_port_equal_to_decides_own_is_refused(nats_server) -> No
     with pytest.raises(StartupError, match="decide.index_readers_port must differ from decide.http_port"):
         async with DecideService(settings):
             pass
+
+
+def test_a_killed_decide_s_socket_folder_is_removed_by_the_next(tmp_path) -> None:
+    """A decide killed by SIGKILL leaves its private socket folder; the next decide's start removes the folders
+    of processes that no longer run, this user's only, and leaves the rest."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"kvledger-decide-{gone.pid}-abc"
+    running = tmp_path / f"kvledger-decide-{os.getpid()}-def"
+    other = tmp_path / "kvledger-decide-notapid"
+    for folder in (stale, running, other):
+        folder.mkdir()
+        (folder / "index.sock").touch()
+    assert remove_stale_socket_folders(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and running.exists() and other.exists()

@@ -31,6 +31,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -337,10 +338,36 @@ def counted(route: Route, count: Callable[[], object]) -> Route:
     return Route(answer, route.max_body_bytes, needs_token=route.needs_token)
 
 
+_SOCKET_FOLDER = "kvledger-decide-"
+
+
 def private_socket_path() -> str:
     """A Unix socket path in a folder only this user reads (the internal front answers with the token only,
-    the folder keeps others from even connecting)."""
-    return str(Path(tempfile.mkdtemp(prefix="kvledger-decide-")) / "index.sock")
+    the folder keeps others from even connecting), named after this process; the folders a decide killed
+    left behind (its process gone) are removed first."""
+    remove_stale_socket_folders()
+    return str(Path(tempfile.mkdtemp(prefix=f"{_SOCKET_FOLDER}{os.getpid()}-")) / "index.sock")
+
+
+def remove_stale_socket_folders(parent: str | None = None) -> list[str]:
+    """Remove this user's socket folders whose decide process no longer runs (a `kill -9` leaves its folder:
+    nothing ran to remove it); the folders removed. A folder whose process id is running again, by another
+    program, is left: it cannot be told apart."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            pid_text = entry.name[len(_SOCKET_FOLDER):].partition("-")[0]
+            if not (entry.name.startswith(_SOCKET_FOLDER) and pid_text.isdigit()):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid() or not entry.is_dir(follow_symlinks=False):
+                    continue
+                if os.path.exists(f"/proc/{pid_text}"):
+                    continue
+                shutil.rmtree(entry.path)
+                removed.append(entry.path)
+    return removed
 
 
 # --- the reader's side ------------------------------------------------------------------------------
