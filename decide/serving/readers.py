@@ -60,6 +60,7 @@ log = logging.getLogger("kvledger.decide.readers")
 LAYOUT_PATH = "/internal/index-layout"
 _WRITER_BUSY_S = 0.05  # a reader waits this long for decide to finish a write, then passes the query on
 _RESTART_CHECK_S = 1.0
+_LAYOUT_RETRY_S = 0.05  # a reader asks decide for its layout this often until decide answers
 
 
 # --- the layout: what a reader maps, and the registrations it answers for -------------------------
@@ -234,7 +235,8 @@ class ForkedReader:
     """A reader forked from decide, with the part of `subprocess.Popen` that `ReaderProcesses` uses.
 
     A reader started as a new interpreter loads numpy, numba and the answer kernels again: about 70 MB
-    of its own. Forked, it shares those pages with decide until one of them writes a page; decide's
+    of its own. Forked (decide forks its readers before it loads its index: no index's pages are
+    inherited), it shares those pages with decide until one of them writes a page; decide's
     objects are kept out of the reader's garbage collections (`gc.freeze`), which would otherwise
     write to every one of them. The child closes every descriptor it inherited (decide's sockets,
     NATS connection and files stay decide's alone: a connection decide closes must not stay open in a
@@ -560,17 +562,26 @@ async def _serve(config: dict) -> None:
     control = map_shared(SharedHandle(**{**config["control"], "shape": tuple(config["control"]["shape"])}))
     replica = IndexReplica(control, lambda: fetch_layout(config["socket"], token))
     api = ReaderApi(replica, config["socket"])
-    with contextlib.suppress(SharedArrayGone, OSError):  # decide not ready yet: the first query compiles instead
-        replica.refresh()
-        compile_answer_kernels(replica.index)
-    limits = HttpLimits(idle_timeout_s=config["idle_timeout_s"], body_timeout_s=config["body_timeout_s"])
-    front = await HttpFront(api.routes(max_request_bytes=config["max_request_bytes"],
-                                       max_query_bytes=config["max_query_bytes"]),
-                            config["host"], config["port"], limits=limits, token=token, reuse_port=True).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    # Listening once decide answers: decide forks its readers before it has loaded its index.
+    while not stop.is_set():
+        try:
+            replica.refresh()
+            break
+        except (SharedArrayGone, OSError):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), _LAYOUT_RETRY_S)
+    if stop.is_set():
+        await api.close()
+        return
+    compile_answer_kernels(replica.index)
+    limits = HttpLimits(idle_timeout_s=config["idle_timeout_s"], body_timeout_s=config["body_timeout_s"])
+    front = await HttpFront(api.routes(max_request_bytes=config["max_request_bytes"],
+                                       max_query_bytes=config["max_query_bytes"]),
+                            config["host"], config["port"], limits=limits, token=token, reuse_port=True).start()
     try:
         await stop.wait()
     finally:

@@ -198,6 +198,7 @@ class DecideService(AsyncLifetime):
             self.sharing = IndexSharing()
             allocate_query_arrays_with(self.sharing.arrays.zeros)  # before the index decide answers from is made
             self.dynamo.changed = lambda: self.sharing.publish(self.index, self.dynamo.registry)
+            await self._fork_readers()
         await self._load_index()
         await self._start_backend()
         await self._follow_events()
@@ -213,7 +214,7 @@ class DecideService(AsyncLifetime):
         ).start()
         self.http_port = self._http.port
         if self.sharing is not None:
-            await self._start_readers(limits)
+            await self._start_internal_front(limits)
         log.info("decide: NATS %s and %s; HTTP front, metrics and health on :%d",
                  DECIDE_SUBJECT, DECIDE_BATCH_SUBJECT, self.http_port)
         # --- gRPC front (decide/routers/grpc_front.py): SGLang's KVIndexer and llm-d's IndexerService ---
@@ -272,26 +273,33 @@ class DecideService(AsyncLifetime):
             self.backend.close()
         self._stopped.set()
 
-    async def _start_readers(self, limits: HttpLimits) -> None:
-        """decide's Unix-socket front (layout and what readers pass on), then the readers on their shared port."""
+    async def _fork_readers(self) -> None:
+        """The index readers, forked before the index is loaded and before any kernel but theirs: they share
+        decide's modules and their kernels, and no page of an index (a snapshot's, or arrays decide replaces
+        later) stays in them once decide lets it go. Each listens once decide's Unix-socket front answers it
+        (`_start_internal_front`)."""
+        settings = self.settings.decide
+        limits = HttpLimits(idle_timeout_s=settings.http_idle_timeout_s, body_timeout_s=settings.http_body_timeout_s)
+        self._internal_http_path = private_socket_path()
+        # Their kernels first (a reader's arrays are read-only: a type of their own), so the readers share them.
+        await asyncio.to_thread(compile_answer_kernels, read_only_view(self.index))
+        self.readers = ReaderProcesses(
+            settings.index_readers, host=settings.http_host, port=settings.index_readers_port,
+            socket_path=self._internal_http_path, control=self.sharing.arrays.handle(self.sharing.control),
+            token=settings.http_token, limits=limits, max_request_bytes=settings.http_max_request_bytes,
+            max_query_bytes=settings.http_max_batch_bytes, restarted=self.metrics.reader_restarts.inc)
+        self.readers.start()
+
+    async def _start_internal_front(self, limits: HttpLimits) -> None:
+        """decide's Unix-socket front: the layout, and what the readers pass on; the readers listen once it answers."""
         settings = self.settings.decide
         routes = self.dynamo.routes(max_request_bytes=settings.http_max_request_bytes,
                                     max_query_bytes=settings.http_max_batch_bytes)
         for path in ("/query", "/query_by_hash"):  # a reader passes a query on only when it could not answer
             routes[("POST", path)] = counted(routes[("POST", path)], self.metrics.reader_queries_passed_on.inc)
         routes[("GET", LAYOUT_PATH)] = self.sharing.layout_route(lambda: self.index, self.dynamo.registry)
-        self._internal_http_path = private_socket_path()
         self._internal_http = await HttpFront(routes, "", 0, limits=limits, token=settings.http_token,
                                               unix_path=self._internal_http_path).start()
-        self.readers = ReaderProcesses(
-            settings.index_readers, host=settings.http_host, port=settings.index_readers_port,
-            socket_path=self._internal_http_path, control=self.sharing.arrays.handle(self.sharing.control),
-            token=settings.http_token, limits=limits, max_request_bytes=settings.http_max_request_bytes,
-            max_query_bytes=settings.http_max_batch_bytes, restarted=self.metrics.reader_restarts.inc)
-        # The readers' kernels (read-only arrays are a type of their own) loaded here first, so the readers
-        # forked next share them with decide.
-        await asyncio.to_thread(compile_answer_kernels, read_only_view(self.index))
-        self.readers.start()
         log.info("decide: %d index readers on :%d", settings.index_readers, settings.index_readers_port)
 
     @property
