@@ -281,8 +281,10 @@ class DecideService(AsyncLifetime):
         settings = self.settings.decide
         limits = HttpLimits(idle_timeout_s=settings.http_idle_timeout_s, body_timeout_s=settings.http_body_timeout_s)
         self._internal_http_path = private_socket_path()
-        # Their kernels first (a reader's arrays are read-only: a type of their own), so the readers share them.
+        # Every kernel loaded first, the readers' (their arrays are read-only: a type of their own) and decide's:
+        # loading writes to numba's and LLVM's pages, which would then stay copied in decide.
         await asyncio.to_thread(compile_answer_kernels, read_only_view(self.index))
+        await self._compile_kernels()
         self.readers = ReaderProcesses(
             settings.index_readers, host=settings.http_host, port=settings.index_readers_port,
             socket_path=self._internal_http_path, control=self.sharing.arrays.handle(self.sharing.control),
@@ -331,6 +333,14 @@ class DecideService(AsyncLifetime):
                 log.info("decide: ready at inventory_seq %d, %.2f s after the process started",
                          self.index.inventory_seq, self.ready_after_process_start_s)
 
+    async def _compile_kernels(self) -> None:
+        """The compiled CPU kernels decide runs, compiled or loaded from the kernel cache in a worker thread."""
+        await asyncio.to_thread(compile_kernels, self.settings.reuse)
+        await asyncio.to_thread(compile_record_kernels)
+        await asyncio.to_thread(compile_answer_kernels, self.index)  # a router's first /query
+        if self.shadow is not None:
+            await asyncio.to_thread(compile_shadow_kernels, self.settings.reuse, self.shadow.reuse)
+
     async def _start_backend(self) -> None:
         """Choose the backend, compile it and answer once, so neither the first client nor /readyz waits on it.
 
@@ -340,11 +350,7 @@ class DecideService(AsyncLifetime):
         context is current only in the thread that made it, and this loop answers later.
         """
         started = time.perf_counter()
-        await asyncio.to_thread(compile_kernels, self.settings.reuse)
-        await asyncio.to_thread(compile_record_kernels)
-        await asyncio.to_thread(compile_answer_kernels, self.index)  # a router's first /query
-        if self.shadow is not None:
-            await asyncio.to_thread(compile_shadow_kernels, self.settings.reuse, self.shadow.reuse)
+        await self._compile_kernels()
         self.backend, self.backend_line = choose_backend(self.settings.decide.backend, self.index)
         log.info("decide: %s", self.backend_line)
         # Every answer's reason at 0 from the start, so a dashboard's rate() sees the first of each.
