@@ -168,6 +168,7 @@ def _local_system(
             port = nats_port if nats_port is not None else int(loaded.settings.nats.url.rsplit(":", 1)[1])
             server = stack.enter_context(EmbeddedNats(
                 Path(data_dir) / "nats", port=port, sync_interval=loaded.settings.nats.embedded_sync_interval,
+                end_with_parent=True,
             ))
             overrides["nats.url"] = server.url
         settings = _with_overrides(loaded, overrides)

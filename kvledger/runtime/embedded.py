@@ -8,6 +8,7 @@ small config file in the store dir (docs/operations.md, "Durability").
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sysconfig
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvledger.core.settings import NatsSettings
@@ -66,12 +68,29 @@ def sync_policy_config(sync_interval: str) -> str:
     return f'jetstream {{\n  sync_interval: "{sync_interval}"\n}}\n'
 
 
+def _ending_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` asking the kernel for SIGTERM to the child when its parent thread ends; None off Linux."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def end_with_parent() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent ended before the signal was asked for
+            os._exit(0)
+
+    return end_with_parent
+
+
 class EmbeddedNats:
     """`with EmbeddedNats(store_dir) as server: server.url` — JetStream on a loopback port."""
 
     def __init__(
         self, store_dir: str | os.PathLike, *, port: int = -1, host: str = "127.0.0.1", timeout_s: float = 15.0,
         extra_args: tuple[str, ...] = (), sync_interval: str = "default", monitor_port: int | None = None,
+        end_with_parent: bool = False,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -82,6 +101,10 @@ class EmbeddedNats:
         if self.sync_config and ("-c" in extra_args or "--config" in extra_args):
             raise ValueError("a sync_interval other than 'default' is written as a config file; put it in your -c file instead")
         self.monitor_port = monitor_port  # /varz and friends; -1: the server picks a free one and logs it
+        # The server gets SIGTERM when the thread that started it ends (Linux's parent-death signal): a
+        # `kill -9` of the program must not leave its server holding the port and the store. Only for a
+        # server started by a thread that lives as long as the server should (a program's main thread).
+        self.end_with_parent = end_with_parent
         self.url = ""
         self._process: subprocess.Popen[str] | None = None
         self._log_tail: list[str] = []
@@ -105,7 +128,8 @@ class EmbeddedNats:
             find_nats_server(), store_dir=self.store_dir, port=self.port, host=self.host,
             monitor_port=self.monitor_port, extra_args=extra_args,
         )
-        self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                         preexec_fn=_ending_with_parent() if self.end_with_parent else None)
         ready = threading.Event()
         threading.Thread(target=self._follow_log, args=(ready,), daemon=True, name="nats-server-log").start()
         deadline = time.monotonic() + self.timeout_s
