@@ -164,6 +164,7 @@ class DecideService(AsyncLifetime):
         self.sharing: IndexSharing | None = None
         self.readers: ReaderProcesses | None = None
         self._internal_http: HttpFront | None = None
+        self._internal_http_path: str | None = None
 
     # lifetime
 
@@ -246,7 +247,9 @@ class DecideService(AsyncLifetime):
         if self._internal_http is not None:
             await self._internal_http.close()
             self._internal_http = None
+        if self._internal_http_path is not None:  # made when the readers were forked, before the front started
             shutil.rmtree(os.path.dirname(self._internal_http_path), ignore_errors=True)
+            self._internal_http_path = None
         if self.sharing is not None:
             allocate_query_arrays_with(mapped_zeros)
         if self._events is not None:
