@@ -303,6 +303,15 @@ def _parts(settings: int, request_bounds: np.ndarray) -> list[tuple[slice, slice
             for start, stop in zip(bounds, bounds[1:]) if stop > start]
 
 
+def _together(*calls: Callable[[], object]) -> list:
+    """Each call's result, the calls made side by side in threads where there are several cores (the kernels
+    release the GIL)."""
+    if _cores() <= 1:
+        return [call() for call in calls]
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="whatif") as pool:
+        return [done.result() for done in [pool.submit(call) for call in calls]]
+
+
 def _in_parallel(work: Callable, parts: list) -> None:
     """`work(part)` for every part, in threads where there are several: the kernels release the GIL, so the
     parts run on every core."""
@@ -714,9 +723,20 @@ class StayTimeline:
         held_rows, held_plane, held_slot = rows[firsts], plane[firsts], slot[firsts]
 
         # Ranking: each interval as the inventory seqs it covers, applied at the first and undone after the last.
+        # Judging: a second pass, over the horizon seqs, on rows of the native stays alone (the tier codes are
+        # their planes), each request's outcomes judged once its horizon seq is reached. Both passes' changes are
+        # made side by side: they only read the intervals.
         points = np.unique(requests.inventory_seqs)
-        change_bounds, change_row, change_plane, change_slot, change_wanted = _changes(
-            keys, start, end, (held_rows, held_plane, held_slot), points)
+        items = np.flatnonzero(horizons >= 0)
+        items = items[np.argsort(horizons[items], kind="stable")]
+        horizon_points = np.unique(horizons[items])
+
+        def judging_changes() -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+            native = _native_only(keys, start, end, held_rows, held_plane, held_slot)
+            return native[3], _changes(native[0], native[1], native[2], native[3:], horizon_points)
+
+        (change_bounds, change_row, change_plane, change_slot, change_wanted), (native_rows, judge_changes) = \
+            _together(lambda: _changes(keys, start, end, (held_rows, held_plane, held_slot), points), judging_changes)
         holders, spilled = _rows(distinct, held_rows, workers)
 
         # The requests in inventory seq order (stable: KV_DECISIONS order within a seq), answered, put back.
@@ -749,21 +769,14 @@ class StayTimeline:
         back[order] = np.arange(count)
         answers = Answers(*(array[:, back] for array in attrs.astuple(answers, recurse=False)))
 
-        # Judging: a second pass, over the horizon seqs, on rows of the native stays alone (the tier codes are
-        # their planes), each request's outcomes judged once its horizon seq is reached.
-        keys, start, end, held_rows, held_plane, held_slot = _native_only(keys, start, end, held_rows, held_plane,
-                                                                          held_slot)
-        items = np.flatnonzero(horizons >= 0)
-        items = items[np.argsort(horizons[items], kind="stable")]
-        horizon_points = np.unique(horizons[items])
-        change_bounds, change_row, change_plane, change_slot, change_wanted = _changes(
-            keys, start, end, (held_rows, held_plane, held_slot), horizon_points)
+        # Judging (its changes made above).
+        change_bounds, change_row, change_plane, change_slot, change_wanted = judge_changes
         item_bounds = np.append(np.searchsorted(horizons[items], horizon_points, "left"), items.size).astype(np.int64)
         outcomes = attrs.astuple(Outcomes.of(recorded, answers), recurse=False)
         judged = Judged(np.full(outcomes[0].shape, _UNJUDGED, np.int8), np.full(outcomes[0].shape, _UNJUDGED, np.int8))
 
         def judge(group: slice) -> None:
-            holders, spilled = _rows(distinct, held_rows, workers)
+            holders, spilled = _rows(distinct, native_rows, workers)
             judge_on_stays(change_bounds, change_row, change_plane, change_slot, change_wanted, item_bounds, items,
                            sequence, requests.offsets, *(values[group] for values in outcomes), table_keys,
                            table_rows, table_bits, holders, spilled, judged.stale[group], judged.lost[group])
@@ -776,8 +789,9 @@ class StayTimeline:
         count = len(self.workers)
         orders = np.zeros((count + 1, max(count, 1)), dtype=np.int32)
         ranks = np.zeros((count + 1, max(count, 1)), dtype=np.int32)
+        in_order = np.array(sorted(range(count), key=self.workers.__getitem__), dtype=np.int32)  # one sort
         for present in range(1, count + 1):
-            ordered = sorted(range(present), key=self.workers.__getitem__)
+            ordered = in_order[in_order < present]  # the slots below `present`, in worker order
             orders[present, :present] = ordered
             ranks[present, ordered] = np.arange(present, dtype=np.int32)
         return orders, ranks
