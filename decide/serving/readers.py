@@ -18,8 +18,9 @@ seeing a new version fetches the layout (the arrays' handles, the workers, the r
 from decide before it answers. A reader that finds decide writing for longer than
 `_WRITER_BUSY_S` passes the query on to decide instead of waiting.
 
-Readers end with decide (the kernel's parent-death signal), and decide starts a reader
-again when one dies.
+Readers are forked from decide at its start, sharing its modules and compiled kernels
+(`ForkedReader`); they end with decide (the kernel's parent-death signal), and decide starts
+a reader again, as a new interpreter, when one dies.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ class ReaderProcesses:
             "body_timeout_s": limits.body_timeout_s, "max_request_bytes": max_request_bytes,
             "max_query_bytes": max_query_bytes,
         }).encode()
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[ForkedReader | subprocess.Popen] = []
         self.restarts = 0
         self._watcher: asyncio.Task | None = None
 
@@ -194,14 +195,11 @@ class ReaderProcesses:
         process.stdin.close()
         return process
 
-    def start(self, *, fork: bool = True) -> None:
-        """The readers, forked from decide where `fork` (they share its modules and compiled kernels
-        instead of loading their own; see `ForkedReader`), else each a new interpreter."""
-        if fork and hasattr(os, "fork"):
-            config = json.loads(self._config)
-            self.processes = [ForkedReader.start(config) for _ in range(self.count)]
-        else:
-            self.processes = [self._start_one() for _ in range(self.count)]
+    def start(self) -> None:
+        """The readers, forked from decide: they share its modules and compiled kernels instead of loading
+        their own (`ForkedReader`); one started again after one died is a new interpreter (`_watch`)."""
+        config = json.loads(self._config)
+        self.processes = [ForkedReader.start(config) for _ in range(self.count)]
         self._watcher = asyncio.create_task(self._watch(), name="decide-index-readers")
 
     async def _watch(self) -> None:
