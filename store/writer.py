@@ -16,7 +16,6 @@ started, while the fold waited with eight transactions made.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import signal
@@ -25,6 +24,7 @@ import subprocess
 import sys
 from typing import BinaryIO
 
+from kvledger.runtime.parent_death import end_with_parent
 from kvledger.store.changes import ChangeSet
 
 _LENGTH = struct.Struct(">Q")
@@ -61,16 +61,8 @@ def _receive(stream: BinaryIO) -> object:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """In the child, first thing: be SIGKILLed when the projector dies (Linux), even by kill -9.
-
-    Set here rather than in a Popen preexec_fn: loading libc between fork and exec in a
-    multi-threaded parent can deadlock the child on a lock another thread held.
-    """
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: EOF on stdin still ends the child
-        return
-    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+    """In the child, first thing: be SIGKILLed when the projector dies (Linux), even by kill -9."""
+    if not end_with_parent(signal.SIGKILL, parent_pid):  # the parent died before the death signal was armed
         os._exit(1)
 
 

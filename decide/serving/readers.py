@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import json
 import logging
@@ -49,6 +48,7 @@ import numpy as np
 
 from kvledger.core.events import WorkerId
 from kvledger.runtime.http import HttpFront, HttpLimits, Request, Response, Route
+from kvledger.runtime.parent_death import end_with_parent, name_process
 from kvledger.runtime.memory import SharedArrayGone, SharedArrays, SharedHandle, map_shared
 
 from kvledger.decide.inventory.index import InventoryIndex
@@ -547,11 +547,8 @@ READER_NAME = b"kvledger-reader"  # the process's name (/proc/PID/comm, `ps -o c
 
 def _end_with_parent(parent: int) -> None:
     """SIGTERM to this process when its parent (decide) ends, even by SIGKILL; and the reader's name."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        libc.prctl(15, ctypes.c_char_p(READER_NAME))  # PR_SET_NAME
-    if os.getppid() != parent:  # decide ended before the signal was asked for
+    name_process(READER_NAME)
+    if not end_with_parent(signal.SIGTERM, parent):  # decide ended before the signal was asked for
         raise SystemExit(0)
 
 

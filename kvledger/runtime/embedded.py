@@ -8,7 +8,6 @@ small config file in the store dir (docs/operations.md, "Durability").
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from kvledger.core.settings import NatsSettings
 from kvledger.runtime.lifetime import stop_process
+from kvledger.runtime.parent_death import end_with_parent
 
 READY_LINE = "Server is ready"
 
@@ -68,20 +68,15 @@ def sync_policy_config(sync_interval: str) -> str:
     return f'jetstream {{\n  sync_interval: "{sync_interval}"\n}}\n'
 
 
-def _ending_with_parent() -> Callable[[], None] | None:
-    """A `preexec_fn` asking the kernel for SIGTERM to the child when its parent thread ends; None off Linux."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
-    except (OSError, AttributeError):
-        return None
+def _ending_with_parent() -> Callable[[], None]:
+    """A `preexec_fn`: SIGTERM to the child when its parent thread ends (`end_with_parent`)."""
     parent = os.getpid()
 
-    def end_with_parent() -> None:
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent ended before the signal was asked for
+    def end_with_this_parent() -> None:
+        if not end_with_parent(signal.SIGTERM, parent):  # the parent ended before the signal was asked for
             os._exit(0)
 
-    return end_with_parent
+    return end_with_this_parent
 
 
 class EmbeddedNats:
