@@ -26,6 +26,7 @@ clock stands still.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -304,24 +305,17 @@ def _parts(settings: int, request_bounds: np.ndarray) -> list[tuple[slice, slice
 
 
 def _together(*calls: Callable[[], object]) -> list:
-    """Each call's result, the calls made side by side in threads where there are several cores (the kernels
-    release the GIL)."""
-    if _cores() <= 1:
+    """Each call's result, the calls made side by side in threads where there are several calls and cores: the
+    kernels release the GIL, so they run on every core."""
+    if len(calls) <= 1 or _cores() <= 1:
         return [call() for call in calls]
     with ThreadPoolExecutor(len(calls), thread_name_prefix="whatif") as pool:
         return [done.result() for done in [pool.submit(call) for call in calls]]
 
 
 def _in_parallel(work: Callable, parts: list) -> None:
-    """`work(part)` for every part, in threads where there are several: the kernels release the GIL, so the
-    parts run on every core."""
-    if len(parts) <= 1:
-        for part in parts:
-            work(part)
-        return
-    with ThreadPoolExecutor(len(parts), thread_name_prefix="whatif") as pool:
-        for done in [pool.submit(work, part) for part in parts]:
-            done.result()
+    """`work(part)` for every part, side by side (`_together`)."""
+    _together(*(functools.partial(work, part) for part in parts))
 
 
 @_compiled
