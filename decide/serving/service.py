@@ -356,7 +356,8 @@ class DecideService(AsyncLifetime):
         context is current only in the thread that made it, and this loop answers later.
         """
         started = time.perf_counter()
-        await self._compile_kernels()
+        if self.readers is None:  # else loaded before the readers were forked (`_fork_readers`)
+            await self._compile_kernels()
         self.backend, self.backend_line = choose_backend(self.settings.decide.backend, self.index)
         log.info("decide: %s", self.backend_line)
         # Every answer's reason at 0 from the start, so a dashboard's rate() sees the first of each.
