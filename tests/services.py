@@ -236,6 +236,31 @@ def free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
+def child_processes(parent: int) -> dict[int, tuple[str, str]]:
+    """The children of `parent` (zombies too): their (name, state) by pid, from /proc."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as stat:
+                    name, _, rest = stat.read().partition(b" (")[2].rpartition(b")")
+            except OSError:
+                continue
+            state, ppid = rest.split()[:2]
+            if int(ppid) == parent:
+                found[int(entry)] = (name.decode(), state.decode())
+    return found
+
+
+def process_ended(pid: int) -> bool:
+    """Whether `pid` has ended: gone, or a zombie not yet reaped by its (new) parent."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] == b"Z"
+    except OSError:
+        return True
+
+
 # Looked up now, not in the forked child, where loading a library could deadlock.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 _PR_SET_PDEATHSIG = 1

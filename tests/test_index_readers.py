@@ -23,7 +23,7 @@ from kvledger.ingest.bridge import Bridge
 from kvledger.runtime.http import Request
 from engines import wait_until
 from pipeline import pipeline_settings
-from services import free_ports
+from services import child_processes, free_ports, process_ended
 from test_dynamo_indexer_dropin import SIM_MODEL, SIM_RANKS, BLOCK, SimWorker, sim_engines, sim_paths, sim_queries
 
 TOKEN = "reader-token"
@@ -43,14 +43,7 @@ async def ask(session: aiohttp.ClientSession, port: int, method: str, path: str,
 
 
 def reader_pids(parent: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat", "rb") as stat:
-                name, _, rest = stat.read().partition(b" (")[2].rpartition(b")")
-                if int(rest.split()[1]) == parent and name == READER_NAME:
-                    found.append(int(entry))
-    return found
+    return [pid for pid, (name, _) in child_processes(parent).items() if name == READER_NAME.decode()]
 
 
 async def test_readers_answer_as_decide_through_churn_and_a_killed_reader(nats_server) -> None:
@@ -177,8 +170,7 @@ async def test_readers_end_with_a_killed_decide(nats_server) -> None:
             decide.wait()
 
             def gone() -> bool:
-                return not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
-                               for pid in pids)
+                return all(process_ended(pid) for pid in pids)
 
             deadline = time.monotonic() + 10
             while not gone() and time.monotonic() < deadline:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from services import free_ports
+from services import child_processes, free_ports, process_ended
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -104,30 +104,6 @@ def test_the_demo_with_reuse_places_round_robin_and_asks_for_transfers(tmp_path)
     assert int(chosen.split("│")[2].strip()) > 0, chosen
 
 
-def _children(parent: int) -> dict[int, tuple[str, str]]:
-    """The running children of `parent`: their (name, state) by pid."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as stat:
-                    name, _, rest = stat.read().partition(b" (")[2].rpartition(b")")
-            except OSError:
-                continue
-            state, ppid = rest.split()[:2]
-            if int(ppid) == parent:
-                found[int(entry)] = (name.decode(), state.decode())
-    return found
-
-
-def _ended(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2].split()[0] == b"Z"  # ended, not yet reaped by its new parent
-    except OSError:
-        return True
-
-
 def test_a_killed_demo_leaves_no_nats_server_behind(tmp_path) -> None:
     """`kill -9` of `kvledger demo` (or `up`): its embedded nats-server ends too, instead of keeping the port and
     the store from the next start (the kernel's parent-death signal), and so do decide's index readers."""
@@ -138,16 +114,16 @@ def test_a_killed_demo_leaves_no_nats_server_behind(tmp_path) -> None:
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while sorted(name for name, _ in _children(demo.pid).values()).count("kvledger-reader") < 2:
+        while [name for name, _ in child_processes(demo.pid).values()].count("kvledger-reader") < 2:
             assert demo.poll() is None and time.monotonic() < deadline, "the demo's readers did not start"
             time.sleep(0.1)
-        children = {pid: name for pid, (name, _) in _children(demo.pid).items()
+        children = {pid: name for pid, (name, _) in child_processes(demo.pid).items()
                     if name in ("nats-server", "kvledger-reader")}
         assert sorted(children.values()) == ["kvledger-reader", "kvledger-reader", "nats-server"]
     finally:
         demo.kill()
         demo.wait()
     deadline = time.monotonic() + 20
-    while not all(_ended(pid) for pid in children):
-        assert time.monotonic() < deadline, {pid: children[pid] for pid in children if not _ended(pid)}
+    while not all(process_ended(pid) for pid in children):
+        assert time.monotonic() < deadline, {pid: children[pid] for pid in children if not process_ended(pid)}
         time.sleep(0.1)
