@@ -332,25 +332,30 @@ class DecisionsHold:
     projector, and every decision would arrive after its horizon had passed in the fold, left to
     the SQL judge at many times the fold's cost. So the fold waits before an event ingested later
     than the newest committed decision plus the shortest horizon, while the decisions stream
-    still has records for store. A decisions projector that makes no progress for STALL_S is not
-    waited for (its decisions go to the SQL judge), so a broken decisions stream never stops events.
+    still has records for store, or its projector is still starting (at a start, the events
+    projector may be ready first). A decisions projector that makes no progress for STALL_S
+    (WRITING_STALL_S while a transaction of its is in flight: on a large ledger one can wait that
+    long for the database, SQLite's lock among others) is not waited for (its decisions go to the
+    SQL judge), so a broken decisions stream never stops events.
     """
 
     STALL_S = 2.0
+    WRITING_STALL_S = 30.0
 
     def __init__(self, decisions: RowProjector, shortest_horizon_s: float) -> None:
         self.decisions = decisions
         self.shortest_horizon_s = shortest_horizon_s
+        self._stalled = False
         self._stalled_at: float | None = None  # decisions' newest ts when it last stalled us
 
     def holds(self, ingest_ts: float) -> bool:
         decisions = self.decisions
-        if decisions.caught_up or not decisions.ready:
+        if decisions.caught_up:
             return False
         newest = decisions.last_decided_ts
         if newest is not None and ingest_ts < newest + self.shortest_horizon_s:
             return False
-        return self._stalled_at is None or self._stalled_at != newest
+        return not self._stalled or self._stalled_at != newest
 
     async def wait(self, ingest_ts: float) -> None:
         started = time.monotonic()
@@ -360,13 +365,62 @@ class DecisionsHold:
             if not self.holds(ingest_ts):
                 return
             waited = time.monotonic() - started
-            if waited > self.STALL_S:
-                self._stalled_at = self.decisions.last_decided_ts
+            limit = self.WRITING_STALL_S if self.decisions.writing else self.STALL_S
+            if waited > limit:
+                self._stalled, self._stalled_at = True, self.decisions.last_decided_ts
                 log.info("the decisions projector made no progress for %.0f s: events no longer wait for it "
-                         "(its late decisions are judged in SQL)", self.STALL_S)
+                         "(its late decisions are judged in SQL)", waited)
                 return
             try:
-                await asyncio.wait_for(progressed.wait(), self.STALL_S - waited + 0.01)
+                await asyncio.wait_for(progressed.wait(), limit - waited + 0.01)
+            except TimeoutError:
+                pass
+
+
+class VerdictsBacklogHold:
+    """Keeps the decisions projector from handing the events fold more decisions than it keeps waiting.
+
+    The mirror of DecisionsHold: while store catches up on a backlog, its decisions projector (a few
+    rows a decision) can run far ahead of its events projector (the fold and every block's rows),
+    and each decision beyond the fold's limit (store.quality_max_pending) would be left to the SQL
+    judge. So the decisions projector waits before a transaction that could take the fold past its
+    limit, while the events projector folds batches that settle decisions. It does not wait while
+    the events projector is not ready, has caught up (no event there could settle them), waits for
+    the decisions itself (DecisionsHold: each would wait on the other), or has folded nothing for
+    STALL_S (its decisions then go to the SQL judge, as before this hold).
+    """
+
+    STALL_S = DecisionsHold.STALL_S
+
+    def __init__(self, events: EventsProjector, quality: QualityTracker, transaction_decisions: int) -> None:
+        self.events = events
+        self.quality = quality
+        self.room = transaction_decisions * len(quality.horizons_ms)  # what one decisions transaction can add
+        self._stalled_at: int | None = None  # the events' folded fetches when they last stalled us
+
+    def holds(self) -> bool:
+        events = self.events
+        if not events.ready or events.caught_up or events.waiting_for_decisions:
+            return False
+        if self.quality.waiting + self.room <= self.quality.max_pending:
+            return False
+        return self._stalled_at != events.folded_fetches
+
+    async def wait(self) -> None:
+        started = time.monotonic()
+        folded = self.events.folded
+        while True:
+            folded.clear()  # before the look, so a batch folded after it wakes the wait below
+            if not self.holds():
+                return
+            waited = time.monotonic() - started
+            if waited > self.STALL_S:
+                self._stalled_at = self.events.folded_fetches
+                log.info("the events projector folded nothing for %.0f s: decisions no longer wait for it "
+                         "(those beyond store.quality_max_pending are judged in SQL)", self.STALL_S)
+                return
+            try:
+                await asyncio.wait_for(folded.wait(), self.STALL_S - waited + 0.01)
             except TimeoutError:
                 pass
 
@@ -386,6 +440,12 @@ class EventsProjector:
         self.metrics = metrics
         self.quality = quality  # told about every applied batch, to judge decisions at their horizon
         self.hold: DecisionsHold | None = None  # set by StoreService beside a decisions projector
+        # What the decisions projector's hold reads (VerdictsBacklogHold): fetches folded (`folded` is set at
+        # each), whether the stream had nothing more at the last fetch, whether this waits on DecisionsHold.
+        self.folded_fetches = 0
+        self.folded = asyncio.Event()
+        self.caught_up = False
+        self.waiting_for_decisions = False
         self.stream = settings.stream.events_stream
         self.shard = parse_shard(settings.store.shard)
         self.durable = self.shard.durable(EVENTS_DURABLE)
@@ -470,6 +530,8 @@ class EventsProjector:
             while not stop.is_set():
                 fetched = await reader.next(fold.inventory_seq)
                 if fetched is None:
+                    self.caught_up = True
+                    self.folded.set()
                     writing = await self._drain(writing, ahead)
                     if not recorder.ready:  # nothing to commit yet: a writer that cannot start is said now
                         await asyncio.to_thread(recorder.wait_ready)
@@ -479,6 +541,7 @@ class EventsProjector:
                 messages = fetched.messages
                 if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
                     continue
+                self.caught_up = False
                 changes = builder.begin(fold.inventory_seq + 1)
                 fresh = others = 0
                 duplicates_before = fold.counters["duplicate_batch"]
@@ -503,7 +566,12 @@ class EventsProjector:
                     settling, verdicts, open_before = (), (), None
                     if quality is not None:
                         if self.hold is not None and self.hold.holds(batch.ingest_ts):
-                            await self.hold.wait(batch.ingest_ts)
+                            self.waiting_for_decisions = True
+                            self.folded.set()  # a decisions projector waiting on this one goes on
+                            try:
+                                await self.hold.wait(batch.ingest_ts)
+                            finally:
+                                self.waiting_for_decisions = False
                         if batch.events:
                             # Judged on the fold as of the seq before the first event written at or
                             # after their horizon (the SQL judge's horizon seq: a batch without
@@ -534,6 +602,8 @@ class EventsProjector:
                     if settling:
                         changes.verdicts.extend(verdicts)
                         quality.settled(settling, verdicts)
+                self.folded_fetches += 1  # decisions waiting for the fold to make room look again
+                self.folded.set()
                 encoded = None
                 if recovered:
                     # Before the transaction that moves the checkpoint past them, idempotently:
@@ -797,6 +867,8 @@ class RowProjector:
     caught_up: bool = False
     # set whenever either changes, so the hold wakes at once rather than on a timer
     progressed: asyncio.Event = attrs.field(factory=asyncio.Event)
+    hold: VerdictsBacklogHold | None = None  # the decisions projector's, set by StoreService beside the events fold
+    writing: bool = False  # a transaction in flight (DecisionsHold waits longer for one)
 
     async def run(self, js: JetStreamContext, stop: asyncio.Event) -> None:
         backoff = Backoff()
@@ -831,6 +903,8 @@ class RowProjector:
         reader = StreamReader(subscription, watch, last_stream_seq, self.batch_size, self.metrics, self.stream,
                               self.cursor.ledger, prefetch=False)
         while not stop.is_set():
+            if self.hold is not None and self.hold.holds():
+                await self.hold.wait()  # before the fetch: what is fetched is written and acknowledged at once
             fetched = await reader.next(checkpoint)
             if fetched is None:
                 self.caught_up = True
@@ -854,7 +928,11 @@ class RowProjector:
                     rows.append((tables.dead_letters, _undecodable_row(self.name, seq, message, f"unreadable: {error}")))
                 checkpoint = seq
             if fresh:
-                rows = await asyncio.to_thread(self._write, rows, checkpoint, committed)
+                self.writing = True
+                try:
+                    rows = await asyncio.to_thread(self._write, rows, checkpoint, committed)
+                finally:
+                    self.writing = False
                 self.metrics.transactions.labels(self.stream).inc()
                 self.metrics.messages.labels(self.stream).inc(fresh)
                 self.metrics.checkpoint.labels(self.stream).set(checkpoint)

@@ -22,7 +22,7 @@ from kvledger.store.database import create_engine, require_current
 from kvledger.store.gc_policy import young_collections_deferred
 from kvledger.store.jetstream import connect
 from kvledger.store.projector import (
-    DATABASE_ERRORS, DEAD_LETTERS_DURABLE, DECISIONS_DURABLE, NATS_ERRORS, DecisionsHold, EventsProjector, RowProjector, StoreMetrics, TableRow, decision_identities, decision_parts, decision_rows, ingest_dead_letter_row, recorded_decisions,
+    DATABASE_ERRORS, DEAD_LETTERS_DURABLE, DECISIONS_DURABLE, NATS_ERRORS, DecisionsHold, EventsProjector, RowProjector, StoreMetrics, TableRow, VerdictsBacklogHold, decision_identities, decision_parts, decision_rows, ingest_dead_letter_row, recorded_decisions,
 )
 from kvledger.store.pruning import HistoryPruner
 from kvledger.store.quality import QualityTracker, RelyOn
@@ -63,7 +63,10 @@ class StoreService:
             decision_identities, recorded_decisions,
         )  # fmt: skip
         if self.quality is not None:
+            # Neither projector runs so far ahead of the other that the fold could not judge: events wait
+            # for decisions up to a horizon, decisions for the fold to make room for them.
             self.events.hold = DecisionsHold(self.decisions, min(self.horizons_ms) / 1000)
+            self.decisions.hold = VerdictsBacklogHold(self.events, self.quality, batch)
         self.dead_letters = RowProjector(
             "dead_letters", dead_letters_stream(settings.stream).name, DEAD_LETTERS_DURABLE,
             ingest_dead_letter_row, self.engine, self.metrics, batch,

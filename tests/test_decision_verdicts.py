@@ -155,6 +155,34 @@ class KilledStore:
             self._start()
 
 
+class BacklogStore:
+    """store started only once the whole workload is in the streams (a store catching up on a backlog), judging
+    at `horizon_ms`, its fold keeping at most `max_pending` decisions waiting, its transactions `batch_size`
+    messages."""
+
+    def __init__(self, nats_url: str, db_url: str, *, horizon_ms: float, max_pending: int, batch_size: int) -> None:
+        self.running = RunningStore(store_settings(
+            nats_url, db_url, quality_horizons_ms=[horizon_ms], quality_max_pending=max_pending,
+            batch_size=batch_size))
+        self.started = False
+
+    async def __aenter__(self) -> BacklogStore:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self.started:
+            await self.running.__aexit__(*exc_info)
+
+    async def until(self, condition, what: str) -> None:
+        if not self.started:
+            self.started = True
+            await self.running.__aenter__()
+        await self.running.until(condition, what)
+
+    async def after_step(self, index: int) -> None:
+        pass
+
+
 async def run_workload(nats_url: str, db_url: str, steps, store=None) -> int:
     """The steps published and asked, store and decide running; returns the number of decisions."""
     stream = Stream()
@@ -312,3 +340,31 @@ def test_sharded_stores_leave_every_verdict_to_the_sql_judge_once_all_shards_are
     decisions = asyncio.run(run_workload(nats_server.url, db_url, steps, ShardedStore(nats_server.url, db_url)))
     judged_by = assert_verdicts_are_the_sql_judgement(db_url, decisions, LIVE_HORIZONS_MS)
     assert {judge for judges in judged_by.values() for judge in judges} == {"sql"}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_a_backlog_is_judged_by_the_fold_however_far_its_decisions_run_ahead(nats_server, request, tmp_path, kind) -> None:
+    # store starts after every event and decision of a workload (45 decisions over about a second) is in the
+    # streams. Its decisions projector (a few rows a decision) would run far ahead of the events fold, which
+    # keeps few decisions waiting (store.quality_max_pending 8, where a 60 ms horizon needs about 3 at a time;
+    # transactions of two messages): each beyond would be left to the SQL judge. The projectors wait for each
+    # other instead: every verdict by the fold.
+    chooser = random.Random(7)
+    steps = []
+    for index in range(90):
+        kind_of_step = "decide" if index % 2 else chooser.choice(["store", "store", "remove"])
+        worker = chooser.choice(WORKERS)
+        tier = chooser.choice([Tier.DEVICE, Tier.HOST])
+        value = {"store": chooser.randint(1, 10), "remove": [chooser.randint(1, 10)],
+                 "decide": chooser.randint(1, 12)}[kind_of_step]
+        steps.append(((kind_of_step, worker, value, None if kind_of_step == "decide" else tier),
+                      chooser.randint(0, 25), 0.0))
+    db_url = fresh_database(request, kind, tmp_path)
+    horizon_ms = LIVE_HORIZONS_MS[0]
+    store = BacklogStore(nats_server.url, db_url, horizon_ms=horizon_ms, max_pending=8, batch_size=2)
+    decisions = asyncio.run(run_workload(nats_server.url, db_url, steps, store))
+    unjudged = store.running.service.metrics.quality.unjudged
+    assert {sample.labels["reason"]: sample.value for metric in unjudged.collect() for sample in metric.samples
+            if sample.value} == {}
+    judged_by = assert_verdicts_are_the_sql_judgement(db_url, decisions, (horizon_ms,))
+    assert set(judged_by[horizon_ms]) == {"fold"}
