@@ -122,17 +122,19 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def project_measured(nats_url: str, db_url: str, ledger, horizon_ms: float | None) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of store and its writer process) of one projection (`project`). The CPU
-    figure holds where other work shares the machine, which moves wall times by tens of percent here."""
+def project_measured(nats_url: str, db_url: str, ledger, horizon_ms: float | None) -> tuple[float, float, dict]:
+    """(wall seconds, CPU seconds of store and its writer process, decisions left to the SQL judge by reason)
+    of one projection (`project`). The CPU figure holds where other work shares the machine, which moves wall
+    times by tens of percent here."""
     before = _cpu_s()
-    elapsed = asyncio.run(project(nats_url, db_url, ledger, horizon_ms))
-    return elapsed, _cpu_s() - before
+    elapsed, unjudged = asyncio.run(project(nats_url, db_url, ledger, horizon_ms))
+    return elapsed, _cpu_s() - before, unjudged
 
 
-async def project(nats_url: str, db_url: str, ledger, horizon_ms: float | None) -> float:
+async def project(nats_url: str, db_url: str, ledger, horizon_ms: float | None) -> tuple[float, dict]:
     """Seconds from starting the store service until both checkpoints reach the streams' ends
-    (and, judging, until every settled decision has its verdict in SQL)."""
+    (and, judging, until every settled decision has its verdict in SQL), and the decisions its fold left to
+    the SQL judge, by reason (store's kvledger_store_decision_quality_unjudged)."""
     from kvledger.store.service import StoreService
 
     settings = store_settings(nats_url, db_url, horizon_ms)
@@ -155,7 +157,9 @@ async def project(nats_url: str, db_url: str, ledger, horizon_ms: float | None) 
     finally:
         stop.set()
         await task
-    return elapsed
+    unjudged = service.metrics.quality.unjudged
+    return elapsed, {sample.labels["reason"]: int(sample.value) for metric in unjudged.collect()
+                     for sample in metric.samples if sample.value}
 
 
 def _quietly(function, *args):
@@ -308,20 +312,21 @@ def run_size(args, size: int, kinds: list[str], databases: dict, work: Path, fil
                 on.append(project_measured(nats_server.url, on_url, ledger, horizon_ms))
                 if turn < args.turns - 1:
                     pool.drop(on_url)
-            on_s, on_cpu = min(wall for wall, _ in on), min(cpu for _, cpu in on)
+            on_s, on_cpu = min(wall for wall, _, _ in on), min(cpu for _, cpu, _ in on)
             load_s = bench_store.yardstick(on_url, ledger.block_events, pool.cluster, work / f"{kind}-yardstick.db")
             figures["projection"] = {
                 "judging_on_s": on_s, "decisions_per_s_on": size / on_s, "bulk_load_s": load_s,
                 "on_to_bulk_load": load_s / on_s, "judging_on_cpu_s": on_cpu, "turns": args.turns,
             }
             if off:
-                off_s, off_cpu = min(wall for wall, _ in off), min(cpu for _, cpu in off)
+                off_s, off_cpu = min(wall for wall, _, _ in off), min(cpu for _, cpu, _ in off)
                 figures["projection"].update({
                     "judging_off_s": off_s, "decisions_per_s_off": size / off_s, "judging_cost": on_s / off_s - 1,
                     "off_to_bulk_load": load_s / off_s, "judging_off_cpu_s": off_cpu,
                     "judging_cpu_cost": on_cpu / off_cpu - 1,
                 })
             figures["verdicts"] = verdict_mix(on_url, horizon_ms)
+            figures["verdicts"]["left_to_sql"] = on[-1][2]  # the kept ledger's projection's
             empty = bench_store.empty_schema_bytes(pool.cluster, work / f"{kind}-empty.db" if kind == "sqlite" else None)
             figures["size"] = sql_bytes(on_url, size, empty)
             audit_s, _ = audit_quality(on_url, horizon_ms)
@@ -369,7 +374,9 @@ def print_figures(args, kind: str, size: int, f: dict) -> None:
             f"store's CPU {p['judging_on_cpu_s']:.1f} s",
         ]
     lines += [
-        f"verdicts: {v['verdicts']:,} ({v['by_fold']:,} by the fold, {v['by_sql']:,} by SQL); hints {v['hints']:,}, "
+        f"verdicts: {v['verdicts']:,} ({v['by_fold']:,} by the fold, {v['by_sql']:,} by SQL"
+        + "".join(f"; {count:,} left to SQL: {reason}" for reason, count in v.get("left_to_sql", {}).items())
+        + f"); hints {v['hints']:,}, "
         f"stale {v['stale']:,} ({100 * v['stale'] / max(v['hints'], 1):.1f} %); credited {v['credited']:,}, "
         f"lost {v['lost']:,} ({100 * v['lost'] / max(v['credited'], 1):.1f} %)",
         f"SQL bytes per decision: decision tables {s['decision_tables_bytes_per_decision']:,.0f}"
