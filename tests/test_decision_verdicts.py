@@ -35,8 +35,9 @@ from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events
 from quality_reference import reference_verdicts
 from kvledger.store import database, tables
 from kvledger.store.changes import VERDICT_COLUMNS
+from kvledger.store.projector import DecisionsHold
 from kvledger.store.verdicts import judge_into
-from store_harness import RunningStore, StoreProcess, checkpoint, store_settings
+from store_harness import RunningStore, StoreProcess, checkpoint, poll, store_settings
 
 pytestmark = pytest.mark.service
 
@@ -368,3 +369,38 @@ def test_a_backlog_is_judged_by_the_fold_however_far_its_decisions_run_ahead(nat
             if sample.value} == {}
     judged_by = assert_verdicts_are_the_sql_judgement(db_url, decisions, (horizon_ms,))
     assert set(judged_by[horizon_ms]) == {"fold"}
+
+
+def test_events_go_on_when_the_decisions_projector_cannot_write(nats_server, request, tmp_path) -> None:
+    # The events fold waits for decisions that could still fall within its horizon (DecisionsHold), but not for a
+    # decisions projector that cannot write them (here its table is gone): once it has made no progress for
+    # DecisionsHold.STALL_S the events are projected, and the decisions wait in their stream.
+    db_url = fresh_database(request, "sqlite", tmp_path)
+    with database.opened(db_url) as engine, engine.begin() as connection:
+        connection.exec_driver_sql("ALTER TABLE decisions RENAME TO decisions_elsewhere")
+    stream = Stream()
+
+    async def scenario() -> None:
+        async with await nats.connect(nats_server.url) as nc:
+            js = nc.jetstream()
+            await clean_streams(js)
+            settings = decide_settings(nats_server.url)
+            await ensure_stream(js, events_stream(settings.stream))
+            await publish(js, [at(stream.batch(worker, stored([1, 2, 3])), time.time()) for worker in WORKERS])
+            async with DecideService(settings) as decide:
+                await decide.wait_ready(DEADLINE_S)
+                for number in range(3):
+                    ask = [{"request_id": f"r{number}", "target": WORKERS[0].name, "block_size": 4,
+                            "local_hashes": [str(h) for h in local_hashes([1, 2, 3])]}]
+                    await nc.request(DECIDE_BATCH_SUBJECT, json.dumps(ask).encode(), timeout=10)
+            last = [at(stream.batch(worker, stored([4])), time.time() + 5.0) for worker in WORKERS]
+            await publish(js, last)
+            async with RunningStore(store_settings(nats_server.url, db_url, quality_horizons_ms=[60.0])) as running:
+                # ingested 5 s after the decisions, the last events pass their horizon: without the stall rule
+                # they would wait for those decisions for ever
+                await poll(lambda: checkpoint(db_url) >= last[-1][1], "every event in SQL",
+                           deadline_s=4 * DecisionsHold.STALL_S, watch=running.task)
+                assert checkpoint(db_url, "decisions") <= 0
+                assert not running.service.decisions.ready
+
+    asyncio.run(scenario())
