@@ -335,8 +335,9 @@ class StoreSettings:
         "an audit at another horizon judges in SQL.", rule=_horizons(),
     )
     quality_max_pending: int = _setting(
-        100000, "Decisions the events fold keeps waiting for their horizon, per horizon; beyond this, new ones are "
-        "left to the SQL judge (kvledger_store_decision_quality_unjudged{reason=\"too_many_pending\"}).",
+        100000, "Decisions the events fold keeps waiting for their horizon (all horizons together); at this many, the "
+        "decisions projector waits for the fold to settle some while the fold is making progress, and otherwise "
+        "leaves new ones to the SQL judge (kvledger_store_decision_quality_unjudged{reason=\"too_many_pending\"}).",
         rule=_at_least(1),
     )
     http_port: int = _setting(
