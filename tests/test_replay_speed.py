@@ -110,6 +110,19 @@ def test_a_demo_ledger_gives_the_reference_report_to_the_last_float(db_url, tmp_
         middle = times[len(times) // 2]
         assert fast.replay(connection, sweep, horizon_s=0.5, from_ts=middle) == \
             reference.replay(connection, sweep, horizon_s=0.5, from_ts=middle)
+        # A window ending in the first half: its stays are read alone, bounded in SQL (no read of all beside).
+        early = times[len(times) // 4]
+        assert fast.replay(connection, sweep, horizon_s=0.5, to_ts=early) == \
+            reference.replay(connection, sweep, horizon_s=0.5, to_ts=early)
+        if connection.dialect.name == "sqlite":
+            last_seq = reference.read_columns(connection, horizon_s=0.5, to_ts=early).last_seq
+            assert 2 * last_seq < connection.execute(sa.text("SELECT MAX(stream_seq) FROM event_log")).scalar()
+            whole, bounded = reference.stay_tables(connection), reference.stay_tables(connection, last_seq)
+            assert 0 < bounded.stays[0].size < whole.stays[0].size
+            kept, kept_runs = whole.stays[2] <= last_seq, whole.removals[1] <= last_seq
+            for read_whole, read_bounded in zip([*whole.stays, *whole.removals], [*bounded.stays, *bounded.removals]):
+                wanted = kept if read_whole.size == kept.size else kept_runs
+                assert read_whole[wanted].tolist() == read_bounded.tolist()
 
     # The command's listing (--decisions --json) is the reference report's.
     args = ["replay", "--db", db_url, "--placed", "--decisions", "--json", "--source", "sql"]

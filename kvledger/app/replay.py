@@ -203,11 +203,16 @@ def _stays_read_beside(connection, from_ts: float, to_ts: float):
     their own in a thread while the caller reads the window: SQLite builds their texts without the GIL. Yields
     a future of the tables, with every stay stored at or before their `covers` (the events projected before
     they were read), or None where the database is not one SQLite file (an in-memory one is this connection's
-    alone; PostgreSQL reads the stays the window needs, by seq)."""
+    alone; PostgreSQL reads the stays the window needs, by seq), or where the window ends in the ledger's first
+    half (`stay_tables` then reads only the stays stored up to the window's end, once it is known)."""
     engine = connection.engine
     if engine.dialect.name != "sqlite" or engine.url.database in (None, "", ":memory:") or connection.exec_driver_sql(
             "SELECT 1 FROM decisions WHERE decided_ts >= ? AND decided_ts < ? LIMIT 1",
             (max(from_ts, -1e18), min(to_ts, 1e18))).first() is None:  # an empty window reads no stay
+        yield None
+        return
+    first_ts, last_ts = connection.exec_driver_sql("SELECT MIN(decided_ts), MAX(decided_ts) FROM decisions").one()
+    if to_ts < (first_ts + last_ts) / 2:
         yield None
         return
 
