@@ -387,10 +387,12 @@ class VerdictsBacklogHold:
     limit, while the events projector folds batches that settle decisions. It does not wait while
     the events projector is not ready, has caught up (no event there could settle them), waits for
     the decisions itself (DecisionsHold: each would wait on the other), or has folded nothing for
-    STALL_S (its decisions then go to the SQL judge, as before this hold).
+    STALL_S (WRITING_STALL_S while its fold waits for its transactions in flight: on a large ledger
+    they can take that long); its decisions then go to the SQL judge, as before this hold.
     """
 
     STALL_S = DecisionsHold.STALL_S
+    WRITING_STALL_S = DecisionsHold.WRITING_STALL_S
 
     def __init__(self, events: EventsProjector, quality: QualityTracker, transaction_decisions: int) -> None:
         self.events = events
@@ -414,13 +416,14 @@ class VerdictsBacklogHold:
             if not self.holds():
                 return
             waited = time.monotonic() - started
-            if waited > self.STALL_S:
+            limit = self.WRITING_STALL_S if self.events.draining else self.STALL_S
+            if waited > limit:
                 self._stalled_at = self.events.folded_fetches
                 log.info("the events projector folded nothing for %.0f s: decisions no longer wait for it "
-                         "(those beyond store.quality_max_pending are judged in SQL)", self.STALL_S)
+                         "(those beyond store.quality_max_pending are judged in SQL)", waited)
                 return
             try:
-                await asyncio.wait_for(folded.wait(), self.STALL_S - waited + 0.01)
+                await asyncio.wait_for(folded.wait(), limit - waited + 0.01)
             except TimeoutError:
                 pass
 
@@ -446,6 +449,7 @@ class EventsProjector:
         self.folded = asyncio.Event()
         self.caught_up = False
         self.waiting_for_decisions = False
+        self.draining = False  # the fold waits for its transactions in flight (VerdictsBacklogHold waits longer)
         self.stream = settings.stream.events_stream
         self.shard = parse_shard(settings.store.shard)
         self.durable = self.shard.durable(EVENTS_DURABLE)
@@ -563,22 +567,29 @@ class EventsProjector:
                         fold.inventory_seq = seq
                         self.metrics.dead_letters.labels(self.stream).inc()
                         continue
-                    settling, verdicts, open_before = (), (), None
+                    settling, verdicts, open_before = [], (), None
                     if quality is not None:
+                        # Judged on the fold as of the seq before the first event written at or after
+                        # their horizon (the SQL judge's horizon seq: a batch without events writes no
+                        # event_log row, so it settles nothing). Those committed already are taken
+                        # before any wait for more: the room they leave is what a decisions projector
+                        # waiting on this fold (VerdictsBacklogHold) needs to go on.
+                        if batch.events:
+                            settling = quality.due(batch.ingest_ts)
                         if self.hold is not None and self.hold.holds(batch.ingest_ts):
                             self.waiting_for_decisions = True
                             self.folded.set()  # a decisions projector waiting on this one goes on
                             try:
                                 await self.hold.wait(batch.ingest_ts)
+                            except BaseException:
+                                quality.put_back(settling)
+                                raise
                             finally:
                                 self.waiting_for_decisions = False
-                        if batch.events:
-                            # Judged on the fold as of the seq before the first event written at or
-                            # after their horizon (the SQL judge's horizon seq: a batch without
-                            # events writes no event_log row, so it settles nothing).
-                            settling = quality.due(batch.ingest_ts)
-                            if settling:
-                                verdicts = quality.judge(settling, fold, seq - 1)
+                            if batch.events:
+                                settling += quality.due(batch.ingest_ts)
+                        if settling:
+                            verdicts = quality.judge(settling, fold, seq - 1)
                         open_before = open_native_records(batch, fold)
                     duplicates = fold.counters["duplicate_batch"]
                     facts, accepted = fold.begin(batch, seq)
@@ -660,11 +671,14 @@ class EventsProjector:
         if ahead is not None:
             ahead.clear()
         if writing is not None:
+            self.draining = True
             try:
                 await writing
             except BaseException:
                 self.fold = None  # folded past what SQL holds
                 raise
+            finally:
+                self.draining = False
         return None
 
     async def _commit(self, recorder, changes: ChangeSet, encoded: bytes | None, fresh: int, last_message,
