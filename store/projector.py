@@ -325,6 +325,26 @@ async def _wait_out_failure(error: Exception, stream: str, metrics: StoreMetrics
     await backoff.wait(stop)
 
 
+_NEVER_STALLED = object()
+
+
+async def _wait_while(holds: Callable[[], bool], progress: asyncio.Event, limit_s: Callable[[], float]) -> float | None:
+    """Wait while `holds()`, looking again whenever `progress` is set; give up once `limit_s()` seconds have passed
+    (read at each look). None once it no longer holds, else the seconds waited when it gave up."""
+    started = time.monotonic()
+    while True:
+        progress.clear()  # before the look, so progress made after it wakes the wait below
+        if not holds():
+            return None
+        waited, limit = time.monotonic() - started, limit_s()
+        if waited > limit:
+            return waited
+        try:
+            await asyncio.wait_for(progress.wait(), limit - waited + 0.01)
+        except TimeoutError:
+            pass
+
+
 class DecisionsHold:
     """Keeps the events fold from passing a decision's horizon before the decision reaches it.
 
@@ -345,8 +365,7 @@ class DecisionsHold:
     def __init__(self, decisions: RowProjector, shortest_horizon_s: float) -> None:
         self.decisions = decisions
         self.shortest_horizon_s = shortest_horizon_s
-        self._stalled = False
-        self._stalled_at: float | None = None  # decisions' newest ts when it last stalled us
+        self._stalled_at: object = _NEVER_STALLED  # decisions' newest ts (None: none yet) when it last stalled us
 
     def holds(self, ingest_ts: float) -> bool:
         decisions = self.decisions
@@ -355,26 +374,16 @@ class DecisionsHold:
         newest = decisions.last_decided_ts
         if newest is not None and ingest_ts < newest + self.shortest_horizon_s:
             return False
-        return not self._stalled or self._stalled_at != newest
+        return self._stalled_at != newest
 
     async def wait(self, ingest_ts: float) -> None:
-        started = time.monotonic()
-        progressed = self.decisions.progressed
-        while True:
-            progressed.clear()  # before the look, so progress made after it wakes the wait below
-            if not self.holds(ingest_ts):
-                return
-            waited = time.monotonic() - started
-            limit = self.WRITING_STALL_S if self.decisions.writing else self.STALL_S
-            if waited > limit:
-                self._stalled, self._stalled_at = True, self.decisions.last_decided_ts
-                log.info("the decisions projector made no progress for %.0f s: events no longer wait for it "
-                         "(its late decisions are judged in SQL)", waited)
-                return
-            try:
-                await asyncio.wait_for(progressed.wait(), limit - waited + 0.01)
-            except TimeoutError:
-                pass
+        decisions = self.decisions
+        waited = await _wait_while(lambda: self.holds(ingest_ts), decisions.progressed,
+                                   lambda: self.WRITING_STALL_S if decisions.writing else self.STALL_S)
+        if waited is not None:
+            self._stalled_at = decisions.last_decided_ts
+            log.info("the decisions projector made no progress for %.0f s: events no longer wait for it "
+                     "(its late decisions are judged in SQL)", waited)
 
 
 class VerdictsBacklogHold:
@@ -409,23 +418,13 @@ class VerdictsBacklogHold:
         return self._stalled_at != events.folded_fetches
 
     async def wait(self) -> None:
-        started = time.monotonic()
-        folded = self.events.folded
-        while True:
-            folded.clear()  # before the look, so a batch folded after it wakes the wait below
-            if not self.holds():
-                return
-            waited = time.monotonic() - started
-            limit = self.WRITING_STALL_S if self.events.draining else self.STALL_S
-            if waited > limit:
-                self._stalled_at = self.events.folded_fetches
-                log.info("the events projector folded nothing for %.0f s: decisions no longer wait for it "
-                         "(those beyond store.quality_max_pending are judged in SQL)", waited)
-                return
-            try:
-                await asyncio.wait_for(folded.wait(), limit - waited + 0.01)
-            except TimeoutError:
-                pass
+        events = self.events
+        waited = await _wait_while(self.holds, events.folded,
+                                   lambda: self.WRITING_STALL_S if events.draining else self.STALL_S)
+        if waited is not None:
+            self._stalled_at = events.folded_fetches
+            log.info("the events projector folded nothing for %.0f s: decisions no longer wait for it "
+                     "(those beyond store.quality_max_pending are judged in SQL)", waited)
 
 
 class EventsProjector:
