@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import ctypes
 import functools
 import glob
 import os
@@ -22,7 +21,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import time
@@ -40,6 +38,7 @@ from sqlalchemy.engine import make_url
 
 from kvledger.runtime.embedded import locate_nats_server, nats_server_command
 from kvledger.runtime.lifetime import stop_process
+from kvledger.runtime.parent_death import end_with_parent
 
 NATS_URL_VARIABLE = "KVLEDGER_TEST_NATS_URL"
 POSTGRES_URL_VARIABLE = "KVLEDGER_TEST_POSTGRES_URL"
@@ -261,17 +260,12 @@ def process_ended(pid: int) -> bool:
         return True
 
 
-# Looked up now, not in the forked child, where loading a library could deadlock.
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-_PR_SET_PDEATHSIG = 1
-
-
 def _die_with_parent() -> None:
     # Runs in the child before exec: if pytest itself is killed, the kernel kills the
     # server too, so no nats-server or postmaster outlives the session. The signal fires
     # when the forking *thread* exits, so servers must be started from the main thread.
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # (Only the signal is asked for: the parent's pid is read here, so the check it returns is moot.)
+    end_with_parent(signal.SIGKILL, os.getppid())
 
 
 def _log_tail(path: Path, lines: int = 40) -> str:
