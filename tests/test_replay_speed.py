@@ -119,10 +119,11 @@ def test_a_demo_ledger_gives_the_reference_report_to_the_last_float(db_url, tmp_
             assert 2 * last_seq < connection.execute(sa.text("SELECT MAX(stream_seq) FROM event_log")).scalar()
             whole, bounded = reference.stay_tables(connection), reference.stay_tables(connection, last_seq)
             assert 0 < bounded.stays[0].size < whole.stays[0].size
-            kept, kept_runs = whole.stays[2] <= last_seq, whole.removals[1] <= last_seq
-            for read_whole, read_bounded in zip([*whole.stays, *whole.removals], [*bounded.stays, *bounded.removals]):
-                wanted = kept if read_whole.size == kept.size else kept_runs
-                assert read_whole[wanted].tolist() == read_bounded.tolist()
+            for whole_columns, bounded_columns, stored in ((whole.stays, bounded.stays, 2),
+                                                           (whole.removals, bounded.removals, 1)):
+                kept = whole_columns[stored] <= last_seq
+                for read_whole, read_bounded in zip(whole_columns, bounded_columns, strict=True):
+                    assert read_whole[kept].tolist() == read_bounded.tolist()
 
     # The command's listing (--decisions --json) is the reference report's.
     args = ["replay", "--db", db_url, "--placed", "--decisions", "--json", "--source", "sql"]
