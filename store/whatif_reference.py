@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import contextlib
+import gc
 import math
 import operator
 import struct
@@ -35,6 +37,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 import msgspec
+import numba
 import numpy as np
 import sqlalchemy as sa
 from nats.js import JetStreamContext
@@ -81,7 +84,7 @@ ORDER BY d.stream_seq;""",
 # `read_columns` runs it as a LEFT JOIN without its ORDER BY: one statement reads the window's decisions and
 # counts those without a request (`replay_unreplayable`'s) in the same snapshot, and it sorts the rows itself:
 # they come in decided_ts order off the index, nearly the seqs' order, which Python sorts in one pass where
-# SQLite builds a B-tree.
+# SQLite builds a B-tree. (Read apart and matched by seq, the two tables took longer.)
 _REPLAY_DECISIONS_JOINED = """SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.target, d.reason, d.baseline_blocks,
        d.chosen_source, d.chosen_dp_rank, d.chosen_tier, d.chosen_prefix_blocks, d.chosen_transfer_blocks,
        d.chosen_saving_ms, d.target_prefix_blocks,
@@ -652,10 +655,13 @@ def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float 
                  to_ts: float = math.inf) -> ColumnWindow:
     """`read_window` (its horizon seqs from the events' ingest times) as columns: the driver's tuples read in
     bulk, each request's hashes one slice of a single buffer. Raises ReplayRefused as `read_window` does."""
+    with _collection_paused():  # millions of tuples that hold no cycles: each full collection would walk them all
+        return _columns_of_window(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts)
+
+
+def _columns_of_window(connection: sa.Connection, *, horizon_s: float, from_ts: float, to_ts: float) -> ColumnWindow:
     window = {"from_ts": max(from_ts, -1e18), "to_ts": min(to_ts, 1e18)}
-    result = connection.execute(sa.text(_REPLAY_DECISIONS_JOINED.format(join="LEFT JOIN")), window)
-    rows = result.cursor.fetchall()  # the driver's tuples: a Row or a dict each would cost more than the rest
-    result.close()
+    rows = _fetched(connection, _REPLAY_DECISIONS_JOINED.format(join="LEFT JOIN"), window)
     read = len(rows)
     rows = [row for row in rows if row[-1] is not None]  # local_hashes is NOT NULL: None is no request
     unreplayable = read - len(rows)  # `replay_unreplayable`'s count, in the same snapshot as the rows
@@ -663,18 +669,16 @@ def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float 
     (_seq, request_ids, decided_ts, inventory_seqs, targets, reasons, baselines, chosen_sources, chosen_ranks, tiers,
      prefixes, transfers, savings, target_prefixes, block_sizes, blocks, requested_targets, fallbacks,
      local_hashes) = (list(column) for column in zip(*rows)) if rows else ([] for _ in range(19))
+    times = _fetched(connection, REPLAY_INGEST_TIMES.sql.rstrip(";"), {}) if rows else []
     decided = np.array(decided_ts, dtype=np.float64)
     horizons = np.full(decided.size, -1, dtype=np.int64)
-    if rows:
-        result = connection.execute(sa.text(REPLAY_INGEST_TIMES.sql.rstrip(";")))
-        times = result.cursor.fetchall()
-        result.close()
-        if times:
-            seqs = np.array([seq for seq, _ in times], dtype=np.int64)
-            # As `first_seq_at_or_after`: ingest times need not rise with the seq; their running maximum does.
-            running = np.maximum.accumulate(np.array([ts for _, ts in times], dtype=np.float64))
-            at = np.searchsorted(running, decided + horizon_s, "left")
-            horizons = np.where(at < seqs.size, seqs[np.minimum(at, seqs.size - 1)] - 1, -1)
+    if times:
+        event_seqs = np.fromiter(map(operator.itemgetter(0), times), dtype=np.int64, count=len(times))
+        # As `first_seq_at_or_after`: ingest times need not rise with the seq; their running maximum does.
+        running = np.maximum.accumulate(np.fromiter(map(operator.itemgetter(1), times), dtype=np.float64,
+                                                    count=len(times)))
+        at = np.searchsorted(running, decided + horizon_s, "left")
+        horizons = np.where(at < event_seqs.size, event_seqs[np.minimum(at, event_seqs.size - 1)] - 1, -1)
     offsets = np.zeros(decided.size, dtype=np.int64)
     inventory = np.array(inventory_seqs, dtype=np.int64).reshape(decided.size)
     for generation in run(connection, KV_EVENTS_GENERATIONS):  # as `_Generations.ledger_seq`: the newest wins
@@ -697,6 +701,27 @@ def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float 
     if refusal is not None:
         raise ReplayRefused(refusal)
     return ColumnWindow(decisions, unreplayable, first, last)
+
+
+@contextlib.contextmanager
+def _collection_paused():
+    """Python's cycle collector held off while a read builds a driver tuple per row: a full collection walks every
+    tracked object, and a window's millions of tuples would make each one long (a fifth of a 1 M window's read)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _fetched(connection: sa.Connection, sql: str, parameters: dict) -> list:
+    """The rows of `sql` as the driver's tuples: a Row each costs a third again."""
+    result = connection.execute(sa.text(sql), parameters)
+    rows = result.cursor.fetchall()
+    result.close()
+    return rows
 
 
 def stay_columns(connection: sa.Connection, first_seq: int, last_seq: int) -> tuple[list, ...]:
@@ -770,11 +795,11 @@ def stay_tables(connection: sa.Connection, last_seq: int | None = None) -> StayT
                               ("placement_id", "stored_seq", "slot"), bound)
         runs = _concatenated(connection, "block_removals", removals, ("placement_id", "stored_seq", "first_slot"),
                              bound)
-        wanted = np.isin(stays[0], ids)
+        wanted = _among(stays[0], ids)
         if last_seq is not None:
             wanted &= stays[2] <= int(last_seq)
         stays = _where(wanted, *stays)
-        wanted = np.isin(runs[0], ids)
+        wanted = _among(runs[0], ids)
         if last_seq is not None:
             wanted &= runs[1] <= int(last_seq)
         runs = _where(wanted, *runs)
@@ -819,16 +844,11 @@ def stays_of(connection: sa.Connection, first_seq: int, last_seq: int, tables: S
     # Each stay's key (placement, stored seq, slot) as one int64 that orders as the triple does.
     stay_key, removal_key, conflict_key, unresolved_key = _stay_keys(
         (pid, stored, slot), (r_pid, r_stored, r_first), (c_pid, c_stored, c_slot), (u_pid, u_stored, u_slot))
-    removed = np.full(pid.size, NEVER, dtype=np.int64)
-    if r_pid.size:
+    if r_pid.size and np.any(removal_key[1:] < removal_key[:-1]):  # read in key order: sorted already
         order = np.argsort(removal_key, kind="stable")
         removal_key, r_first, r_last, r_removed = (removal_key[order], r_first[order], r_last[order],
                                                    r_removed[order])
-        run = np.searchsorted(removal_key, stay_key, "right") - 1  # the last run starting at or before the slot
-        found = run >= 0
-        run = np.maximum(run, 0)
-        same = found & (removal_key[run] - r_first[run] == stay_key - slot) & (r_last[run] >= slot)
-        removed[same] = r_removed[run[same]]
+    removed = _removed_seqs(stay_key, slot, removal_key, r_first, r_last, r_removed, NEVER)
     conflict = np.full(pid.size, NEVER, dtype=np.int64)
     kept = removed > int(first_seq)
     if c_pid.size or u_pid.size:
@@ -842,7 +862,29 @@ def stays_of(connection: sa.Connection, first_seq: int, last_seq: int, tables: S
             at = order[np.minimum(np.searchsorted(ordered, unresolved_key), order.size - 1)]
             kept[at[stay_key[at] == unresolved_key]] = False
     pid, hashes, stored, removed, conflict = _where(kept, pid, hashes, stored, removed, conflict)
-    return Stays(placements, np.searchsorted(ids, pid), hashes, stored, removed, conflict)
+    index_of = np.zeros(int(ids[-1]) + 1, dtype=np.int64)  # each placement id's place in `ids`
+    index_of[ids] = np.arange(ids.size)
+    return Stays(placements, index_of[pid], hashes, stored, removed, conflict)
+
+
+@numba.njit(cache=True, nogil=True)
+def _removed_seqs(stay_key, slot, removal_key, first, last, removed_seq, never):
+    """Each stay's removed seq (`never` where none): that of the removal run of its placement and stored seq whose
+    slots [first, last] hold its slot, the last run keyed at or before the stay's key (`removal_key` sorted).
+    Stays read in key order walk the runs once; a stay keyed below the one before it is searched for."""
+    removed = np.empty(stay_key.size, dtype=np.int64)
+    run = -1  # the last run keyed at or before the stay
+    for stay in range(stay_key.size):
+        key = stay_key[stay]
+        if stay and key < stay_key[stay - 1]:
+            run = np.searchsorted(removal_key, key, side="right") - 1
+        else:
+            while run + 1 < removal_key.size and removal_key[run + 1] <= key:
+                run += 1
+        removed[stay] = never
+        if run >= 0 and removal_key[run] - first[run] == key - slot[stay] and last[run] >= slot[stay]:
+            removed[stay] = removed_seq[run]
+    return removed
 
 
 def _where(wanted: np.ndarray, *columns: np.ndarray) -> list[np.ndarray]:
@@ -851,6 +893,16 @@ def _where(wanted: np.ndarray, *columns: np.ndarray) -> list[np.ndarray]:
     if wanted.all():
         return list(columns)
     return [column[wanted] for column in columns]
+
+
+def _among(values: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """Where `values` (placement ids, never negative) are among the sorted ids `wanted`: read off a table over the
+    ids' span (`np.isin` sorts the ledger's column)."""
+    if not wanted.size or not values.size:
+        return np.zeros(values.size, dtype=bool)
+    table = np.zeros(max(int(wanted[-1]), int(values.max())) + 1, dtype=bool)
+    table[wanted] = True
+    return table[values]
 
 
 def _stay_keys(*triples: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -907,21 +959,17 @@ def _concatenated(connection: sa.Connection, table: str, columns: Sequence[str],
         return raw.execute(f"SELECT COUNT(*), {aggregated} FROM (SELECT {', '.join(columns)} FROM {table}{where} "
                            f"ORDER BY {ordered}{limit})").fetchone()
 
-    if raw.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] <= _ROWS_PER_TEXT:
-        count, *texts = piece("", "")
-        return [_parsed(text, count) for text in texts]
+    # Read in pieces whatever the table's size: a count first would cost a scan of its own.
     pieces, after = [], ""
     while True:
         count, *texts = piece(after, f" LIMIT {_ROWS_PER_TEXT}")
-        if not count:
-            break
         pieces.append([_parsed(text, count) for text in texts])
         if count < _ROWS_PER_TEXT:
             break
         last = _last_key([pieces[-1][columns.index(column)] for column in key])
         after = f"({ordered}) > ({', '.join(map(str, last))})"
-    if not pieces:
-        return [np.zeros(0, dtype=np.int64) for _ in columns]
+    if len(pieces) == 1:
+        return pieces[0]
     return [np.concatenate([part[item] for part in pieces]) for item in range(len(columns))]
 
 
