@@ -190,3 +190,33 @@ def test_bad_settings_files_are_refused_naming_the_key(sqlite_url, tmp_path, cap
         assert kvledger(["replay", "--db", sqlite_url, "--settings", str(path)]) == 2, name
         err = capsys.readouterr().err
         assert key in err and name in err, err
+
+
+@pytest.mark.parametrize("stays_in_key_order", [True, False])
+def test_each_stay_finds_its_removal_run_in_key_order_or_not(stays_in_key_order) -> None:
+    """`stays_of`'s walk over the removal runs gives what a binary search per stay gives: the run of the stay's
+    placement and stored seq whose slots hold it, else none (SQLite reads stays in key order, PostgreSQL's COPY in
+    any)."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    slot_span = 64
+    pairs = np.unique(rng.integers(0, 5_000, size=3_000))  # (placement, stored seq) pairs as one number
+    first = rng.integers(0, 40, size=pairs.size)
+    last = first + rng.integers(0, 20, size=pairs.size)
+    removal_key, removed_seq = pairs * slot_span + first, rng.integers(10_000, 20_000, size=pairs.size)
+    stay_pair = rng.integers(0, 5_000, size=20_000)
+    slot = rng.integers(0, slot_span, size=stay_pair.size)
+    stay_key = stay_pair * slot_span + slot
+    if stays_in_key_order:
+        order = np.argsort(stay_key, kind="stable")
+        stay_key, slot = stay_key[order], slot[order]
+
+    run = np.searchsorted(removal_key, stay_key, "right") - 1
+    at = np.maximum(run, 0)
+    same = (run >= 0) & (removal_key[at] - first[at] == stay_key - slot) & (last[at] >= slot)
+    expected = np.where(same, removed_seq[at], reference.NEVER)
+
+    found = reference._removed_seqs(stay_key, slot, removal_key, first, last, removed_seq, reference.NEVER)
+    assert 0 < np.count_nonzero(found != reference.NEVER) < found.size
+    assert np.array_equal(found, expected)
