@@ -727,9 +727,7 @@ def _fetched(connection: sa.Connection, sql: str, parameters: dict) -> list:
 def stay_columns(connection: sa.Connection, first_seq: int, last_seq: int) -> tuple[list, ...]:
     """`replay_stays`' rows as columns (publisher, dp_rank, provenance, tier, sequence_hash as stored: signed,
     stored_seq, removed_seq, conflict_since), without a dict per row: a window holds many stays per decision."""
-    result = connection.execute(sa.text(REPLAY_STAYS.sql.rstrip(";")), {"first_seq": first_seq, "last_seq": last_seq})
-    rows = result.cursor.fetchall()  # the driver's tuples: a Row each costs a third again
-    result.close()
+    rows = _fetched(connection, REPLAY_STAYS.sql.rstrip(";"), {"first_seq": first_seq, "last_seq": last_seq})
     return tuple(list(column) for column in zip(*rows)) if rows else tuple([] for _ in range(8))
 
 
