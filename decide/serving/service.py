@@ -39,7 +39,7 @@ from kvledger.core.decision_codec import (
 )
 from kvledger.core.events import EVENTS_SUBJECT_PREFIX, RecordError, decode_batch
 from kvledger.core.reuse import Reason, ReuseRequest
-from kvledger.core.settings import Settings
+from kvledger.core.settings import ReuseSettings, Settings
 from kvledger.core.snapshot import StreamPosition
 from kvledger.runtime.http import HttpFront, HttpLimits, Request, Response, Route, health_routes
 from kvledger.runtime.lifetime import AsyncLifetime
@@ -678,6 +678,17 @@ class DecideService(AsyncLifetime):
             return encoded_response(200, (await self.answer(parsed)).as_list(), media_type)
         part, refused = await self._batcher.submit(SingleRequest(parsed))
         return encoded_response(400 if refused else 200, part, media_type)
+
+
+def compile_every_kernel(reuse: ReuseSettings) -> None:
+    """Every kernel decide may compile before it answers, whatever it is configured to do (`_compile_kernels` and
+    `_fork_readers` compile those of its configuration): the service image compiles them all into its kernel
+    cache, so that a new container loads them and is ready in seconds."""
+    compile_kernels(reuse)
+    compile_record_kernels()
+    compile_answer_kernels(InventoryIndex())
+    compile_answer_kernels(read_only_view(InventoryIndex()))  # the index readers'
+    compile_shadow_kernels(reuse, reuse)
 
 
 def _failure_reply(failure: Exception) -> bytes:
