@@ -651,15 +651,24 @@ class ColumnWindow:
     last_seq: int
 
 
+@contextlib.contextmanager
+def _collection_paused():
+    """Python's cycle collector held off while a read builds a driver tuple per row: a full collection walks every
+    tracked object, and a window's millions of tuples would make each one long (a fifth of a 1 M window's read)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@_collection_paused()  # millions of tuples that hold no cycles: each full collection would walk them all
 def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float = -math.inf,
                  to_ts: float = math.inf) -> ColumnWindow:
     """`read_window` (its horizon seqs from the events' ingest times) as columns: the driver's tuples read in
     bulk, each request's hashes one slice of a single buffer. Raises ReplayRefused as `read_window` does."""
-    with _collection_paused():  # millions of tuples that hold no cycles: each full collection would walk them all
-        return _columns_of_window(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts)
-
-
-def _columns_of_window(connection: sa.Connection, *, horizon_s: float, from_ts: float, to_ts: float) -> ColumnWindow:
     window = {"from_ts": max(from_ts, -1e18), "to_ts": min(to_ts, 1e18)}
     rows = _fetched(connection, _REPLAY_DECISIONS_JOINED.format(join="LEFT JOIN"), window)
     read = len(rows)
@@ -701,19 +710,6 @@ def _columns_of_window(connection: sa.Connection, *, horizon_s: float, from_ts: 
     if refusal is not None:
         raise ReplayRefused(refusal)
     return ColumnWindow(decisions, unreplayable, first, last)
-
-
-@contextlib.contextmanager
-def _collection_paused():
-    """Python's cycle collector held off while a read builds a driver tuple per row: a full collection walks every
-    tracked object, and a window's millions of tuples would make each one long (a fifth of a 1 M window's read)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _fetched(connection: sa.Connection, sql: str, parameters: dict) -> list:
@@ -944,23 +940,23 @@ def _concatenated(connection: sa.Connection, table: str, columns: Sequence[str],
     """SQLite: integer columns (none NULL, `key`'s among them) of every row of `table` (block_stays or
     block_removals), or of those `bound` (an SQL condition) keeps, as int64 arrays in the order of `key`, the
     table's primary key (a WITHOUT ROWID table's rows lie in that order): one `group_concat` text per column,
-    which numpy parses without a Python int per value; where a text could pass SQLite's length limit, pieces of
-    `_ROWS_PER_TEXT` rows, each after the last one's key."""
+    which numpy parses without a Python int per value; in pieces of `_ROWS_PER_TEXT` rows, each after the last
+    one's key, so that no text passes SQLite's length limit."""
     raw = connection.connection.driver_connection
     aggregated = ", ".join(f"group_concat({column})" for column in columns)
     ordered = ", ".join(key)
 
-    def piece(after: str, limit: str) -> list:
+    def piece(after: str) -> list:
         terms = " AND ".join(term for term in (bound, after) if term)
         where = f" WHERE {terms}" if terms else ""
         # The key's order asked of a subquery: the aggregate alone would scan the smaller index that covers it.
         return raw.execute(f"SELECT COUNT(*), {aggregated} FROM (SELECT {', '.join(columns)} FROM {table}{where} "
-                           f"ORDER BY {ordered}{limit})").fetchone()
+                           f"ORDER BY {ordered} LIMIT {_ROWS_PER_TEXT})").fetchone()
 
     # Read in pieces whatever the table's size: a count first would cost a scan of its own.
     pieces, after = [], ""
     while True:
-        count, *texts = piece(after, f" LIMIT {_ROWS_PER_TEXT}")
+        count, *texts = piece(after)
         pieces.append([_parsed(text, count) for text in texts])
         if count < _ROWS_PER_TEXT:
             break

@@ -27,10 +27,9 @@ keeps the file near 90 s on two cores (each test 5-16 s).
 
 from __future__ import annotations
 
-import collections
 import itertools
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import attrs
@@ -384,7 +383,7 @@ async def test_a_coordinated_power_loss_beyond_the_engines_buffers_is_an_explici
             gaps = await wait_until(stream_lost_gaps, HEAL_S, "a Gap(stream_lost) per worker in KV_EVENTS")
             # A worker may have more than one (a lost run the engine's buffer splits: a gap before the
             # batch it still had, another at the run's end), but no engine seq is said lost twice.
-            lost_ranges = collections.defaultdict(list)
+            lost_ranges = defaultdict(list)
             for batch in gaps:
                 for event in batch.events:
                     if getattr(event, "reason", None) is GapReason.STREAM_LOST:
