@@ -222,8 +222,10 @@ class Ledger:
         return self.decisions / max(self.last_decision_ts - self.first_decision_ts, 1e-9)
 
     def horizon_ms(self, decisions: int) -> float:
-        """The horizon covering `decisions` decisions at the rate they were generated, in whole ms (at least 1)."""
-        return float(max(1, round(1000 * decisions / self.decisions_per_s)))
+        """The horizon covering `decisions` decisions at the rate they were generated, in whole ms (at least 1),
+        and at most half the stream time to the closing batch (`CLOSING_AFTER_S`), which must settle the last
+        decisions: a slow generation's horizon would otherwise pass it and leave them without a verdict."""
+        return float(min(max(1, round(1000 * decisions / self.decisions_per_s)), round(500 * CLOSING_AFTER_S)))
 
 
 class _Target(msgspec.Struct):
@@ -240,14 +242,20 @@ async def publish_ledger(nats_url: str, decisions: int, shape: FleetShape, reuse
     from kvledger.decide.ranking.cpu import CpuBackend
     from kvledger.decide.inventory.index import InventoryIndex
     from kvledger.decide.serving.recorder import DecisionRecorder, RecordBatch, Texts, request_header_texts
-    from kvledger.decide.serving.shadow import ShadowDecisions
+    from kvledger.decide.serving.service import compile_every_kernel
+    from kvledger.decide.serving.shadow import ShadowDecisions, compile_shadow_kernels
 
     stream = stream or StreamSettings()
     workload = FleetWorkload(shape)
     index = InventoryIndex()
     backend = CpuBackend(index)
-    backend.warm_up(reuse)  # compiles (or loads) the kernels before the clock starts
+    # Every kernel the generation runs compiled (or loaded) before the clock starts: a fresh kernel cache
+    # otherwise stretches the ledger's stream time by minutes of compiling, and its horizon with it.
+    compile_every_kernel(reuse)
+    backend.warm_up(reuse)
     shadows = ShadowDecisions(shadow) if shadow is not None else None
+    if shadow is not None:
+        compile_shadow_kernels(reuse, shadow)
     async with await nats.connect(nats_url) as nc:
         js = nc.jetstream(publish_async_max_pending=4096)
         await ensure_stream(js, events_stream(stream))
