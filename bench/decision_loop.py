@@ -10,7 +10,8 @@ the host tier, restarts, cancelled requests), every request answered first by de
 CPU backend against decide's index of the batches published so far and recorded by decide's
 recorder (the answer, its relied-on prefix and its request). Stream time is wall time
 (JetStream stamps decided_ts), so the horizon is the stretch of stream time that covers
-`--horizon-decisions` decisions at the rate they were generated (`--horizon-ms` fixes it).
+`--horizon-decisions` decisions at the rate they were generated (`--horizon-ms` fixes it), at
+most 30 s (the ledger's closing batch, a minute after its last decision, must settle them all).
 
 Then, per database (SQLite; PostgreSQL in a throwaway cluster), in this order:
 

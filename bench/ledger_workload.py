@@ -21,8 +21,10 @@ Stream time is wall time: JetStream stamps each decision record when it stores i
 reads decided_ts from that stamp, `message.metadata.timestamp`), and no client can set it.
 So the ledger is generated as fast as this process goes, each batch's ingest_ts is the
 clock when it is published, and a horizon is fair when it covers a fixed number of decisions
-at the rate they were generated (`Ledger.horizon_ms`). A last batch, a minute of stream time
-after the last decision, settles every decision at any horizon under a minute.
+at the rate they were generated (`Ledger.horizon_ms`, at most half a minute). A last batch, a
+minute of stream time after the last decision, settles every decision at any horizon under a
+minute. Every kernel the generation runs is compiled (or loaded from the kernel cache) before
+its clock starts: compiling on the way would stretch the stream time, and the horizon with it.
 """
 
 from __future__ import annotations
