@@ -12,7 +12,8 @@ relied-on blocks on the way (each stay's end, clears included) give the times
 `store/verdicts.py`'s SQL judge derives from the stays. The verdict is a row of
 `decision_verdicts` in the transaction that writes that event, so it is written exactly
 once: a transaction that fails takes its verdicts with it, and the fold rebuilt from SQL
-starts with no decision waiting (the SQL judge settles those, see `store/verdicts.py`).
+keeps waiting only on the decisions whose window it sees whole (taken at or after the seq it
+was rebuilt at); the SQL judge settles the others (`store/verdicts.py`).
 
 A block counts as held while any KV-cache group holds it natively (a stay in SQL), the SQL
 judge's rule, so the two always agree. Decisions that reach store after their horizon has
@@ -266,13 +267,22 @@ class QualityTracker:
 
     def resume_at(self, ingest_ts: float | None, stream_seq: int = 0) -> None:
         """The events fold was (re)built from SQL, as of `stream_seq`, whose newest event was ingested at
-        `ingest_ts` (None: no event yet). Nothing waiting can be judged on it (what it saw of their windows
-        went with the fold): they are left to the SQL judge, as is every decision before `stream_seq`."""
-        for _, _, pending in self._due:
-            if pending.with_metrics:
+        `ingest_ts` (None: no event yet). A decision waiting whose window began at or after `stream_seq` keeps
+        waiting: the new fold applies every batch that could end one of its stays, as for a decision taken in
+        now (at a store's start, the decisions projector may hand decisions in before the events fold is
+        first built). The others are left to the SQL judge (what the old fold saw of their windows went with
+        it), as is every decision before `stream_seq` from now on."""
+        kept = []
+        for entry in self._due:
+            pending = entry[2]
+            if pending.inventory_seq >= stream_seq and (ingest_ts is None or ingest_ts < pending.deadline):
+                kept.append(entry)
+            elif pending.with_metrics:
                 self.metrics.unjudged.labels("late").inc()
-        self._due.clear()
-        self._waiting_seqs.clear()
+        heapq.heapify(kept)
+        self._due = kept
+        self._waiting_seqs = [(pending.inventory_seq, pending.order) for _, _, pending in kept]
+        heapq.heapify(self._waiting_seqs)
         self._judged.clear()
         self._recent.clear()
         self._recent_ends.clear()

@@ -4,7 +4,8 @@ store judges decisions as it folds (store/quality.py), in the transaction of the
 settles each one. What the fold cannot judge, this module judges from SQL with the same rule:
 
 - decisions that reached store after their horizon had passed in the fold (a store restart, a
-  decisions projector behind the events one, a fold rebuilt after a failed write), and those
+  decisions projector behind the events one, a fold rebuilt after a failed write for those
+  taken before the seq it was rebuilt at), and those
   of every shard when store runs sharded (no fold holds the whole inventory): their
   `verdicts_pending` rows, once SQL holds the event that settles them (`VerdictSweeper`);
 - decisions recorded before a horizon was configured (`register_horizons` queues them);

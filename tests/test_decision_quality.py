@@ -111,7 +111,8 @@ async def test_a_source_evicting_100_ms_after_the_decision_is_stale_at_500_ms_an
 
 def test_a_fold_rebuilt_from_sql_leaves_what_waited_to_the_sql_judge() -> None:
     # A store whose fold is rebuilt from SQL (a restart, a failed write) no longer holds what
-    # it saw of the waiting decisions' windows: they go to the SQL judge (store/verdicts.py).
+    # it saw of the waiting decisions' windows: they go to the SQL judge (store/verdicts.py),
+    # but for those whose window the rebuilt fold sees whole (taken at or after its seq).
     metric_set = MetricSet()
     registry = metric_set.registry
     metrics = QualityMetrics(metric_set)
@@ -119,11 +120,14 @@ def test_a_fold_rebuilt_from_sql_leaves_what_waited_to_the_sql_judge() -> None:
     row = {"stream_seq": 1, "decided_ts": 100.0, "inventory_seq": 3, "reason": "chosen", "chosen_source": "source",
            "chosen_dp_rank": 1, "chosen_tier": "device", "target_publisher": "target", "target_dp_rank": 0}
     rely_on = {"source": [(1 << 64) - 5]}
-    tracker.decisions_committed([row], [rely_on])
-    assert tracker.waiting == 1
+    tracker.decisions_committed([row], [rely_on])  # at inventory seq 3: its window began before the rebuilt fold's 5
+    tracker.decisions_committed([{**row, "stream_seq": 3, "inventory_seq": 5}], [rely_on])  # at 5: seen whole
+    # after it, but its horizon (100.3) has passed in the rebuilt fold (100.4)
+    tracker.decisions_committed([{**row, "stream_seq": 4, "inventory_seq": 6, "decided_ts": 99.8}], [rely_on])
+    assert tracker.waiting == 3
     tracker.resume_at(100.4, 5)
-    assert tracker.waiting == 0
-    assert registry.get_sample_value("kvledger_store_decision_quality_unjudged_total", {"reason": "late"}) == 1
+    assert [pending.stream_seq for pending in tracker.due(200.0)] == [3]  # the one the rebuilt fold still judges
+    assert registry.get_sample_value("kvledger_store_decision_quality_unjudged_total", {"reason": "late"}) == 2
     assert registry.get_sample_value("kvledger_store_decision_hints_total", {"worker": "source/1", "tier": "device"}) is None
     # and a decision made before the rebuilt fold's seq is not taken in: its window began before it
     tracker.decisions_committed([{**row, "stream_seq": 2, "decided_ts": 100.3}], [rely_on])
