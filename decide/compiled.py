@@ -42,12 +42,11 @@ compiled = numba.njit(cache=True, nogil=True)
 inlined = numba.njit(cache=True, nogil=True, inline="always")
 
 
-
 # --- the IR numba keeps beside each kernel loaded from the cache ----------------------------------------
 #
 # numba keeps, beside each kernel it loads from the cache, the kernel's whole LLVM IR as a parsed module:
 # needed only to link that kernel into another compiled later, never to run it. Parsed, it takes about
-# four times its bitcode (decide's kernels: 26 MB resident against 6.6 MB of bitcode). `release_linking_ir`
+# four times its bitcode (decide's kernels: about 24 MB resident against 6.6 MB of bitcode). `release_linking_ir`
 # keeps the bitcode instead, and a later compile that links one of them parses it again.
 
 _module_for_linking = CPUCodeLibrary._get_module_for_linking
