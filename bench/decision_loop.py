@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers % args.dp_ranks:
         parser.error("--workers must be a multiple of --dp-ranks")
-    longest_ms = 500 * ledger_workload.CLOSING_AFTER_S  # half the stream time to the batch settling the last ones
+    longest_ms = ledger_workload.LONGEST_HORIZON_MS
     if args.horizon_ms is not None and not 0 < args.horizon_ms <= longest_ms:
         parser.error(f"--horizon-ms must be above 0 and at most {longest_ms:g} (half the stream time to the "
                      "ledger's closing batch, which settles the last decisions)")

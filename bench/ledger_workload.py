@@ -45,6 +45,7 @@ from kvledger.core.settings import ReuseSettings, StreamSettings
 from kvledger.runtime.streams import DECISIONS_SUBJECT, decisions_stream, ensure_stream, events_stream
 
 CLOSING_AFTER_S = 60.0  # stream time between the last decision and the batch that settles it
+LONGEST_HORIZON_MS = 500 * CLOSING_AFTER_S  # half of it: a horizon the closing batch surely settles
 
 
 @attrs.frozen
@@ -225,9 +226,9 @@ class Ledger:
 
     def horizon_ms(self, decisions: int) -> float:
         """The horizon covering `decisions` decisions at the rate they were generated, in whole ms (at least 1),
-        and at most half the stream time to the closing batch (`CLOSING_AFTER_S`), which must settle the last
-        decisions: a slow generation's horizon would otherwise pass it and leave them without a verdict."""
-        return float(min(max(1, round(1000 * decisions / self.decisions_per_s)), round(500 * CLOSING_AFTER_S)))
+        and at most `LONGEST_HORIZON_MS`, since the closing batch must settle the last decisions: a slow
+        generation's horizon would otherwise pass it and leave them without a verdict."""
+        return float(min(max(1, round(1000 * decisions / self.decisions_per_s)), round(LONGEST_HORIZON_MS)))
 
 
 class _Target(msgspec.Struct):
@@ -254,7 +255,6 @@ async def publish_ledger(nats_url: str, decisions: int, shape: FleetShape, reuse
     # Every kernel the generation runs compiled (or loaded) before the clock starts: a fresh kernel cache
     # otherwise stretches the ledger's stream time by minutes of compiling, and its horizon with it.
     compile_every_kernel(reuse)
-    backend.warm_up(reuse)
     shadows = ShadowDecisions(shadow) if shadow is not None else None
     if shadow is not None:
         compile_shadow_kernels(reuse, shadow)

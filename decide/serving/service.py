@@ -367,9 +367,10 @@ class DecideService(AsyncLifetime):
             self.metrics.decisions.labels(self.backend.name, reason)
         self.metrics.expect("field", REQUEST_FIELDS)
         self.backend.warm_up(self.settings.reuse)
-        # With readers, the IR was released before the fork: walking every object now would copy each page
-        # decide still shares with them.
-        _hand_back_compiler_memory(walk_objects=self.readers is None)
+        # With readers, handed back before the fork: walking every object now would copy each page decide still
+        # shares with them.
+        if self.readers is None:
+            _hand_back_compiler_memory()
         self.warm_up_seconds = time.perf_counter() - started + self._kernels_before_s
         self.metrics.warm_up.set(self.warm_up_seconds)
         log.info("decide: backend warmed up in %.1f ms", self.warm_up_seconds * 1000)
@@ -685,14 +686,13 @@ class DecideService(AsyncLifetime):
         return encoded_response(400 if refused else 200, part, media_type)
 
 
-def _hand_back_compiler_memory(*, walk_objects: bool = True) -> None:
-    """Once the kernels are loaded, what only compiling needs: the IR numba keeps beside each kernel kept as
-    bitcode (`release_linking_ir`, which walks every object: not in a decide whose readers share its pages)
-    and LLVM's pages reclaimed (`page_out_compiler`); about 90 MB less resident."""
-    released = release_linking_ir() if walk_objects else 0
-    paged_out = page_out_compiler()
-    log.info("decide: the linking IR of %d kernel libraries kept as bitcode, %.0f MB of the compiler paged out",
-             released, paged_out / 1e6)
+def _hand_back_compiler_memory() -> None:
+    """Once every kernel is loaded, what only compiling needs: the IR numba keeps beside each kernel kept as
+    bitcode (`release_linking_ir`) and LLVM's pages reclaimed (`page_out_compiler`); about 90 MB less resident."""
+    released = release_linking_ir()
+    asked = page_out_compiler()
+    log.info("decide: the linking IR of %d kernel libraries kept as bitcode, %.0f MB of the compiler's mappings "
+             "handed back", released, asked / 1e6)
 
 
 def compile_every_kernel(reuse: ReuseSettings) -> None:
