@@ -239,18 +239,15 @@ def _copy_answers(ranked, first, setting, items, how, out_target, out_how, out_r
 
 
 @_compiled
-def answer_on_stays(rank_from, rank_to, change_bounds, change_rows, change_planes, change_slots, change_wanted,
-                    request_bounds, present, orders, order_ranks, local, offsets, block_sizes, targets, named,
-                    fallbacks, has_fallback, table_keys, table_rows, table_bits, holders, spilled,
-                    weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us,
-                    gpu_block_us, out_target, out_how, out_reason, out_baseline, out_target_prefix, out_source,
-                    out_tier, out_prefix, out_transfer, out_saving):
+def answer_on_stays(rank_from, rank_to, change_bounds, changes, minor_bits, request_bounds, present, orders, order_ranks, local,
+                    offsets, block_sizes, targets, named, fallbacks, has_fallback, table_keys, table_rows,
+                    table_bits, holders, spilled, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms,
+                    prefill_token_us, block_us, gpu_block_us, out_target, out_how, out_reason, out_baseline,
+                    out_target_prefix, out_source, out_tier, out_prefix, out_transfer, out_saving):
     """One pass over the inventory seqs in order: apply the seq's changes to the rows, rank its requests; the
     requests of the points [rank_from, rank_to) only (the changes before them applied all the same)."""
     for point in range(rank_to):
-        for change in range(change_bounds[point], change_bounds[point + 1]):
-            change_bit(holders, spilled, change_rows[change], change_planes[change], change_slots[change],
-                       change_wanted[change])
+        _apply_changes(holders, spilled, changes, change_bounds[point], change_bounds[point + 1], minor_bits)
         first, stop = request_bounds[point], request_bounds[point + 1]
         if stop == first or point < rank_from:
             continue
@@ -263,16 +260,13 @@ def answer_on_stays(rank_from, rank_to, change_bounds, change_rows, change_plane
 
 
 @_compiled
-def judge_on_stays(change_bounds, change_rows, change_planes, change_slots, change_wanted, item_bounds, items,
-                   sequence, offsets, source, tier, source_from, source_to, target, target_to, table_keys,
-                   table_rows, table_bits, holders, spilled, stale, lost):
+def judge_on_stays(change_bounds, changes, minor_bits, item_bounds, items, sequence, offsets, source, tier, source_from,
+                   source_to, target, target_to, table_keys, table_rows, table_bits, holders, spilled, stale, lost):
     """One pass over the horizon seqs in order: apply the seq's changes to the native rows, judge the outcomes of
     the requests whose horizon it is (`items[item_bounds[p]:item_bounds[p + 1]]`) on the rows as they stand: a
     bit read per block, where the intervals would cost a search each."""
     for point in range(change_bounds.size - 1):
-        for change in range(change_bounds[point], change_bounds[point + 1]):
-            change_bit(holders, spilled, change_rows[change], change_planes[change], change_slots[change],
-                       change_wanted[change])
+        _apply_changes(holders, spilled, changes, change_bounds[point], change_bounds[point + 1], minor_bits)
         first, stop = item_bounds[point], item_bounds[point + 1]
         if stop > first:
             judge_outcomes(items[first:stop], sequence, offsets, source, tier, source_from, source_to, target,
@@ -356,17 +350,23 @@ def _rows(distinct: int, held_rows: np.ndarray, workers: int) -> tuple[np.ndarra
     return holders, spilled
 
 
-def _changes(keys: np.ndarray, start: np.ndarray, end: np.ndarray, parts: tuple[np.ndarray, ...],
-             points: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Disjoint intervals [start, end) of (row, slot, plane) keys, sorted by (key, start) (`merge_intervals`), as
-    changes at the sorted `points` they cover: set at the first covered point, cleared after the last; (bounds
-    per point, row, plane, slot, set or cleared), at each point its sets before its clears, each in key order.
-    `parts`: each interval's row, plane and slot, the key's parts (gathered: dividing the keys costs more)."""
-    first_point = points_at_or_after(points, start)
-    end_point = points_at_or_after(points, end)
-    # Intervals apart in seqs may touch or vanish in points: merged again, in the order they are in.
-    keys, first_point, end_point, firsts = _merged(np.arange(keys.size), keys, first_point, end_point)
-    return _by_point(firsts, first_point, end_point, points.size, *parts)
+def _changes(keys: np.ndarray, start: np.ndarray, end: np.ndarray, points: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Disjoint intervals [start, end) of keys (row and minor in bits), sorted by (key, start) (`merge_intervals`),
+    as changes at the sorted `points` they cover: set at the first covered point, cleared after the last; (bounds
+    per point, changes), at each point its sets before its clears, each in key order. A change is its key and a
+    bit, set or cleared (`_apply_changes` reads it): one array scattered by point, where a column per part would
+    cost a cache miss each per change."""
+    return _by_point(keys, points_at_or_after(points, start), points_at_or_after(points, end), points.size)
+
+
+@_compiled
+def _apply_changes(holders, spilled, changes, first, stop, minor_bits):
+    """`changes[first:stop]` (`_changes`) applied to the rows."""
+    minor_mask = (1 << minor_bits) - 1
+    for at in range(first, stop):
+        key = changes[at] >> 1
+        minor = key & minor_mask
+        change_bit(holders, spilled, key >> minor_bits, minor % PLANES, minor // PLANES, (changes[at] & 1) == 1)
 
 
 def points_at_or_after(points: np.ndarray, seqs: np.ndarray) -> np.ndarray:
@@ -397,38 +397,49 @@ def _points_by_table(points, seqs, low, high):
 
 
 @_compiled
-def _by_point(items, first_point, end_point, point_count, rows, planes, slots):
-    """The sets (at first_point) and clears (at end_point, unless past the last point) of intervals (their
-    `items` into `rows`, `planes` and `slots`), grouped by point in one counting pass: per point its sets, then
-    its clears, each in the intervals' order; (bounds per point, row, plane, slot, set or cleared)."""
+def _by_point(keys, first_point, end_point, point_count):
+    """The sets (at first_point) and clears (at end_point, unless past the last point) of the intervals, merged
+    again where they touch or vanish in points (apart in seqs, they may), grouped by point in one counting pass:
+    per point its sets, then its clears, each in the intervals' order; (bounds per point, changes). The
+    merge runs twice, counting, then placing: cheaper than keeping the merged intervals."""
     sets = np.zeros(point_count + 1, dtype=np.int64)
     clears = np.zeros(point_count + 1, dtype=np.int64)
-    for item in range(items.size):
-        sets[first_point[item]] += 1
-        if end_point[item] < point_count:
-            clears[end_point[item]] += 1
     bounds = np.zeros(point_count + 1, dtype=np.int64)
-    for point in range(point_count):
-        bounds[point + 1] = bounds[point] + sets[point] + clears[point]
-    set_at = bounds[:point_count].copy()
-    clear_at = bounds[:point_count] + sets[:point_count]
-    out_rows = np.empty(bounds[point_count], dtype=np.int64)
-    out_planes = np.empty(bounds[point_count], dtype=np.int64)
-    out_slots = np.empty(bounds[point_count], dtype=np.int64)
-    out_wanted = np.empty(bounds[point_count], dtype=np.bool_)
-    for item in range(items.size):
-        interval = items[item]
-        row, plane, slot = rows[interval], planes[interval], slots[interval]
-        point = first_point[item]
-        at = set_at[point]
-        out_rows[at], out_planes[at], out_slots[at], out_wanted[at] = row, plane, slot, True
-        set_at[point] = at + 1
-        point = end_point[item]
-        if point < point_count:
-            at = clear_at[point]
-            out_rows[at], out_planes[at], out_slots[at], out_wanted[at] = row, plane, slot, False
-            clear_at[point] = at + 1
-    return bounds, out_rows, out_planes, out_slots, out_wanted
+    set_at = np.zeros(point_count + 1, dtype=np.int64)
+    clear_at = np.zeros(point_count + 1, dtype=np.int64)
+    out = np.empty(0, dtype=np.int64)
+    for placing in range(2):
+        if placing:
+            for point in range(point_count):
+                bounds[point + 1] = bounds[point] + sets[point] + clears[point]
+                set_at[point] = bounds[point]
+                clear_at[point] = bounds[point] + sets[point]
+            out = np.empty(bounds[point_count], dtype=np.int64)
+        held = -1  # the interval being merged: its first item, key and points [first, end)
+        held_key, held_first, held_end = 0, 0, 0
+        for item in range(keys.size + 1):
+            if item < keys.size:
+                first, end = first_point[item], end_point[item]
+                if first >= end:
+                    continue
+                if held >= 0 and keys[item] == held_key and first <= held_end:
+                    if end > held_end:
+                        held_end = end
+                    continue
+            if held >= 0:
+                if placing:
+                    out[set_at[held_first]] = (held_key << 1) | 1
+                    set_at[held_first] += 1
+                    if held_end < point_count:
+                        out[clear_at[held_end]] = held_key << 1
+                        clear_at[held_end] += 1
+                else:
+                    sets[held_first] += 1
+                    if held_end < point_count:
+                        clears[held_end] += 1
+            if item < keys.size:
+                held, held_key, held_first, held_end = item, keys[item], first_point[item], end_point[item]
+    return bounds, out
 
 
 @_compiled
@@ -504,41 +515,39 @@ def merge_intervals(rows: np.ndarray, minors: np.ndarray, minor_count: int, star
 
 @_compiled
 def _stays_read(row_of_stay, stay_slot, stay_plane, stay_start, stay_end, planes):
-    """The stays of hashes some request reads (row > 0): their rows, slots, planes, minors (slot * planes +
-    plane), starts and ends, in one pass (the stays are many: a copy per column costs a pass each)."""
+    """The stays of hashes some request reads (row > 0): their rows, minors (slot * planes + plane), starts and
+    ends, in one pass (the stays are many: a copy per column costs a pass each)."""
     count = 0
     for stay in range(row_of_stay.size):
         if row_of_stay[stay] > 0:
             count += 1
-    rows, slots = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
-    out_planes, minors = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+    rows, minors = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
     starts, ends = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
     item = 0
     for stay in range(row_of_stay.size):
         if row_of_stay[stay] > 0:
-            rows[item], slots[item], out_planes[item] = row_of_stay[stay], stay_slot[stay], stay_plane[stay]
-            minors[item] = stay_slot[stay] * planes + stay_plane[stay]
+            rows[item], minors[item] = row_of_stay[stay], stay_slot[stay] * planes + stay_plane[stay]
             starts[item], ends[item] = stay_start[stay], stay_end[stay]
             item += 1
-    return rows, slots, out_planes, minors, starts, ends
+    return rows, minors, starts, ends
 
 
 @_compiled
-def _native_only(keys, starts, ends, rows, planes, slots):
+def _native_only(keys, starts, ends, minor_bits, planes):
     """The intervals on a native plane (below 3: the tier codes), every column in one pass."""
+    minor_mask = (1 << minor_bits) - 1
     count = 0
     for item in range(keys.size):
-        if planes[item] < 3:
+        if (keys[item] & minor_mask) % planes < 3:
             count += 1
-    out = (np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64),
-           np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64))
+    out_keys, out_starts, out_ends = (np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64),
+                                      np.empty(count, dtype=np.int64))
     kept = 0
     for item in range(keys.size):
-        if planes[item] < 3:
-            out[0][kept], out[1][kept], out[2][kept] = keys[item], starts[item], ends[item]
-            out[3][kept], out[4][kept], out[5][kept] = rows[item], planes[item], slots[item]
+        if (keys[item] & minor_mask) % planes < 3:
+            out_keys[kept], out_starts[kept], out_ends[kept] = keys[item], starts[item], ends[item]
             kept += 1
-    return out
+    return out_keys, out_starts, out_ends
 
 
 @_compiled
@@ -709,12 +718,16 @@ class StayTimeline:
         # left out (a hash table of the requests' hashes, probed by each stay: no sort of either).
         table_keys, table_rows, table_bits, distinct = _table_of(sequence)
         row_of_stay = lookup_rows(table_keys, table_rows, table_bits, self.stay_hash)
-        rows, slot, plane, minor, start, end = _stays_read(row_of_stay, self.stay_slot, self.stay_plane,
-                                                           self.stay_start, self.stay_end, PLANES)
+        rows, minor, start, end = _stays_read(row_of_stay, self.stay_slot, self.stay_plane, self.stay_start,
+                                              self.stay_end, PLANES)
         workers = max(worker_count, 1)
-        # Each (row, slot, plane)'s stays as disjoint intervals, sorted once for both passes.
-        keys, start, end, firsts = merge_intervals(rows, minor, workers * PLANES, start, end)
-        held_rows, held_plane, held_slot = rows[firsts], plane[firsts], slot[firsts]
+        # Each (row, slot, plane)'s stays as disjoint intervals, sorted once for both passes. The minors (slot *
+        # PLANES + plane) counted in a power of two, so that a key is its row and minor side by side in bits.
+        minor_bits = (workers * PLANES - 1).bit_length()
+        if distinct >= 1 << (62 - minor_bits):
+            raise ValueError(f"a replay of {worker_count} workers reads at most {1 << (62 - minor_bits)} hashes")
+        keys, start, end, _firsts = merge_intervals(rows, minor, 1 << minor_bits, start, end)
+        held_rows = keys >> minor_bits
 
         # Ranking: each interval as the inventory seqs it covers, applied at the first and undone after the last.
         # Judging: a second pass, over the horizon seqs, on rows of the native stays alone (the tier codes are
@@ -726,11 +739,11 @@ class StayTimeline:
         horizon_points = np.unique(horizons[items])
 
         def judging_changes() -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-            native = _native_only(keys, start, end, held_rows, held_plane, held_slot)
-            return native[3], _changes(native[0], native[1], native[2], native[3:], horizon_points)
+            native_keys, native_start, native_end = _native_only(keys, start, end, minor_bits, PLANES)
+            return native_keys >> minor_bits, _changes(native_keys, native_start, native_end, horizon_points)
 
-        (change_bounds, change_row, change_plane, change_slot, change_wanted), (native_rows, judge_changes) = \
-            _together(lambda: _changes(keys, start, end, (held_rows, held_plane, held_slot), points), judging_changes)
+        (change_bounds, changes), (native_rows, judge_changes) = \
+            _together(lambda: _changes(keys, start, end, points), judging_changes)
         holders, spilled = _rows(distinct, held_rows, workers)
 
         # The requests in inventory seq order (stable: KV_DECISIONS order within a seq), answered, put back.
@@ -752,10 +765,9 @@ class StayTimeline:
             group, span = part
             own_holders, own_spilled = (holders, spilled) if group.start == span.start == 0 else _rows(
                 distinct, held_rows, workers)
-            answer_on_stays(span.start, span.stop, change_bounds, change_row, change_plane, change_slot,
-                            change_wanted, request_bounds, present, orders, order_ranks, local, offsets, block_sizes,
-                            target, named, fallback, has_fallback, table_keys, table_rows, table_bits, own_holders,
-                            own_spilled, *(values[group] for values in kernel_settings),
+            answer_on_stays(span.start, span.stop, change_bounds, changes, minor_bits, request_bounds, present, orders,
+                            order_ranks, local, offsets, block_sizes, target, named, fallback, has_fallback,
+                            table_keys, table_rows, table_bits, own_holders, own_spilled, *(values[group] for values in kernel_settings),
                             *(values[group] for values in outputs))
 
         _in_parallel(rank, _parts(len(settings), request_bounds))
@@ -764,16 +776,16 @@ class StayTimeline:
         answers = Answers(*(array[:, back] for array in attrs.astuple(answers, recurse=False)))
 
         # Judging (its changes made above).
-        change_bounds, change_row, change_plane, change_slot, change_wanted = judge_changes
+        change_bounds, changes = judge_changes
         item_bounds = np.append(np.searchsorted(horizons[items], horizon_points, "left"), items.size).astype(np.int64)
         outcomes = attrs.astuple(Outcomes.of(recorded, answers), recurse=False)
         judged = Judged(np.full(outcomes[0].shape, _UNJUDGED, np.int8), np.full(outcomes[0].shape, _UNJUDGED, np.int8))
 
         def judge(group: slice) -> None:
             holders, spilled = _rows(distinct, native_rows, workers)
-            judge_on_stays(change_bounds, change_row, change_plane, change_slot, change_wanted, item_bounds, items,
-                           sequence, requests.offsets, *(values[group] for values in outcomes), table_keys,
-                           table_rows, table_bits, holders, spilled, judged.stale[group], judged.lost[group])
+            judge_on_stays(change_bounds, changes, minor_bits, item_bounds, items, sequence, requests.offsets,
+                           *(values[group] for values in outcomes), table_keys, table_rows, table_bits, holders,
+                           spilled, judged.stale[group], judged.lost[group])
 
         _in_parallel(judge, _groups(outcomes[0].shape[0], _cores()))
         return answers, judged
