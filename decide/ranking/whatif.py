@@ -245,11 +245,11 @@ def answer_on_stays(rank_from, rank_to, change_bounds, changes, minor_bits, requ
                     prefill_token_us, block_us, gpu_block_us, out_target, out_how, out_reason, out_baseline,
                     out_target_prefix, out_source, out_tier, out_prefix, out_transfer, out_saving):
     """One pass over the inventory seqs in order: apply the seq's changes to the rows, rank its requests; the
-    requests of the points [rank_from, rank_to) only (the changes before them applied all the same)."""
-    for point in range(rank_to):
+    points [rank_from, rank_to) only, on rows as they stood before rank_from (`_hold_at`)."""
+    for point in range(rank_from, rank_to):
         _apply_changes(holders, spilled, changes, change_bounds[point], change_bounds[point + 1], minor_bits)
         first, stop = request_bounds[point], request_bounds[point + 1]
-        if stop == first or point < rank_from:
+        if stop == first:
             continue
         workers = present[point]
         answer_batch(first, stop, workers, local, offsets, block_sizes, targets, named, fallbacks, has_fallback,
@@ -260,12 +260,14 @@ def answer_on_stays(rank_from, rank_to, change_bounds, changes, minor_bits, requ
 
 
 @_compiled
-def judge_on_stays(change_bounds, changes, minor_bits, item_bounds, items, sequence, offsets, source, tier, source_from,
-                   source_to, target, target_to, table_keys, table_rows, table_bits, holders, spilled, stale, lost):
+def judge_on_stays(judge_from, judge_to, change_bounds, changes, minor_bits, item_bounds, items, sequence, offsets,
+                   source, tier, source_from, source_to, target, target_to, table_keys, table_rows, table_bits,
+                   holders, spilled, stale, lost):
     """One pass over the horizon seqs in order: apply the seq's changes to the native rows, judge the outcomes of
     the requests whose horizon it is (`items[item_bounds[p]:item_bounds[p + 1]]`) on the rows as they stand: a
-    bit read per block, where the intervals would cost a search each."""
-    for point in range(change_bounds.size - 1):
+    bit read per block, where the intervals would cost a search each. The points [judge_from, judge_to) only, on
+    rows as they stood before judge_from (`_hold_at`)."""
+    for point in range(judge_from, judge_to):
         _apply_changes(holders, spilled, changes, change_bounds[point], change_bounds[point + 1], minor_bits)
         first, stop = item_bounds[point], item_bounds[point + 1]
         if stop > first:
@@ -290,12 +292,20 @@ def _parts(settings: int, request_bounds: np.ndarray) -> list[tuple[slice, slice
     cores, points = _cores(), request_bounds.size - 1
     if settings >= cores or points < 2:
         return [(group, slice(0, points)) for group in _groups(settings, cores)]
-    spans = cores // max(settings, 1)
-    count = int(request_bounds[-1])
-    cuts = np.searchsorted(request_bounds, [count * span // spans for span in range(1, spans)], "left").tolist()
-    bounds = sorted({0, *(min(max(cut, 1), points) for cut in cuts), points})
-    return [(group, slice(start, stop)) for group in _groups(settings, settings)
-            for start, stop in zip(bounds, bounds[1:]) if stop > start]
+    return [(group, span) for group in _groups(settings, settings)
+            for span in _spans(request_bounds, cores // max(settings, 1))]
+
+
+def _spans(bounds: np.ndarray, parts: int) -> list[slice]:
+    """The points of `bounds` (items [bounds[p], bounds[p + 1]) at point p) in at most `parts` contiguous spans
+    of about as many items, none empty."""
+    points = bounds.size - 1
+    if parts <= 1 or points < 2:
+        return [slice(0, points)]
+    count = int(bounds[-1])
+    cuts = np.searchsorted(bounds, [count * span // parts for span in range(1, parts)], "left").tolist()
+    edges = sorted({0, *(min(max(cut, 1), points) for cut in cuts), points})
+    return [slice(start, stop) for start, stop in zip(edges, edges[1:]) if stop > start]
 
 
 def _together(*calls: Callable[[], object]) -> list:
@@ -357,6 +367,17 @@ def _changes(keys: np.ndarray, start: np.ndarray, end: np.ndarray, points: np.nd
     bit, set or cleared (`_apply_changes` reads it): one array scattered by point, where a column per part would
     cost a cache miss each per change."""
     return _by_point(keys, points_at_or_after(points, start), points_at_or_after(points, end), points.size)
+
+
+@_compiled
+def _hold_at(holders, spilled, keys, starts, ends, seq, minor_bits):
+    """The bits of the intervals that cover `seq` set on empty rows: the rows as the changes of every point up to
+    `seq` leave them (a pass in key order, where the changes would be as many random writes)."""
+    minor_mask = (1 << minor_bits) - 1
+    for item in range(keys.size):
+        if starts[item] <= seq < ends[item]:
+            minor = keys[item] & minor_mask
+            change_bit(holders, spilled, keys[item] >> minor_bits, minor % PLANES, minor // PLANES, True)
 
 
 @_compiled
@@ -738,11 +759,11 @@ class StayTimeline:
         items = items[np.argsort(horizons[items], kind="stable")]
         horizon_points = np.unique(horizons[items])
 
-        def judging_changes() -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-            native_keys, native_start, native_end = _native_only(keys, start, end, minor_bits, PLANES)
-            return native_keys >> minor_bits, _changes(native_keys, native_start, native_end, horizon_points)
+        def judging_changes() -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+            native = _native_only(keys, start, end, minor_bits, PLANES)
+            return native, _changes(*native, horizon_points)
 
-        (change_bounds, changes), (native_rows, judge_changes) = \
+        (change_bounds, changes), (native, judge_changes) = \
             _together(lambda: _changes(keys, start, end, points), judging_changes)
         holders, spilled = _rows(distinct, held_rows, workers)
 
@@ -765,10 +786,12 @@ class StayTimeline:
             group, span = part
             own_holders, own_spilled = (holders, spilled) if group.start == span.start == 0 else _rows(
                 distinct, held_rows, workers)
+            if span.start:
+                _hold_at(own_holders, own_spilled, keys, start, end, points[span.start - 1], minor_bits)
             answer_on_stays(span.start, span.stop, change_bounds, changes, minor_bits, request_bounds, present, orders,
                             order_ranks, local, offsets, block_sizes, target, named, fallback, has_fallback,
-                            table_keys, table_rows, table_bits, own_holders, own_spilled, *(values[group] for values in kernel_settings),
-                            *(values[group] for values in outputs))
+                            table_keys, table_rows, table_bits, own_holders, own_spilled,
+                            *(values[group] for values in kernel_settings), *(values[group] for values in outputs))
 
         _in_parallel(rank, _parts(len(settings), request_bounds))
         back = np.empty(count, dtype=np.int64)
@@ -781,13 +804,16 @@ class StayTimeline:
         outcomes = attrs.astuple(Outcomes.of(recorded, answers), recurse=False)
         judged = Judged(np.full(outcomes[0].shape, _UNJUDGED, np.int8), np.full(outcomes[0].shape, _UNJUDGED, np.int8))
 
-        def judge(group: slice) -> None:
-            holders, spilled = _rows(distinct, native_rows, workers)
-            judge_on_stays(change_bounds, changes, minor_bits, item_bounds, items, sequence, requests.offsets,
-                           *(values[group] for values in outcomes), table_keys, table_rows, table_bits, holders,
-                           spilled, judged.stale[group], judged.lost[group])
+        def judge(span: slice) -> None:
+            # Every outcome of the requests whose horizons are the points in `span`, on rows of its own.
+            holders, spilled = _rows(distinct, native[0] >> minor_bits, workers)
+            if span.start:
+                _hold_at(holders, spilled, *native, horizon_points[span.start - 1], minor_bits)
+            judge_on_stays(span.start, span.stop, change_bounds, changes, minor_bits, item_bounds, items, sequence,
+                           requests.offsets, *outcomes, table_keys, table_rows, table_bits, holders, spilled,
+                           judged.stale, judged.lost)
 
-        _in_parallel(judge, _groups(outcomes[0].shape[0], _cores()))
+        _in_parallel(judge, _spans(item_bounds, _cores()))
         return answers, judged
 
     def _orders(self) -> tuple[np.ndarray, np.ndarray]:
