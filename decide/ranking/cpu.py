@@ -150,13 +150,23 @@ def compile_kernels(settings: ReuseSettings) -> None:
     """Compile (or load from the kernel cache) every kernel, as both backends call them: the
     cpu service's one call, the two-step way the cuda backend's answers are written, and the
     index's for plain workers."""
-    backend = CpuBackend(InventoryIndex())
-    backend.answer_texts([WARM_UP_REQUEST], settings)
-    backend.answer_texts([WARM_UP_REQUEST, WARM_UP_REQUEST], settings)  # batches take another way in
-    AnswerTexts.of(backend.answer_batch([WARM_UP_REQUEST], settings))
+    compile_single_request_kernels(settings)
+    compile_batch_kernels(settings)
+
+
+def compile_single_request_kernels(settings: ReuseSettings) -> None:
+    """`compile_kernels`' first half: a request answered alone, and the index's kernels."""
+    CpuBackend(InventoryIndex()).answer_texts([WARM_UP_REQUEST], settings)
     chain_hashes(np.zeros(1, dtype=np.uint64), np.array([0, 1], dtype=np.int64))
     index_warm_up()  # the index's kernels, and its compact store's for plain workers
     rows.warm_up()  # and for its rows' holders
+
+
+def compile_batch_kernels(settings: ReuseSettings) -> None:
+    """`compile_kernels`' second half: batches (they take another way in), and the cuda backend's two steps."""
+    backend = CpuBackend(InventoryIndex())
+    backend.answer_texts([WARM_UP_REQUEST, WARM_UP_REQUEST], settings)
+    AnswerTexts.of(backend.answer_batch([WARM_UP_REQUEST], settings))
 
 
 def rank_batch(
