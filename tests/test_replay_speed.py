@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from kvledger.app import replay as fast
 from kvledger.app.cli import main as kvledger
 from kvledger.core.settings import ReuseSettings, StreamSettings, reuse_settings_from
+from kvledger.decide.ranking import whatif
 from kvledger.runtime.embedded import EmbeddedNats
 from kvledger.store import database
 from kvledger.store import whatif_reference as reference
@@ -63,7 +64,7 @@ def _demo(tmp_path: Path, db_url: str) -> Path:
     return data
 
 
-def test_a_demo_ledger_gives_the_reference_report_to_the_last_float(db_url, tmp_path, capsys) -> None:
+def test_a_demo_ledger_gives_the_reference_report_to_the_last_float(db_url, tmp_path, capsys, monkeypatch) -> None:
     data = _demo(tmp_path, db_url)
     sweep = _sweep(tmp_path)
     with database.opened(db_url) as engine, engine.connect() as connection:
@@ -75,6 +76,13 @@ def test_a_demo_ledger_gives_the_reference_report_to_the_last_float(db_url, tmp_
                 got = fast.replay(connection, sweep, horizon_s=horizon_s, placed=placed)
                 assert got == expected, (placed, horizon_s)
                 assert got.replayed == decisions
+        # Ranked and judged in one span of points, and in five, each but the first starting from the rows as
+        # they stand at its first point (decide/ranking/whatif.py `_hold_at`): the same report.
+        for cores in (1, 5):
+            monkeypatch.setattr(whatif, "_cores", lambda: cores)
+            for placed in (False, True):
+                expected = reference.replay(connection, sweep, horizon_s=0.5, placed=placed)
+                assert fast.replay(connection, sweep, horizon_s=0.5, placed=placed) == expected, (cores, placed)
         # The stays read in bulk (store.whatif_reference.stays_of) are `replay_stays`' rows, every column.
         window = reference.read_columns(connection, horizon_s=0.5)
         # Its horizon seqs, from the events' ingest times, are the reference's from SQL's own subquery.

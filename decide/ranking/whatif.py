@@ -286,16 +286,6 @@ def _groups(rows: int, parts: int) -> list[slice]:
     return [slice(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
 
 
-def _parts(settings: int, request_bounds: np.ndarray) -> list[tuple[slice, slice]]:
-    """A replay's ranking as (settings group, span of inventory points) parts, one per core: settings in groups
-    while there are as many settings as cores, else each settings' points in spans of about as many requests."""
-    cores, points = _cores(), request_bounds.size - 1
-    if settings >= cores or points < 2:
-        return [(group, slice(0, points)) for group in _groups(settings, cores)]
-    return [(group, span) for group in _groups(settings, settings)
-            for span in _spans(request_bounds, cores // max(settings, 1))]
-
-
 def _spans(bounds: np.ndarray, parts: int) -> list[slice]:
     """The points of `bounds` (items [bounds[p], bounds[p + 1]) at point p) in at most `parts` contiguous spans
     of about as many items, none empty."""
@@ -780,20 +770,19 @@ class StayTimeline:
         kernel_settings = _settings_arrays(settings)
         block_sizes = requests.block_sizes[order]
 
-        def rank(part: tuple[slice, slice]) -> None:
-            # Settings `group` for the requests of the points in `span`, on rows of its own (the pass changes
-            # them); its outputs are its rows and columns of the answers.
-            group, span = part
-            own_holders, own_spilled = (holders, spilled) if group.start == span.start == 0 else _rows(
-                distinct, held_rows, workers)
+        def rank(span: slice) -> None:
+            # Every settings value for the requests of the points in `span`, on rows of its own (the pass changes
+            # them); its outputs are its columns of the answers. Spans of points, not groups of settings: each
+            # change is then applied once, not once per group.
+            own_holders, own_spilled = (holders, spilled) if span.start == 0 else _rows(distinct, held_rows, workers)
             if span.start:
                 _hold_at(own_holders, own_spilled, keys, start, end, points[span.start - 1], minor_bits)
             answer_on_stays(span.start, span.stop, change_bounds, changes, minor_bits, request_bounds, present, orders,
                             order_ranks, local, offsets, block_sizes, target, named, fallback, has_fallback,
                             table_keys, table_rows, table_bits, own_holders, own_spilled,
-                            *(values[group] for values in kernel_settings), *(values[group] for values in outputs))
+                            *kernel_settings, *outputs)
 
-        _in_parallel(rank, _parts(len(settings), request_bounds))
+        _in_parallel(rank, _spans(request_bounds, _cores()))
         back = np.empty(count, dtype=np.int64)
         back[order] = np.arange(count)
         answers = Answers(*(array[:, back] for array in attrs.astuple(answers, recurse=False)))
