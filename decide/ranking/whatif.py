@@ -239,11 +239,11 @@ def _copy_answers(ranked, first, setting, items, how, out_target, out_how, out_r
 
 
 @_compiled
-def answer_on_stays(rank_from, rank_to, change_bounds, changes, minor_bits, request_bounds, present, orders, order_ranks, local,
-                    offsets, block_sizes, targets, named, fallbacks, has_fallback, table_keys, table_rows,
-                    table_bits, holders, spilled, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms,
-                    prefill_token_us, block_us, gpu_block_us, out_target, out_how, out_reason, out_baseline,
-                    out_target_prefix, out_source, out_tier, out_prefix, out_transfer, out_saving):
+def answer_on_stays(rank_from, rank_to, change_bounds, changes, minor_bits, request_bounds, present, orders,
+                    order_ranks, local, offsets, block_sizes, targets, named, fallbacks, has_fallback, table_keys,
+                    table_rows, table_bits, holders, spilled, weight_of, tier_enabled, minimum_blocks,
+                    minimum_saving_ms, prefill_token_us, block_us, gpu_block_us, out_target, out_how, out_reason,
+                    out_baseline, out_target_prefix, out_source, out_tier, out_prefix, out_transfer, out_saving):
     """One pass over the inventory seqs in order: apply the seq's changes to the rows, rank its requests; the
     points [rank_from, rank_to) only, on rows as they stood before rank_from (`_hold_at`)."""
     for point in range(rank_from, rank_to):
@@ -277,13 +277,6 @@ def judge_on_stays(judge_from, judge_to, change_bounds, changes, minor_bits, ite
 
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _groups(rows: int, parts: int) -> list[slice]:
-    """`rows` in at most `parts` contiguous groups, as even as they go (none empty)."""
-    parts = max(min(rows, parts), 1)
-    bounds = [rows * part // parts for part in range(parts + 1)]
-    return [slice(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
 
 
 def _spans(bounds: np.ndarray, parts: int) -> list[slice]:
