@@ -24,6 +24,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING
 
 import attrs
@@ -706,10 +707,13 @@ def compile_every_kernel(reuse: ReuseSettings, *, side_by_side: bool = False) ->
     two halves share few kernels: 80 s against 131 s on two cores), which writes them to the kernel cache,
     where this process then loads them. The kernel cache must be one both processes see (it is by default)."""
     if side_by_side:
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            second_half = pool.submit(_compile_second_half, reuse)
-            _compile_first_half(reuse)
-            second_half.result()
+        try:
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                second_half = pool.submit(_compile_second_half, reuse)
+                _compile_first_half(reuse)
+                second_half.result()
+        except (OSError, BrokenProcessPool) as error:  # no second process here: this one compiles both halves
+            log.warning("decide: kernels compiled in one process (no second one: %s)", error)
     _compile_first_half(reuse)
     _compile_second_half(reuse)
 
