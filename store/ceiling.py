@@ -26,12 +26,12 @@ import numpy as np
 import sqlalchemy as sa
 
 from kvledger.core import ceiling as model
-from kvledger.core.events import Tier, WorkerId
+from kvledger.core.events import Provenance, Tier, WorkerId
 from kvledger.core.hashing import sequence_hashes
 from kvledger.core.reuse import LOCAL_TIERS
 from kvledger.core.settings import ReuseSettings
 from kvledger.store.audit import Query
-from kvledger.store.whatif_reference import ReplayRefused, sql_refusal
+from kvledger.store.whatif_reference import NEVER, ReplayRefused, sql_refusal, stays_of
 
 CEILING_REQUESTS = Query(
     "ceiling_requests",
@@ -130,18 +130,22 @@ _OPEN = np.iinfo(np.int64).max
 
 
 def _stays(connection: sa.Connection, first: int, last: int, tiers: Sequence[Tier]) -> _Stays:
+    """The native stays on the counted tiers open at some seq of [first, last] (`CEILING_STAYS`' rows), read in
+    bulk as the replay reads them (`store.whatif_reference.stays_of`): no Python object per stay."""
     counted = {tier.value for tier in tiers}
-    rows = [row for row in _run(connection, CEILING_STAYS, first_seq=first, last_seq=last) if row[2] in counted]
-    workers = sorted({WorkerId(row[0], row[1]) for row in rows})
-    position = {(worker.publisher, worker.dp_rank): number for number, worker in enumerate(workers)}
-    return _Stays(
-        np.array([position[(row[0], row[1])] for row in rows], dtype=np.int64),
-        np.array([row[3] for row in rows], dtype=np.int64).view(np.uint64),
-        np.array([row[4] for row in rows], dtype=np.int64),
-        np.array([row[5] for row in rows], dtype=np.int64),
-        np.array([_OPEN if row[6] is None else row[6] for row in rows], dtype=np.int64),
-        workers,
-    )
+    stays = stays_of(connection, first, last)
+    wanted = np.array([provenance == Provenance.NATIVE.value and tier in counted
+                       for _publisher, _dp_rank, provenance, tier in stays.placements] or [False], dtype=np.bool_)
+    pairs = sorted({(publisher, dp_rank) for (publisher, dp_rank, _provenance, _tier), kept
+                    in zip(stays.placements, wanted) if kept})  # as WorkerId orders: by (publisher, dp_rank)
+    position = {pair: number for number, pair in enumerate(pairs)}
+    worker_of = np.array([position.get((publisher, dp_rank), -1) for publisher, dp_rank, _provenance, _tier
+                          in stays.placements] or [-1], dtype=np.int64)
+    kept = wanted[stays.placement]
+    removed = stays.removed_seq[kept]
+    return _Stays(worker_of[stays.placement[kept]], stays.sequence_hash[kept].view(np.uint64),
+                  stays.stored_seq[kept], stays.slot[kept], np.where(removed == NEVER, _OPEN, removed),
+                  [WorkerId(publisher, dp_rank) for publisher, dp_rank in pairs])
 
 
 def most_held(stays: _Stays, first: int, last: int) -> np.ndarray:

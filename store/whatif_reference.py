@@ -741,6 +741,7 @@ class Stays:
     stored_seq: np.ndarray  # int64
     removed_seq: np.ndarray  # int64, NEVER while held
     conflict_since: np.ndarray  # int64, NEVER where none
+    slot: np.ndarray  # int64, its place in the batch that stored it (with stored_seq, its order of arrival)
 
     def __len__(self) -> int:
         return self.placement.size
@@ -816,7 +817,7 @@ def stays_of(connection: sa.Connection, first_seq: int, last_seq: int, tables: S
     ids = np.array([row[0] for row in rows], dtype=np.int64)
     empty = np.zeros(0, dtype=np.int64)
     if not rows:
-        return Stays(placements, empty, empty, empty, empty, empty)
+        return Stays(placements, empty, empty, empty, empty, empty, empty)
     pid, hashes, stored, slot = tables.stays
     r_pid, r_stored, r_first, r_last, r_removed = tables.removals
     if tables.read_up_to != last_seq:  # read unbounded, or for another window
@@ -855,10 +856,10 @@ def stays_of(connection: sa.Connection, first_seq: int, last_seq: int, tables: S
         if u_pid.size:
             at = order[np.minimum(np.searchsorted(ordered, unresolved_key), order.size - 1)]
             kept[at[stay_key[at] == unresolved_key]] = False
-    pid, hashes, stored, removed, conflict = _where(kept, pid, hashes, stored, removed, conflict)
+    pid, hashes, stored, removed, conflict, slot = _where(kept, pid, hashes, stored, removed, conflict, slot)
     index_of = np.zeros(int(ids[-1]) + 1, dtype=np.int64)  # each placement id's place in `ids`
     index_of[ids] = np.arange(ids.size)
-    return Stays(placements, index_of[pid], hashes, stored, removed, conflict)
+    return Stays(placements, index_of[pid], hashes, stored, removed, conflict, slot)
 
 
 @numba.njit(cache=True, nogil=True)
