@@ -126,7 +126,7 @@ class _Stays:
     workers: list[WorkerId]
 
 
-_OPEN = np.iinfo(np.int64).max
+_OPEN = NEVER  # as `stays_of` marks a stay still held
 
 
 def _stays(connection: sa.Connection, first: int, last: int, tiers: Sequence[Tier]) -> _Stays:
@@ -142,9 +142,8 @@ def _stays(connection: sa.Connection, first: int, last: int, tiers: Sequence[Tie
     worker_of = np.array([position.get((publisher, dp_rank), -1) for publisher, dp_rank, _provenance, _tier
                           in stays.placements] or [-1], dtype=np.int64)
     kept = wanted[stays.placement]
-    removed = stays.removed_seq[kept]
     return _Stays(worker_of[stays.placement[kept]], stays.sequence_hash[kept].view(np.uint64),
-                  stays.stored_seq[kept], stays.slot[kept], np.where(removed == NEVER, _OPEN, removed),
+                  stays.stored_seq[kept], stays.slot[kept], stays.removed_seq[kept],
                   [WorkerId(publisher, dp_rank) for publisher, dp_rank in pairs])
 
 

@@ -38,7 +38,7 @@ from kvledger.core.decision_codec import MAX_RELIED_BLOCKS
 from kvledger.core.events import EventBatch, Provenance, Tier, WorkerId
 from kvledger.core.settings import ReuseSettings
 
-from kvledger.decide.compiled import compiled as _compiled
+from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined
 from kvledger.decide.inventory.chain import chain_hashes
 from kvledger.decide.inventory.index import CLASSES, InventoryIndex
 from kvledger.decide.inventory.rows import INLINE, PLANES, change_bit, has_bit
@@ -356,21 +356,23 @@ def _changes(keys: np.ndarray, start: np.ndarray, end: np.ndarray, points: np.nd
 def _hold_at(holders, spilled, keys, starts, ends, seq, minor_bits):
     """The bits of the intervals that cover `seq` set on empty rows: the rows as the changes of every point up to
     `seq` leave them (a pass in key order, where the changes would be as many random writes)."""
-    minor_mask = (1 << minor_bits) - 1
     for item in range(keys.size):
         if starts[item] <= seq < ends[item]:
-            minor = keys[item] & minor_mask
-            change_bit(holders, spilled, keys[item] >> minor_bits, minor % PLANES, minor // PLANES, True)
+            _change_key(holders, spilled, keys[item], minor_bits, True)
 
 
 @_compiled
 def _apply_changes(holders, spilled, changes, first, stop, minor_bits):
     """`changes[first:stop]` (`_changes`) applied to the rows."""
-    minor_mask = (1 << minor_bits) - 1
     for at in range(first, stop):
-        key = changes[at] >> 1
-        minor = key & minor_mask
-        change_bit(holders, spilled, key >> minor_bits, minor % PLANES, minor // PLANES, (changes[at] & 1) == 1)
+        _change_key(holders, spilled, changes[at] >> 1, minor_bits, (changes[at] & 1) == 1)
+
+
+@_inlined
+def _change_key(holders, spilled, key, minor_bits, wanted):
+    """Set or clear the bit a key (row and minor side by side in bits) stands for."""
+    minor = key & ((1 << minor_bits) - 1)
+    change_bit(holders, spilled, key >> minor_bits, minor % PLANES, minor // PLANES, wanted)
 
 
 def points_at_or_after(points: np.ndarray, seqs: np.ndarray) -> np.ndarray:
@@ -419,18 +421,18 @@ def _by_point(keys, first_point, end_point, point_count):
                 set_at[point] = bounds[point]
                 clear_at[point] = bounds[point] + sets[point]
             out = np.empty(bounds[point_count], dtype=np.int64)
-        held = -1  # the interval being merged: its first item, key and points [first, end)
+        holding = False  # an interval being merged: its key and points [first, end)
         held_key, held_first, held_end = 0, 0, 0
         for item in range(keys.size + 1):
             if item < keys.size:
                 first, end = first_point[item], end_point[item]
                 if first >= end:
                     continue
-                if held >= 0 and keys[item] == held_key and first <= held_end:
+                if holding and keys[item] == held_key and first <= held_end:
                     if end > held_end:
                         held_end = end
                     continue
-            if held >= 0:
+            if holding:
                 if placing:
                     out[set_at[held_first]] = (held_key << 1) | 1
                     set_at[held_first] += 1
@@ -442,7 +444,7 @@ def _by_point(keys, first_point, end_point, point_count):
                     if held_end < point_count:
                         clears[held_end] += 1
             if item < keys.size:
-                held, held_key, held_first, held_end = item, keys[item], first_point[item], end_point[item]
+                holding, held_key, held_first, held_end = True, keys[item], first_point[item], end_point[item]
     return bounds, out
 
 

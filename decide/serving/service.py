@@ -712,6 +712,8 @@ def compile_every_kernel(reuse: ReuseSettings, *, side_by_side: bool = False) ->
                 second_half = pool.submit(_compile_second_half, reuse)
                 _compile_first_half(reuse)
                 second_half.result()
+            _compile_second_half(reuse)  # loaded from the kernel cache
+            return
         except (OSError, BrokenProcessPool) as error:  # no second process here: this one compiles both halves
             log.warning("decide: kernels compiled in one process (no second one: %s)", error)
     _compile_first_half(reuse)
