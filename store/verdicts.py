@@ -20,7 +20,11 @@ A relied-on block is held at the horizon seq when a native stay of it on that wo
 placement (the chosen tier; any local tier for the target and in-flight blocks) is open there.
 Only the stays that overlap the decision's window count (ended after the earlier of its
 inventory and horizon seqs): they are found through the stays' sequence-hash index, whose
-entries carry the placement and stored seq, and the rest are dropped before grouping.
+entries carry the placement and stored seq. The fold holds at most one stay of a block per
+placement at a time (a second store of a held block counts in its `refs`), so no stay stored
+before the last one stored at or before the window's start can still be open in it: the index
+is read from that stay on (one seek for it), not from the block's first stay ever — a block
+stored and evicted a thousand times cost a thousand lookups per decision relying on it.
 """
 
 from __future__ import annotations
@@ -55,9 +59,10 @@ JUDGE_SQL = """WITH judged AS (
   FROM verdict_work w
   JOIN decisions d ON d.stream_seq = w.stream_seq
 ),
-relied AS (
+placed AS (
   SELECT j.stream_seq, j.horizon_ms, j.horizon_seq, j.inventory_seq, b.role, b.position, b.sequence_hash,
-         p.placement_id
+         p.placement_id,
+         CASE WHEN j.inventory_seq < j.horizon_seq THEN j.inventory_seq ELSE j.horizon_seq END AS window_seq
   FROM judged j
   JOIN decision_blocks b ON b.stream_seq = j.stream_seq
   LEFT JOIN placements p
@@ -70,6 +75,13 @@ relied AS (
    AND (b.role IN ('target', 'inflight')
         OR p.tier = CASE b.role WHEN 'source' THEN j.chosen_tier ELSE j.shadow_tier END)
 ),
+relied AS (
+  SELECT r.*,
+         COALESCE((SELECT MAX(s.stored_seq) FROM block_stays s
+                   WHERE s.sequence_hash = r.sequence_hash AND s.placement_id = r.placement_id
+                     AND s.stored_seq <= r.window_seq), 0) AS first_stored_seq
+  FROM placed r
+),
 windowed AS (
   SELECT r.stream_seq, r.horizon_ms, r.role, r.position,
          CASE WHEN e.removed_seq IS NULL OR e.removed_seq > r.horizon_seq THEN 1 ELSE 0 END AS held,
@@ -79,12 +91,12 @@ windowed AS (
               THEN e.removed_ts END AS last_removed_ts
   FROM relied r
   JOIN block_stays s
-    ON s.sequence_hash = r.sequence_hash AND s.placement_id = r.placement_id AND s.stored_seq <= r.horizon_seq
+    ON s.sequence_hash = r.sequence_hash AND s.placement_id = r.placement_id
+   AND s.stored_seq >= r.first_stored_seq AND s.stored_seq <= r.horizon_seq
   LEFT JOIN block_removals e
     ON e.placement_id = s.placement_id AND e.stored_seq = s.stored_seq
    AND e.first_slot <= s.slot AND e.last_slot >= s.slot
-  WHERE e.removed_seq IS NULL
-     OR e.removed_seq > CASE WHEN r.inventory_seq < r.horizon_seq THEN r.inventory_seq ELSE r.horizon_seq END
+  WHERE e.removed_seq IS NULL OR e.removed_seq > r.window_seq
 ),
 blocks AS (
   SELECT b.stream_seq, j.horizon_ms, b.role, b.position, COALESCE(MAX(w.held), 0) AS held,
