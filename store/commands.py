@@ -409,3 +409,12 @@ def checkpoint_seqs(url: str) -> dict[str, int]:
     with database.opened(url) as engine, engine.connect() as connection:
         rows = connection.exec_driver_sql("SELECT stream, MAX(stream_seq) FROM checkpoints GROUP BY stream")
         return {stream: seq for stream, seq in rows}
+
+
+def verdicts_due(url: str) -> int:
+    """Verdicts an event in SQL has settled that store has not written yet (its sweeper judges them shortly;
+    until then an audit judges them itself, in SQL, each time it is asked)."""
+    with database.opened(url) as engine, engine.connect() as connection:
+        return connection.exec_driver_sql(
+            "SELECT COUNT(*) FROM verdicts_pending WHERE due_ts <= (SELECT MAX(ingest_ts) FROM event_log)"
+        ).scalar_one()

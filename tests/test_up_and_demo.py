@@ -106,7 +106,8 @@ def test_the_demo_with_reuse_places_round_robin_and_asks_for_transfers(tmp_path)
 
 def test_a_killed_demo_leaves_no_nats_server_behind(tmp_path) -> None:
     """`kill -9` of `kvledger demo` (or `up`): its embedded nats-server ends too, instead of keeping the port and
-    the store from the next start (the kernel's parent-death signal), and so do decide's index readers."""
+    the store from the next start (the kernel's parent-death signal), and so do decide's index readers and the
+    demo's store process (with its SQL writer)."""
     readers_port, decide_port = free_ports(2)
     env = clean_env(KVLEDGER_DECIDE_INDEX_READERS="2", KVLEDGER_DECIDE_INDEX_READERS_PORT=str(readers_port),
                     KVLEDGER_DECIDE_HTTP_PORT=str(decide_port))
@@ -114,12 +115,17 @@ def test_a_killed_demo_leaves_no_nats_server_behind(tmp_path) -> None:
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while [name for name, _ in child_processes(demo.pid).values()].count("kvledger-reader") < 2:
-            assert demo.poll() is None and time.monotonic() < deadline, "the demo's readers did not start"
+        while True:
+            children = {pid: name for pid, (name, _) in child_processes(demo.pid).items()
+                        if name in ("nats-server", "kvledger-reader", "kvledger-store")}
+            stores = [pid for pid, name in children.items() if name == "kvledger-store"]
+            writers = {pid: name for store in stores for pid, (name, _) in child_processes(store).items()}
+            if list(children.values()).count("kvledger-reader") == 2 and writers:
+                break
+            assert demo.poll() is None and time.monotonic() < deadline, "the demo's readers and store did not start"
             time.sleep(0.1)
-        children = {pid: name for pid, (name, _) in child_processes(demo.pid).items()
-                    if name in ("nats-server", "kvledger-reader")}
-        assert sorted(children.values()) == ["kvledger-reader", "kvledger-reader", "nats-server"]
+        assert sorted(children.values()) == ["kvledger-reader", "kvledger-reader", "kvledger-store", "nats-server"]
+        children |= writers
     finally:
         demo.kill()
         demo.wait()

@@ -130,13 +130,14 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _stage_services(settings: Settings, sources: list) -> dict:
-    """ingest (when there are engine streams), store and decide as services for kvledger.runtime.system."""
+    """ingest (when there are engine streams), store and decide as services for kvledger.runtime.system; store
+    in a child process of its own: the engines' streams, ingest and decide keep this process's GIL busy, and
+    store's SQL writing queued behind them fell 15-20 s behind in a 60 s, 8-worker demo when it ran here."""
     from kvledger.decide.serving.service import DecideService
     from kvledger.ingest.bridge import Bridge
-    from kvledger.store.service import StoreService
+    from kvledger.runtime.system import in_own_process
 
-    async def store(stop: asyncio.Event) -> None:
-        await StoreService(settings).run(stop)
+    store = in_own_process("store", _store_in_child, settings, logging.getLogger().getEffectiveLevel())
 
     async def decide(stop: asyncio.Event) -> None:
         async with DecideService(settings):
@@ -150,6 +151,14 @@ def _stage_services(settings: Settings, sources: list) -> dict:
 
         services["ingest"] = ingest
     return services
+
+
+def _store_in_child(settings: Settings, log_level: int) -> None:
+    """store as `in_own_process` runs it: until SIGTERM, logging at its parent's level."""
+    from kvledger.store.service import serve
+
+    configure_logging(log_level)
+    asyncio.run(serve(settings))
 
 
 @contextlib.contextmanager
@@ -187,7 +196,7 @@ def _flat(settings: Settings) -> dict[str, object]:
 
 
 def _up(args: argparse.Namespace, loaded: LoadedSettings) -> int:
-    """Run every stage in this process until Ctrl-C or SIGTERM; run it again to resume."""
+    """Run every stage until Ctrl-C or SIGTERM (store in a child process); run it again to resume."""
     from kvledger.ingest.service import sources_from
     from kvledger.runtime.system import install_stop_signals, run_services
 
@@ -307,14 +316,16 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
 
         await run_services({**services, "demo": driver}, stop)
 
-    counts = ledger_counts(settings.db.url)
     # The verdicts store wrote as it folded (store.quality_horizons_ms), at the metrics' horizon if judged.
     horizon_ms = settings.store.metrics_horizon_ms
-    console.print(f"[dim]reading the verdicts of {counts['decisions']} decisions at {horizon_ms:g} ms...[/]")
-    quality = quality_totals(settings.db.url, horizon_ms / 1000)
-    shadow = shadow_totals(settings.db.url, horizon_ms / 1000)
-    inflight = inflight_totals(settings.db.url, horizon_ms / 1000)
-    ceiling = ceiling_figures(settings.db.url, settings.reuse)
+    console.print(f"[dim]reading the ledger's counts, verdicts at {horizon_ms:g} ms and ceiling...[/]")
+    # Side by side: each is a read of its own, mostly inside SQLite, which leaves the GIL to the others.
+    db, horizon_s = settings.db.url, horizon_ms / 1000
+    counts, quality, shadow, inflight, ceiling = await asyncio.gather(
+        asyncio.to_thread(ledger_counts, db), asyncio.to_thread(quality_totals, db, horizon_s),
+        asyncio.to_thread(shadow_totals, db, horizon_s), asyncio.to_thread(inflight_totals, db, horizon_s),
+        asyncio.to_thread(ceiling_figures, db, settings.reuse),
+    )
     bridged, events, inventory, decisions = counts["batches"], counts["events"], counts["blocks_held"], counts["decisions"]
     summary = Table(title="kvledger demo", show_header=False, min_width=72)
     summary.add_column(style="bold")
@@ -368,7 +379,6 @@ async def _run_demo(settings: Settings, args: argparse.Namespace) -> int:
     for name, value in rows:
         summary.add_row(name, value)
     console.print(summary)
-    db = settings.db.url
     first = fleet.workers[0].worker.name
     print(f"Try these audit queries (the data stays in {args.data_dir}):")
     print(f"  kvledger audit workers --db {db}")
@@ -415,8 +425,9 @@ async def _wait_decide_ready(nc, on_slow: Callable[[], None] = lambda: None) -> 
 
 
 async def _wait_store_caught_up(nc, settings: Settings, timeout: float = 60) -> bool:
-    """Until the store's checkpoints reach the ends of KV_EVENTS and KV_DECISIONS (False on timeout)."""
-    from kvledger.store.commands import checkpoint_seqs
+    """Until the store's checkpoints reach the ends of KV_EVENTS and KV_DECISIONS, and its sweeper has written
+    the verdicts those events settled (False on timeout): the summary then reads verdicts, judging none."""
+    from kvledger.store.commands import checkpoint_seqs, verdicts_due
 
     js = nc.jetstream()
     loop = asyncio.get_running_loop()
@@ -427,7 +438,9 @@ async def _wait_store_caught_up(nc, settings: Settings, timeout: float = 60) -> 
             for name in (settings.stream.events_stream, settings.stream.decisions_stream)
         }
         done = await asyncio.to_thread(checkpoint_seqs, settings.db.url)
-        if all(done.get(name, 0) >= end for name, end in ends.items()):
+        if all(done.get(name, 0) >= end for name, end in ends.items()) and not (
+            settings.store.quality_horizons_ms and await asyncio.to_thread(verdicts_due, settings.db.url)
+        ):
             return True
         await asyncio.sleep(0.2)
     return False
