@@ -171,3 +171,14 @@ def test_core_imports_no_stage_package(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_command_line_imports_neither_nats_nor_numpy_before_a_command_needs_them(tmp_path: Path) -> None:
+    """An audit's command is mostly its imports on a small ledger: nats-py and numpy are a third of a second that
+    only the commands which use them pay."""
+    probe = "import sys, kvledger.app.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'numpy'}))"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=clean_environment(), capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import attrs
-import numpy as np
 
 from kvledger.core.settings import LoadedSettings, ReuseSettings, SettingsError, reuse_settings_from
 
@@ -259,6 +258,8 @@ def _report(bounds: tuple[float, float], horizon_s: float, source: str, window, 
 def answered(window, settings: Sequence[tuple[str, ReuseSettings]], placed: bool, timeline) -> tuple:
     """The recorded outcomes and each settings' replayed ones (`store.whatif_reference.OutcomeColumns`), every
     decision of `window` (`RecordedColumns`) answered at its inventory seq and judged at its horizon seq."""
+    import numpy as np  # here, not at the top: every `kvledger` command builds its parser from this module
+
     from kvledger.decide.ranking.ranked import REASONS
     from kvledger.decide.ranking.whatif import FALLBACK, NAMED, Requests, recorded_outcomes
     from kvledger.store.whatif_reference import NO_CODE, OutcomeColumns
