@@ -122,6 +122,10 @@ def _audit(settings: Settings) -> tuple[sa.Engine, Audit, sa.Connection]:
     engine = database.create_engine(settings.db.url)
     database.require_current(engine, settings.db.url)
     connection = engine.connect()
+    if connection.dialect.name == "sqlite":
+        # SQLite's own page cache size, not the projector's 256 MB: an audit reads each page about once, and
+        # filling a large cache cost `audit quality` at 1 M decisions a fifth of its time (5.5 s against 4.5 s).
+        connection.exec_driver_sql(f"PRAGMA cache_size={database.SQLITE_READ_CACHE}")
     return engine, Audit(connection), connection
 
 

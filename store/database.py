@@ -22,6 +22,10 @@ class SchemaError(RuntimeError):
     """The database schema is not the one this kvledger needs; the message says what to run."""
 
 
+# A reading connection's SQLite page cache, in SQLite's units (negative: KiB): SQLite's default.
+SQLITE_READ_CACHE = -2000
+
+
 def create_engine(url: str) -> sa.Engine:
     """An engine for `url`; SQLite files get WAL mode so audit readers never block the projector."""
     parsed = sa.make_url(url)
