@@ -70,9 +70,10 @@ async def run_services(services: Mapping[str, Service], stop: asyncio.Event) -> 
 
 def in_own_process(name: str, target: Callable[..., None], *args: object) -> Service:
     """A service that runs `target(*args)` (a module-level function: it is pickled by name) in a spawned child
-    process, named `kvledger-<name>` (as `ps -o comm` shows it). The child gets SIGTERM when `stop` is set, and from the kernel when this process dies (even by
-    kill -9), and is expected to end cleanly on it; one that outlives CHILD_STOP_TIMEOUT_S is killed. A child
-    that ends before `stop` is set fails the service with its exit code."""
+    process named `kvledger-<name>` (as `ps -o comm` shows it). The child gets SIGTERM when `stop` is set, and
+    from the kernel when this process dies (even by kill -9), and is expected to end cleanly on it; one that
+    outlives CHILD_STOP_TIMEOUT_S is killed. A child that ends before `stop` is set fails the service with its
+    exit code."""
 
     async def service(stop: asyncio.Event) -> None:
         process = multiprocessing.get_context("spawn").Process(
