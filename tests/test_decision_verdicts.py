@@ -401,6 +401,7 @@ def test_events_go_on_when_the_decisions_projector_cannot_write(nats_server, req
                 await poll(lambda: checkpoint(db_url) >= last[-1][1], "every event in SQL",
                            deadline_s=4 * DecisionsHold.STALL_S, watch=running.task)
                 assert checkpoint(db_url, "decisions") <= 0
-                assert not running.service.decisions.ready
+                # (its `ready` flag is true again for a moment after each retry binds the consumer: a race to read)
+                assert running.service.metrics.database_errors.value > 0
 
     asyncio.run(scenario())
