@@ -154,11 +154,12 @@ def _stage_services(settings: Settings, sources: list) -> dict:
 
 
 def _store_in_child(settings: Settings, log_level: int) -> None:
-    """store as `in_own_process` runs it: until SIGTERM, logging at its parent's level."""
-    from kvledger.store.service import serve
+    """store as `in_own_process` runs it: as `kvledger store` does (until SIGTERM; a refusal is one line on stderr
+    and exit code 2), logging at its parent's level."""
+    from kvledger.store.commands import run_store
 
-    configure_logging(log_level)
-    asyncio.run(serve(settings))
+    configure_logging(log_level)  # (run_stage's own configuration then leaves this one in place)
+    sys.exit(run_store(settings))
 
 
 @contextlib.contextmanager
