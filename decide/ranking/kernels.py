@@ -142,6 +142,155 @@ def _prefixes_held(lengths, prefix_class, word, reaching, held, walked):
     return going_on
 
 
+@_inlined  # the walk of every request decide ranks: a call would pay its arrays' reference counts per request
+def walk_request(local, start, blocks, target, choose, table_keys, table_rows, table_bits, holders, spilled,
+                 order_rank, weights, sequence, block_rows, lengths, credit, shown_ranks):
+    """One request's walk (`rank_requests`): for each worker showing a prefix, its five prefix lengths in
+    `lengths` and, where it may be credited (every worker where `choose`, else the target), its credit under each
+    row of `weights` in `credit`'s row; the shown workers' ranks, sorted, in `shown_ranks`. Returns `block_rows`
+    (grown where it had to be) and the number of workers shown. The chained hashes of the walked blocks are
+    written to `sequence`."""
+    words = spilled.shape[2]
+    shown_count = 0
+    block_rows = _with_room(block_rows, blocks)
+    sequence_hash = local[start]
+    sequence[start] = sequence_hash
+    block_rows[0] = probe(table_keys, table_rows, table_bits, sequence_hash)
+    rows_known = 1
+    # Each word of workers is walked on its own, its masks in registers: a worker's
+    # prefixes and credit depend on its own bits alone, and the rows one word's walk
+    # probed serve the next.
+    for word in range(words):
+        if choose:
+            credited_bits = _ALL_BITS
+        elif target >= 0 and target // 64 == word:
+            credited_bits = _ONE << np.uint64(target % 64)
+        else:
+            credited_bits = _ZERO
+        device, host, disk, retained = row_word(holders, spilled, block_rows[0], word)
+        native_device, native_host, native_disk = device, host, disk
+        native_any = device | host | disk
+        retained_device = device | retained
+        # The workers holding any prefix at all are the ones an answer shows.
+        shown = native_any | retained_device
+        while shown:
+            bit = _lowest_bit(shown)
+            shown ^= _ONE << np.uint64(bit)
+            shown_ranks[shown_count] = order_rank[word * 64 + bit]
+            shown_count += 1
+        walked = 1
+        while True:
+            # Credit of block `walked - 1` for every worker whose native prefix reaches it.
+            holding = native_any & credited_bits
+            while holding:
+                bit = _lowest_bit(holding)
+                flag = _ONE << np.uint64(bit)
+                holding ^= flag
+                tiers = 0
+                if device & flag:
+                    tiers |= 1
+                if host & flag:
+                    tiers |= 2
+                if disk & flag:
+                    tiers |= 4
+                for setting in range(weights.shape[0]):
+                    credit[setting, word * 64 + bit] += weights[setting, tiers]
+            if (native_any | retained_device) == _ZERO or walked == blocks:
+                break
+            if walked >= rows_known:
+                # The next blocks' rows at once: their probes do not wait on each other,
+                # so their cache misses overlap instead of coming one after another.
+                rows_until = min(walked + _ROWS_AHEAD, blocks)
+                for ahead in range(rows_known, rows_until):
+                    sequence_hash = chain_hash(sequence_hash, local[start + ahead])
+                    sequence[start + ahead] = sequence_hash
+                    block_rows[ahead] = probe(table_keys, table_rows, table_bits, sequence_hash)
+                rows_known = rows_until
+            device, host, disk, retained = row_word(holders, spilled, block_rows[walked], word)
+            native_device = _prefixes_held(lengths, 0, word, native_device, device, walked)
+            native_host = _prefixes_held(lengths, 1, word, native_host, host, walked)
+            native_disk = _prefixes_held(lengths, 2, word, native_disk, disk, walked)
+            native_any = _prefixes_held(lengths, 3, word, native_any, device | host | disk, walked)
+            retained_device = _prefixes_held(lengths, 4, word, retained_device, device | retained, walked)
+            walked += 1
+        # What reaches the last block walked ends there.
+        _prefixes_held(lengths, 0, word, native_device, _ZERO, walked)
+        _prefixes_held(lengths, 1, word, native_host, _ZERO, walked)
+        _prefixes_held(lengths, 2, word, native_disk, _ZERO, walked)
+        _prefixes_held(lengths, 3, word, native_any, _ZERO, walked)
+        _prefixes_held(lengths, 4, word, retained_device, _ZERO, walked)
+    _sort_ranks(shown_ranks, shown_count)
+    return block_rows, shown_count
+
+
+@_inlined
+def best_after_walk(target, choose, workers, shown_count, shown_ranks, slots_in_order, lengths, credit, setting,
+                    block_size, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us,
+                    gpu_block_us):
+    """What `rank_requests` answers a walked request (`walk_request`) under one settings value (`credit`'s row
+    `setting`), its best candidate alone: (target, credited, baseline, reason, the target's prefix on any tier,
+    then the best candidate's slot (-1: none), tier, prefix, transfer blocks and saving). The same rules in the
+    same order of float operations; the best is the first of `_sort_candidates`' order."""
+    if choose and workers > 0:
+        best, best_rank = -np.inf, workers
+        native = 0
+        for position in range(shown_count):
+            slot = slots_in_order[shown_ranks[position]]
+            if lengths[_PREFIX_ANY, slot] > 0:
+                native += 1
+                if credit[setting, slot] > best:
+                    best, best_rank = credit[setting, slot], shown_ranks[position]
+        if native < workers and best <= 0.0:
+            first_empty = 0
+            for position in range(shown_count):
+                if shown_ranks[position] == first_empty and lengths[_PREFIX_ANY, slots_in_order[first_empty]] > 0:
+                    first_empty += 1
+            if best < 0.0 or first_empty < best_rank:
+                best, best_rank = 0.0, first_empty
+        target = np.int64(slots_in_order[best_rank])
+    credited, baseline, target_prefix = 0.0, 0, 0
+    if target >= 0:
+        credited = credit[setting, target]
+        baseline = lengths[_PREFIX_RETAINED_DEVICE, target]
+        target_prefix = lengths[_PREFIX_ANY, target]
+    reason = _NO_CANDIDATES
+    best_slot, best_tier, best_prefix, best_transfer, best_saving, best_rank = -1, 0, 0, 0, 0.0, 0
+    if not (tier_enabled[0] or tier_enabled[1] or tier_enabled[2]):
+        reason = _DISABLED
+    elif not choose or target >= 0:
+        longer = False
+        for position in range(shown_count):
+            slot = slots_in_order[shown_ranks[position]]
+            if slot == target:
+                continue
+            for tier in range(3):
+                prefix = lengths[tier, slot]
+                if not tier_enabled[tier] or prefix <= baseline:
+                    continue
+                longer = True
+                transfer_blocks = prefix - baseline
+                recompute_ms = _recompute_ms(np.int64(transfer_blocks), np.int64(block_size), prefill_token_us)
+                transfer_ms = _transfer_ms(np.int64(transfer_blocks), _block_us(tier == 0, gpu_block_us, block_us))
+                saving_ms = recompute_ms - transfer_ms
+                if transfer_blocks < minimum_blocks or not saving_ms >= minimum_saving_ms:
+                    continue
+                rank = shown_ranks[position]
+                # `_ranks_before`: saving (higher first), longer prefix, tier, worker order.
+                if best_slot < 0 or saving_ms > best_saving or (saving_ms == best_saving and (
+                        prefix > best_prefix or (prefix == best_prefix and (
+                            tier < best_tier or (tier == best_tier and rank < best_rank))))):
+                    best_slot, best_tier, best_prefix = slot, tier, prefix
+                    best_transfer, best_saving, best_rank = transfer_blocks, saving_ms, rank
+        if best_slot >= 0:
+            reason = _CHOSEN
+        elif longer:
+            reason = _BELOW_THRESHOLD
+    else:
+        reason = _NO_WORKERS
+    return (target, credited, baseline, reason, target_prefix, best_slot, best_tier, best_prefix, best_transfer,
+            best_saving)
+
+
 @_compiled
 def rank_requests(
     local, offsets, given_target, named, block_sizes,
@@ -161,7 +310,6 @@ def rank_requests(
     """
     count = offsets.size - 1
     workers = slots_in_order.size
-    words = spilled.shape[2]
     target_out = np.full(count, -1, dtype=np.int32)
     credited = np.zeros(count, dtype=np.float64)
     baseline_out = np.zeros(count, dtype=np.int32)
@@ -186,7 +334,9 @@ def rank_requests(
     sequence = np.empty(local.size, dtype=np.uint64)
     block_rows = np.empty(64, dtype=np.int64)  # the rows of a request's blocks, as far as probed
     lengths = np.zeros((5, max(workers, 1)), dtype=np.int32)  # per request, reset where written
-    credit = np.zeros(max(workers, 1), dtype=np.float64)
+    credit = np.zeros((1, max(workers, 1)), dtype=np.float64)  # `walk_request`'s, under the one settings value
+    weights = np.empty((1, weight_of.size), dtype=np.float64)
+    weights[0, :] = weight_of
     shown_ranks = np.empty(max(workers, 1) + 1, dtype=np.int64)
     shown_count = 0
     overlaps, candidates = 0, 0
@@ -197,75 +347,10 @@ def rank_requests(
         target = np.int64(given_target[request])
         choose = named[request] == 0
         shown_count = 0
-        walked = 0
         if blocks > 0 and workers > 0:
-            block_rows = _with_room(block_rows, blocks)
-            sequence_hash = local[start]
-            sequence[start] = sequence_hash
-            block_rows[0] = probe(table_keys, table_rows, table_bits, sequence_hash)
-            rows_known = 1
-            # Each word of workers is walked on its own, its masks in registers: a worker's
-            # prefixes and credit depend on its own bits alone, and the rows one word's walk
-            # probed serve the next.
-            for word in range(words):
-                if choose:
-                    credited_bits = _ALL_BITS
-                elif target >= 0 and target // 64 == word:
-                    credited_bits = _ONE << np.uint64(target % 64)
-                else:
-                    credited_bits = _ZERO
-                device, host, disk, retained = row_word(holders, spilled, block_rows[0], word)
-                native_device, native_host, native_disk = device, host, disk
-                native_any = device | host | disk
-                retained_device = device | retained
-                # The workers holding any prefix at all are the ones an answer shows.
-                shown = native_any | retained_device
-                while shown:
-                    bit = _lowest_bit(shown)
-                    shown ^= _ONE << np.uint64(bit)
-                    shown_ranks[shown_count] = order_rank[word * 64 + bit]
-                    shown_count += 1
-                walked = 1
-                while True:
-                    # Credit of block `walked - 1` for every worker whose native prefix reaches it.
-                    holding = native_any & credited_bits
-                    while holding:
-                        bit = _lowest_bit(holding)
-                        flag = _ONE << np.uint64(bit)
-                        holding ^= flag
-                        tiers = 0
-                        if device & flag:
-                            tiers |= 1
-                        if host & flag:
-                            tiers |= 2
-                        if disk & flag:
-                            tiers |= 4
-                        credit[word * 64 + bit] += weight_of[tiers]
-                    if (native_any | retained_device) == _ZERO or walked == blocks:
-                        break
-                    if walked >= rows_known:
-                        # The next blocks' rows at once: their probes do not wait on each other,
-                        # so their cache misses overlap instead of coming one after another.
-                        rows_until = min(walked + _ROWS_AHEAD, blocks)
-                        for ahead in range(rows_known, rows_until):
-                            sequence_hash = chain_hash(sequence_hash, local[start + ahead])
-                            sequence[start + ahead] = sequence_hash
-                            block_rows[ahead] = probe(table_keys, table_rows, table_bits, sequence_hash)
-                        rows_known = rows_until
-                    device, host, disk, retained = row_word(holders, spilled, block_rows[walked], word)
-                    native_device = _prefixes_held(lengths, 0, word, native_device, device, walked)
-                    native_host = _prefixes_held(lengths, 1, word, native_host, host, walked)
-                    native_disk = _prefixes_held(lengths, 2, word, native_disk, disk, walked)
-                    native_any = _prefixes_held(lengths, 3, word, native_any, device | host | disk, walked)
-                    retained_device = _prefixes_held(lengths, 4, word, retained_device, device | retained, walked)
-                    walked += 1
-                # What reaches the last block walked ends there.
-                _prefixes_held(lengths, 0, word, native_device, _ZERO, walked)
-                _prefixes_held(lengths, 1, word, native_host, _ZERO, walked)
-                _prefixes_held(lengths, 2, word, native_disk, _ZERO, walked)
-                _prefixes_held(lengths, 3, word, native_any, _ZERO, walked)
-                _prefixes_held(lengths, 4, word, retained_device, _ZERO, walked)
-            _sort_ranks(shown_ranks, shown_count)
+            block_rows, shown_count = walk_request(
+                local, start, blocks, target, choose, table_keys, table_rows, table_bits, holders, spilled,
+                order_rank, weights, sequence, block_rows, lengths, credit, shown_ranks)
 
         # The target: the one given, or the first worker (in worker order) of highest credit.
         if choose and workers > 0:
@@ -275,8 +360,8 @@ def rank_requests(
                 slot = slots_in_order[shown_ranks[position]]
                 if lengths[_PREFIX_ANY, slot] > 0:
                     native += 1
-                    if credit[slot] > best:
-                        best, best_rank = credit[slot], shown_ranks[position]
+                    if credit[0, slot] > best:
+                        best, best_rank = credit[0, slot], shown_ranks[position]
             if native < workers and best <= 0.0:
                 # A worker holding nothing has credit 0.0: the first of them in worker order.
                 first_empty = 0
@@ -287,7 +372,7 @@ def rank_requests(
                     best, best_rank = 0.0, first_empty
             target = np.int64(slots_in_order[best_rank])
         if target >= 0:
-            credited[request] = credit[target]
+            credited[request] = credit[0, target]
             baseline = lengths[_PREFIX_RETAINED_DEVICE, target]
         else:
             baseline = 0
@@ -367,7 +452,7 @@ def rank_requests(
         # Scratch back to zero where this request wrote it.
         for position in range(shown_count):
             slot = slots_in_order[shown_ranks[position]]
-            credit[slot] = 0.0
+            credit[0, slot] = 0.0
             for prefix_class in range(5):
                 lengths[prefix_class, slot] = 0
     # Views, not copies: a copy each was a tenth of a single request's time, and the scratch

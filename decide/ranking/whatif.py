@@ -44,7 +44,7 @@ from kvledger.decide.inventory.index import CLASSES, InventoryIndex
 from kvledger.decide.inventory.rows import INLINE, PLANES, change_bit, has_bit
 from kvledger.decide.inventory.table import fill_distinct, lookup_rows, probe
 from kvledger.decide.ranking.cpu import KernelSettings
-from kvledger.decide.ranking.kernels import rank_requests
+from kvledger.decide.ranking.kernels import best_after_walk, walk_request
 
 FOREVER = np.iinfo(np.int64).max
 NO_SLOT = -1  # a worker the index does not hold
@@ -119,120 +119,71 @@ def _empty_answers(settings: int, count: int) -> Answers:
 
 
 @_compiled
-def _rank_one_settings(local, offsets, target, named, block_sizes, table_keys, table_rows, table_bits, holders,
-                       spilled, slots_in_order, order_rank, weight_of, tier_enabled, minimum_blocks,
-                       minimum_saving_ms, prefill_token_us, block_us, gpu_block_us):
-    return rank_requests(local, offsets, target, named, block_sizes, table_keys, table_rows, table_bits, holders,
-                         spilled, slots_in_order, order_rank, True, weight_of, tier_enabled, minimum_blocks,
-                         minimum_saving_ms, prefill_token_us, block_us, gpu_block_us)
-
-
-@_compiled
 def answer_batch(first, stop, present, local, offsets, block_sizes, targets, named, fallbacks, has_fallback,
                  table_keys, table_rows, table_bits, holders, spilled, slots_in_order, order_rank,
                  weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
                  out_target, out_how, out_reason, out_baseline, out_target_prefix, out_source, out_tier, out_prefix,
                  out_transfer, out_saving):
-    """Rank requests [first, stop) (all at one inventory seq) under each settings value, the index holding the
-    workers of slots below `present`; a request that named no target and got no credit is asked again for its
-    fallback, as `store.whatif_reference.answer_again` does."""
-    count = stop - first
+    """Answer requests [first, stop) (all at one inventory seq) under each settings value, the index holding the
+    workers of slots below `present`: each request walked once (`walk_request`, its credit under every value at
+    once), then answered under each value from that walk (`best_after_walk`), as `rank_requests` ranks it; a
+    request that named no target and got no credit is asked again for its fallback, as
+    `store.whatif_reference.answer_again` does, from the same walk (the lengths a walk finds do not depend on
+    the target)."""
+    settings = weight_of.shape[0]
+    workers = slots_in_order.size
     base = offsets[first]
-    batch_local = local[base:offsets[stop]].copy()
-    batch_offsets = offsets[first:stop + 1] - base
-    batch_sizes = block_sizes[first:stop].copy()
-    batch_named = named[first:stop].astype(np.uint8)
-    batch_target = np.empty(count, dtype=np.int32)
-    for item in range(count):
-        slot = targets[first + item]
-        batch_target[item] = slot if 0 <= slot < present else NO_SLOT
-    for setting in range(weight_of.shape[0]):
-        ranked = _rank_one_settings(
-            batch_local, batch_offsets, batch_target, batch_named, batch_sizes, table_keys, table_rows, table_bits,
-            holders, spilled, slots_in_order, order_rank, weight_of[setting], tier_enabled[setting],
-            minimum_blocks[setting], minimum_saving_ms[setting], prefill_token_us[setting], block_us[setting],
-            gpu_block_us[setting])
-        _copy_answers(ranked, first, setting, np.arange(count), batch_named, out_target, out_how, out_reason,
-                      out_baseline, out_target_prefix, out_source, out_tier, out_prefix, out_transfer, out_saving)
-        # The fallback: asked again where nothing was named, nobody had credit and the target is not the fallback.
-        again = 0
-        credited = ranked[1]
-        chosen_target = ranked[0]
-        for item in range(count):
-            request = first + item
-            if named[request] or not has_fallback[request] or credited[item] != 0.0:
-                continue
-            slot = fallbacks[request]
-            known = slot if 0 <= slot < present else NO_SLOT
-            if known < 0 or chosen_target[item] != known:
-                again += 1
-        if again == 0:
-            continue
-        items = np.empty(again, dtype=np.int64)
-        again_target = np.empty(again, dtype=np.int32)
-        again_sizes = np.empty(again, dtype=np.int64)
-        again_offsets = np.zeros(again + 1, dtype=np.int64)
-        at = 0
-        for item in range(count):
-            request = first + item
-            if named[request] or not has_fallback[request] or credited[item] != 0.0:
-                continue
-            slot = fallbacks[request]
-            known = slot if 0 <= slot < present else NO_SLOT
-            if known < 0 or chosen_target[item] != known:
-                items[at] = item
-                again_target[at] = known
-                again_sizes[at] = block_sizes[request]
-                again_offsets[at + 1] = again_offsets[at] + offsets[request + 1] - offsets[request]
-                at += 1
-        again_local = np.empty(again_offsets[again], dtype=np.uint64)
-        for at in range(again):
-            request = first + items[at]
-            again_local[again_offsets[at]:again_offsets[at + 1]] = local[offsets[request]:offsets[request + 1]]
-        ranked = _rank_one_settings(
-            again_local, again_offsets, again_target, np.ones(again, dtype=np.uint8), again_sizes, table_keys,
-            table_rows, table_bits, holders, spilled, slots_in_order, order_rank, weight_of[setting],
-            tier_enabled[setting], minimum_blocks[setting], minimum_saving_ms[setting], prefill_token_us[setting],
-            block_us[setting], gpu_block_us[setting])
-        _copy_answers(ranked, first, setting, items, np.full(again, 2, dtype=np.uint8), out_target, out_how,
-                      out_reason, out_baseline, out_target_prefix, out_source, out_tier, out_prefix, out_transfer,
-                      out_saving)
-
-
-@_compiled
-def _copy_answers(ranked, first, setting, items, how, out_target, out_how, out_reason, out_baseline,
-                  out_target_prefix, out_source, out_tier, out_prefix, out_transfer, out_saving):
-    """Answer i of `ranked` is request `first + items[i]`'s under settings `setting`."""
-    target, baseline, reason = ranked[0], ranked[2], ranked[3]
-    overlap_bounds, overlap_slot, overlap_lengths = ranked[4], ranked[5], ranked[6]
-    candidate_bounds, c_slot, c_tier, c_prefix, c_transfer, c_saving = \
-        ranked[7], ranked[8], ranked[9], ranked[10], ranked[11], ranked[14]
-    for answer in range(items.size):
-        request = first + items[answer]
-        slot = target[answer]
-        out_target[setting, request] = slot
-        out_how[setting, request] = how[answer]
-        out_reason[setting, request] = reason[answer]
-        out_baseline[setting, request] = baseline[answer]
-        prefix_any = 0
-        if slot >= 0:
-            for shown in range(overlap_bounds[answer], overlap_bounds[answer + 1]):
-                if overlap_slot[shown] == slot:
-                    prefix_any = overlap_lengths[shown, _PREFIX_ANY]
-        out_target_prefix[setting, request] = prefix_any
-        chosen = candidate_bounds[answer]
-        if chosen < candidate_bounds[answer + 1]:
-            out_source[setting, request] = c_slot[chosen]
-            out_tier[setting, request] = c_tier[chosen]
-            out_prefix[setting, request] = c_prefix[chosen]
-            out_transfer[setting, request] = c_transfer[chosen]
-            out_saving[setting, request] = c_saving[chosen]
-        else:
-            out_source[setting, request] = NO_SLOT
-            out_tier[setting, request] = 0
-            out_prefix[setting, request] = 0
-            out_transfer[setting, request] = 0
-            out_saving[setting, request] = 0.0
+    sequence = np.empty(offsets[stop] - base, dtype=np.uint64)  # the walk's chained hashes, unused here
+    block_rows = np.empty(64, dtype=np.int64)
+    lengths = np.zeros((5, max(workers, 1)), dtype=np.int32)
+    credit = np.zeros((settings, max(workers, 1)), dtype=np.float64)
+    shown_ranks = np.empty(max(workers, 1) + 1, dtype=np.int64)
+    batch_local = local[base:offsets[stop]]
+    for request in range(first, stop):
+        start, blocks = offsets[request] - base, offsets[request + 1] - offsets[request]
+        slot = targets[request]
+        target = slot if 0 <= slot < present else NO_SLOT
+        choose = named[request] == 0
+        shown_count = 0
+        if blocks > 0 and workers > 0:
+            block_rows, shown_count = walk_request(
+                batch_local, start, blocks, target, choose, table_keys, table_rows, table_bits, holders, spilled,
+                order_rank, weight_of, sequence, block_rows, lengths, credit, shown_ranks)
+        for setting in range(settings):
+            answer = best_after_walk(
+                target, choose, workers, shown_count, shown_ranks, slots_in_order, lengths, credit, setting,
+                block_sizes[request], tier_enabled[setting], minimum_blocks[setting], minimum_saving_ms[setting],
+                prefill_token_us[setting], block_us[setting], gpu_block_us[setting])
+            how = named[request]
+            # The fallback: asked again where nothing was named, nobody had credit and the target is not the
+            # fallback.
+            if not named[request] and has_fallback[request] and answer[1] == 0.0:
+                slot = fallbacks[request]
+                known = slot if 0 <= slot < present else NO_SLOT
+                if known < 0 or answer[0] != known:
+                    answer = best_after_walk(
+                        known, False, workers, shown_count, shown_ranks, slots_in_order, lengths, credit, setting,
+                        block_sizes[request], tier_enabled[setting], minimum_blocks[setting],
+                        minimum_saving_ms[setting], prefill_token_us[setting], block_us[setting],
+                        gpu_block_us[setting])
+                    how = FALLBACK
+            out_target[setting, request] = answer[0]
+            out_how[setting, request] = how
+            out_reason[setting, request] = answer[3]
+            out_baseline[setting, request] = answer[2]
+            out_target_prefix[setting, request] = answer[4]
+            out_source[setting, request] = answer[5]
+            out_tier[setting, request] = answer[6]
+            out_prefix[setting, request] = answer[7]
+            out_transfer[setting, request] = answer[8]
+            out_saving[setting, request] = answer[9]
+        # Scratch back to zero where the walk wrote it.
+        for position in range(shown_count):
+            slot = slots_in_order[shown_ranks[position]]
+            for setting in range(settings):
+                credit[setting, slot] = 0.0
+            for prefix_class in range(5):
+                lengths[prefix_class, slot] = 0
 
 
 # --- the stays SQL keeps ----------------------------------------------------------------
