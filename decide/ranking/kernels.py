@@ -142,14 +142,260 @@ def _prefixes_held(lengths, prefix_class, word, reaching, held, walked):
     return going_on
 
 
-@_inlined  # the walk of every request decide ranks: a call would pay its arrays' reference counts per request
+@_compiled
+def rank_requests(
+    local, offsets, given_target, named, block_sizes,
+    table_keys, table_rows, table_bits, holders, spilled, slots_in_order, order_rank,
+    scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
+):
+    """Rank every request against the index; see `decide.ranking.ranked.RankedBatch` for what comes back.
+
+    `local` holds every request's local hashes end to end, chained into sequence hashes as
+    the walk goes. Per request and per word of 64 workers, the blocks are walked from the
+    first: each class's prefix-AND of worker bits loses a worker where its prefix ends, and
+    the walk stops once no worker of the word holds a prefix in any class (each block is
+    probed once, by the first word's walk that reaches it). Credit adds each native block's
+    best tier weight in block order, as the reference does. `weight_of[tiers held]` is that
+    best weight for a 3-bit set of native tiers (device 1, host 2, disk 4). Each walked row's
+    word is read as four masks (`decide.inventory.rows.row_word`), however the index keeps the row.
+    """
+    count = offsets.size - 1
+    workers = slots_in_order.size
+    words = spilled.shape[2]
+    target_out = np.full(count, -1, dtype=np.int32)
+    credited = np.zeros(count, dtype=np.float64)
+    baseline_out = np.zeros(count, dtype=np.int32)
+    reason = np.full(count, _NO_CANDIDATES, dtype=np.int8)
+    overlap_bounds = np.zeros(count + 1, dtype=np.int64)
+    overlap_slot = np.empty(max(count, 16), dtype=np.int32)
+    overlap_lengths = np.empty((max(count, 16), 5), dtype=np.int32)
+    candidate_bounds = np.zeros(count + 1, dtype=np.int64)
+    capacity = max(count, 16)
+    c_slot = np.empty(capacity, dtype=np.int32)
+    c_tier = np.empty(capacity, dtype=np.int32)
+    c_prefix = np.empty(capacity, dtype=np.int32)
+    c_transfer = np.empty(capacity, dtype=np.int32)
+    c_rank = np.empty(capacity, dtype=np.int32)
+    c_recompute = np.empty(capacity, dtype=np.float64)
+    c_transfer_ms = np.empty(capacity, dtype=np.float64)
+    c_saving = np.empty(capacity, dtype=np.float64)
+    any_tier = tier_enabled[0] or tier_enabled[1] or tier_enabled[2]
+
+    # The sequence hashes as far as each walk chained them (at least the walked blocks):
+    # the relied-on prefixes are read from here, not chained again.
+    sequence = np.empty(local.size, dtype=np.uint64)
+    block_rows = np.empty(64, dtype=np.int64)  # the rows of a request's blocks, as far as probed
+    lengths = np.zeros((5, max(workers, 1)), dtype=np.int32)  # per request, reset where written
+    credit = np.zeros(max(workers, 1), dtype=np.float64)
+    shown_ranks = np.empty(max(workers, 1) + 1, dtype=np.int64)
+    shown_count = 0
+    overlaps, candidates = 0, 0
+
+    for request in range(count):
+        start, stop = offsets[request], offsets[request + 1]
+        blocks = stop - start
+        target = np.int64(given_target[request])
+        choose = named[request] == 0
+        shown_count = 0
+        walked = 0
+        if blocks > 0 and workers > 0:
+            block_rows = _with_room(block_rows, blocks)
+            sequence_hash = local[start]
+            sequence[start] = sequence_hash
+            block_rows[0] = probe(table_keys, table_rows, table_bits, sequence_hash)
+            rows_known = 1
+            # Each word of workers is walked on its own, its masks in registers: a worker's
+            # prefixes and credit depend on its own bits alone, and the rows one word's walk
+            # probed serve the next.
+            for word in range(words):
+                if choose:
+                    credited_bits = _ALL_BITS
+                elif target >= 0 and target // 64 == word:
+                    credited_bits = _ONE << np.uint64(target % 64)
+                else:
+                    credited_bits = _ZERO
+                device, host, disk, retained = row_word(holders, spilled, block_rows[0], word)
+                native_device, native_host, native_disk = device, host, disk
+                native_any = device | host | disk
+                retained_device = device | retained
+                # The workers holding any prefix at all are the ones an answer shows.
+                shown = native_any | retained_device
+                while shown:
+                    bit = _lowest_bit(shown)
+                    shown ^= _ONE << np.uint64(bit)
+                    shown_ranks[shown_count] = order_rank[word * 64 + bit]
+                    shown_count += 1
+                walked = 1
+                while True:
+                    # Credit of block `walked - 1` for every worker whose native prefix reaches it.
+                    holding = native_any & credited_bits
+                    while holding:
+                        bit = _lowest_bit(holding)
+                        flag = _ONE << np.uint64(bit)
+                        holding ^= flag
+                        tiers = 0
+                        if device & flag:
+                            tiers |= 1
+                        if host & flag:
+                            tiers |= 2
+                        if disk & flag:
+                            tiers |= 4
+                        credit[word * 64 + bit] += weight_of[tiers]
+                    if (native_any | retained_device) == _ZERO or walked == blocks:
+                        break
+                    if walked >= rows_known:
+                        # The next blocks' rows at once: their probes do not wait on each other,
+                        # so their cache misses overlap instead of coming one after another.
+                        rows_until = min(walked + _ROWS_AHEAD, blocks)
+                        for ahead in range(rows_known, rows_until):
+                            sequence_hash = chain_hash(sequence_hash, local[start + ahead])
+                            sequence[start + ahead] = sequence_hash
+                            block_rows[ahead] = probe(table_keys, table_rows, table_bits, sequence_hash)
+                        rows_known = rows_until
+                    device, host, disk, retained = row_word(holders, spilled, block_rows[walked], word)
+                    native_device = _prefixes_held(lengths, 0, word, native_device, device, walked)
+                    native_host = _prefixes_held(lengths, 1, word, native_host, host, walked)
+                    native_disk = _prefixes_held(lengths, 2, word, native_disk, disk, walked)
+                    native_any = _prefixes_held(lengths, 3, word, native_any, device | host | disk, walked)
+                    retained_device = _prefixes_held(lengths, 4, word, retained_device, device | retained, walked)
+                    walked += 1
+                # What reaches the last block walked ends there.
+                _prefixes_held(lengths, 0, word, native_device, _ZERO, walked)
+                _prefixes_held(lengths, 1, word, native_host, _ZERO, walked)
+                _prefixes_held(lengths, 2, word, native_disk, _ZERO, walked)
+                _prefixes_held(lengths, 3, word, native_any, _ZERO, walked)
+                _prefixes_held(lengths, 4, word, retained_device, _ZERO, walked)
+            _sort_ranks(shown_ranks, shown_count)
+
+        # The target: the one given, or the first worker (in worker order) of highest credit.
+        if choose and workers > 0:
+            best, best_rank = -np.inf, workers
+            native = 0
+            for position in range(shown_count):
+                slot = slots_in_order[shown_ranks[position]]
+                if lengths[_PREFIX_ANY, slot] > 0:
+                    native += 1
+                    if credit[slot] > best:
+                        best, best_rank = credit[slot], shown_ranks[position]
+            if native < workers and best <= 0.0:
+                # A worker holding nothing has credit 0.0: the first of them in worker order.
+                first_empty = 0
+                for position in range(shown_count):
+                    if shown_ranks[position] == first_empty and lengths[_PREFIX_ANY, slots_in_order[first_empty]] > 0:
+                        first_empty += 1
+                if best < 0.0 or first_empty < best_rank:
+                    best, best_rank = 0.0, first_empty
+            target = np.int64(slots_in_order[best_rank])
+        if target >= 0:
+            credited[request] = credit[target]
+            baseline = lengths[_PREFIX_RETAINED_DEVICE, target]
+        else:
+            baseline = 0
+        target_out[request] = target
+        baseline_out[request] = baseline
+
+        # Overlaps in worker order: every worker holding a prefix, and the target.
+        target_rank = order_rank[target] if target >= 0 else -1
+        if target >= 0:
+            listed = False
+            for position in range(shown_count):
+                if shown_ranks[position] == target_rank:
+                    listed = True
+            if not listed:
+                position = shown_count
+                while position > 0 and shown_ranks[position - 1] > target_rank:
+                    shown_ranks[position] = shown_ranks[position - 1]
+                    position -= 1
+                shown_ranks[position] = target_rank
+                shown_count += 1
+        overlap_slot = _with_room(overlap_slot, overlaps + shown_count)
+        overlap_lengths = _with_room(overlap_lengths, overlaps + shown_count)
+        for position in range(shown_count):
+            slot = slots_in_order[shown_ranks[position]]
+            overlap_slot[overlaps] = slot
+            for prefix_class in range(5):
+                overlap_lengths[overlaps, prefix_class] = lengths[prefix_class, slot]
+            overlaps += 1
+        overlap_bounds[request + 1] = overlaps
+
+        # Candidates: every other worker whose prefix on an enabled tier beats the baseline.
+        if not any_tier:
+            reason[request] = _DISABLED
+        elif not choose or target >= 0:
+            if not scan:
+                reason[request] = _BUDGET_EXHAUSTED
+            else:
+                first = candidates
+                longer = False
+                for position in range(shown_count):
+                    slot = slots_in_order[shown_ranks[position]]
+                    if slot == target:
+                        continue
+                    for tier in range(3):
+                        prefix = lengths[tier, slot]
+                        if not tier_enabled[tier] or prefix <= baseline:
+                            continue
+                        longer = True
+                        transfer_blocks = prefix - baseline
+                        recompute_ms = _recompute_ms(np.int64(transfer_blocks), np.int64(block_sizes[request]), prefill_token_us)
+                        transfer_ms = _transfer_ms(np.int64(transfer_blocks), _block_us(tier == 0, gpu_block_us, block_us))
+                        saving_ms = recompute_ms - transfer_ms
+                        if transfer_blocks < minimum_blocks or not saving_ms >= minimum_saving_ms:
+                            continue
+                        if candidates == c_slot.size:
+                            c_slot, c_tier = _grown(c_slot, candidates + 1), _grown(c_tier, candidates + 1)
+                            c_prefix, c_transfer = _grown(c_prefix, candidates + 1), _grown(c_transfer, candidates + 1)
+                            c_rank = _grown(c_rank, candidates + 1)
+                            c_recompute = _grown(c_recompute, candidates + 1)
+                            c_transfer_ms = _grown(c_transfer_ms, candidates + 1)
+                            c_saving = _grown(c_saving, candidates + 1)
+                        c_slot[candidates], c_tier[candidates], c_prefix[candidates] = slot, tier, prefix
+                        c_transfer[candidates], c_rank[candidates] = transfer_blocks, shown_ranks[position]
+                        c_recompute[candidates], c_transfer_ms[candidates] = recompute_ms, transfer_ms
+                        c_saving[candidates] = saving_ms
+                        candidates += 1
+                _sort_candidates(first, candidates, c_slot, c_tier, c_prefix, c_transfer, c_recompute, c_transfer_ms,
+                                 c_saving, c_rank)
+                if candidates > first:
+                    reason[request] = _CHOSEN
+                elif longer:
+                    reason[request] = _BELOW_THRESHOLD
+        else:
+            reason[request] = _NO_WORKERS
+        candidate_bounds[request + 1] = candidates
+
+        # Scratch back to zero where this request wrote it.
+        for position in range(shown_count):
+            slot = slots_in_order[shown_ranks[position]]
+            credit[slot] = 0.0
+            for prefix_class in range(5):
+                lengths[prefix_class, slot] = 0
+    # Views, not copies: a copy each was a tenth of a single request's time, and the scratch
+    # they leave unused is at most as large again as what they hold.
+    c_recompute, c_transfer_ms, c_saving = c_recompute[:candidates], c_transfer_ms[:candidates], c_saving[:candidates]
+    return (
+        target_out, credited, baseline_out, reason,
+        overlap_bounds, overlap_slot[:overlaps], overlap_lengths[:overlaps],
+        candidate_bounds, c_slot[:candidates], c_tier[:candidates], c_prefix[:candidates],
+        c_transfer[:candidates], c_recompute, c_transfer_ms, c_saving,
+        repr_positions(credited, c_recompute, c_transfer_ms, c_saving), sequence,
+    )
+
+
+# --- a replay sweep: one walk per request, answered under each settings value ----------
+
+
+@_inlined  # a call would pay its arrays' reference counts per request
 def walk_request(local, start, blocks, target, choose, table_keys, table_rows, table_bits, holders, spilled,
                  order_rank, weights, sequence, block_rows, lengths, credit, shown_ranks):
-    """One request's walk (`rank_requests`): for each worker showing a prefix, its five prefix lengths in
-    `lengths` and, where it may be credited (every worker where `choose`, else the target), its credit under each
-    row of `weights` in `credit`'s row; the shown workers' ranks, sorted, in `shown_ranks`. Returns `block_rows`
-    (grown where it had to be) and the number of workers shown. The chained hashes of the walked blocks are
-    written to `sequence`."""
+    """One request's walk as `rank_requests` walks it, its credit under several settings values at once (a replay
+    sweep's): for each worker showing a prefix, its five prefix lengths in `lengths` and, where it may be
+    credited (every worker where `choose`, else the target), its credit under each row of `weights` in that row
+    of `credit`; the shown workers' ranks, sorted, in `shown_ranks`. Returns `block_rows` (grown where it had to
+    be) and the number of workers shown; the chained hashes of the walked blocks are written to `sequence`.
+    `rank_requests` keeps its own copy of this walk, crediting one value: a loop over the values there cost
+    decide's batched ranking 8 %. The replay's reports are checked against the reference model to the last float
+    (tests/test_replay_speed.py), so the two walks cannot drift apart unnoticed."""
     words = spilled.shape[2]
     shown_count = 0
     block_rows = _with_room(block_rows, blocks)
@@ -289,182 +535,6 @@ def best_after_walk(target, choose, workers, shown_count, shown_ranks, slots_in_
         reason = _NO_WORKERS
     return (target, credited, baseline, reason, target_prefix, best_slot, best_tier, best_prefix, best_transfer,
             best_saving)
-
-
-@_compiled
-def rank_requests(
-    local, offsets, given_target, named, block_sizes,
-    table_keys, table_rows, table_bits, holders, spilled, slots_in_order, order_rank,
-    scan, weight_of, tier_enabled, minimum_blocks, minimum_saving_ms, prefill_token_us, block_us, gpu_block_us,
-):
-    """Rank every request against the index; see `decide.ranking.ranked.RankedBatch` for what comes back.
-
-    `local` holds every request's local hashes end to end, chained into sequence hashes as
-    the walk goes. Per request and per word of 64 workers, the blocks are walked from the
-    first: each class's prefix-AND of worker bits loses a worker where its prefix ends, and
-    the walk stops once no worker of the word holds a prefix in any class (each block is
-    probed once, by the first word's walk that reaches it). Credit adds each native block's
-    best tier weight in block order, as the reference does. `weight_of[tiers held]` is that
-    best weight for a 3-bit set of native tiers (device 1, host 2, disk 4). Each walked row's
-    word is read as four masks (`decide.inventory.rows.row_word`), however the index keeps the row.
-    """
-    count = offsets.size - 1
-    workers = slots_in_order.size
-    target_out = np.full(count, -1, dtype=np.int32)
-    credited = np.zeros(count, dtype=np.float64)
-    baseline_out = np.zeros(count, dtype=np.int32)
-    reason = np.full(count, _NO_CANDIDATES, dtype=np.int8)
-    overlap_bounds = np.zeros(count + 1, dtype=np.int64)
-    overlap_slot = np.empty(max(count, 16), dtype=np.int32)
-    overlap_lengths = np.empty((max(count, 16), 5), dtype=np.int32)
-    candidate_bounds = np.zeros(count + 1, dtype=np.int64)
-    capacity = max(count, 16)
-    c_slot = np.empty(capacity, dtype=np.int32)
-    c_tier = np.empty(capacity, dtype=np.int32)
-    c_prefix = np.empty(capacity, dtype=np.int32)
-    c_transfer = np.empty(capacity, dtype=np.int32)
-    c_rank = np.empty(capacity, dtype=np.int32)
-    c_recompute = np.empty(capacity, dtype=np.float64)
-    c_transfer_ms = np.empty(capacity, dtype=np.float64)
-    c_saving = np.empty(capacity, dtype=np.float64)
-    any_tier = tier_enabled[0] or tier_enabled[1] or tier_enabled[2]
-
-    # The sequence hashes as far as each walk chained them (at least the walked blocks):
-    # the relied-on prefixes are read from here, not chained again.
-    sequence = np.empty(local.size, dtype=np.uint64)
-    block_rows = np.empty(64, dtype=np.int64)  # the rows of a request's blocks, as far as probed
-    lengths = np.zeros((5, max(workers, 1)), dtype=np.int32)  # per request, reset where written
-    credit = np.zeros((1, max(workers, 1)), dtype=np.float64)  # `walk_request`'s, under the one settings value
-    weights = np.empty((1, weight_of.size), dtype=np.float64)
-    weights[0, :] = weight_of
-    shown_ranks = np.empty(max(workers, 1) + 1, dtype=np.int64)
-    shown_count = 0
-    overlaps, candidates = 0, 0
-
-    for request in range(count):
-        start, stop = offsets[request], offsets[request + 1]
-        blocks = stop - start
-        target = np.int64(given_target[request])
-        choose = named[request] == 0
-        shown_count = 0
-        if blocks > 0 and workers > 0:
-            block_rows, shown_count = walk_request(
-                local, start, blocks, target, choose, table_keys, table_rows, table_bits, holders, spilled,
-                order_rank, weights, sequence, block_rows, lengths, credit, shown_ranks)
-
-        # The target: the one given, or the first worker (in worker order) of highest credit.
-        if choose and workers > 0:
-            best, best_rank = -np.inf, workers
-            native = 0
-            for position in range(shown_count):
-                slot = slots_in_order[shown_ranks[position]]
-                if lengths[_PREFIX_ANY, slot] > 0:
-                    native += 1
-                    if credit[0, slot] > best:
-                        best, best_rank = credit[0, slot], shown_ranks[position]
-            if native < workers and best <= 0.0:
-                # A worker holding nothing has credit 0.0: the first of them in worker order.
-                first_empty = 0
-                for position in range(shown_count):
-                    if shown_ranks[position] == first_empty and lengths[_PREFIX_ANY, slots_in_order[first_empty]] > 0:
-                        first_empty += 1
-                if best < 0.0 or first_empty < best_rank:
-                    best, best_rank = 0.0, first_empty
-            target = np.int64(slots_in_order[best_rank])
-        if target >= 0:
-            credited[request] = credit[0, target]
-            baseline = lengths[_PREFIX_RETAINED_DEVICE, target]
-        else:
-            baseline = 0
-        target_out[request] = target
-        baseline_out[request] = baseline
-
-        # Overlaps in worker order: every worker holding a prefix, and the target.
-        target_rank = order_rank[target] if target >= 0 else -1
-        if target >= 0:
-            listed = False
-            for position in range(shown_count):
-                if shown_ranks[position] == target_rank:
-                    listed = True
-            if not listed:
-                position = shown_count
-                while position > 0 and shown_ranks[position - 1] > target_rank:
-                    shown_ranks[position] = shown_ranks[position - 1]
-                    position -= 1
-                shown_ranks[position] = target_rank
-                shown_count += 1
-        overlap_slot = _with_room(overlap_slot, overlaps + shown_count)
-        overlap_lengths = _with_room(overlap_lengths, overlaps + shown_count)
-        for position in range(shown_count):
-            slot = slots_in_order[shown_ranks[position]]
-            overlap_slot[overlaps] = slot
-            for prefix_class in range(5):
-                overlap_lengths[overlaps, prefix_class] = lengths[prefix_class, slot]
-            overlaps += 1
-        overlap_bounds[request + 1] = overlaps
-
-        # Candidates: every other worker whose prefix on an enabled tier beats the baseline.
-        if not any_tier:
-            reason[request] = _DISABLED
-        elif not choose or target >= 0:
-            if not scan:
-                reason[request] = _BUDGET_EXHAUSTED
-            else:
-                first = candidates
-                longer = False
-                for position in range(shown_count):
-                    slot = slots_in_order[shown_ranks[position]]
-                    if slot == target:
-                        continue
-                    for tier in range(3):
-                        prefix = lengths[tier, slot]
-                        if not tier_enabled[tier] or prefix <= baseline:
-                            continue
-                        longer = True
-                        transfer_blocks = prefix - baseline
-                        recompute_ms = _recompute_ms(np.int64(transfer_blocks), np.int64(block_sizes[request]), prefill_token_us)
-                        transfer_ms = _transfer_ms(np.int64(transfer_blocks), _block_us(tier == 0, gpu_block_us, block_us))
-                        saving_ms = recompute_ms - transfer_ms
-                        if transfer_blocks < minimum_blocks or not saving_ms >= minimum_saving_ms:
-                            continue
-                        if candidates == c_slot.size:
-                            c_slot, c_tier = _grown(c_slot, candidates + 1), _grown(c_tier, candidates + 1)
-                            c_prefix, c_transfer = _grown(c_prefix, candidates + 1), _grown(c_transfer, candidates + 1)
-                            c_rank = _grown(c_rank, candidates + 1)
-                            c_recompute = _grown(c_recompute, candidates + 1)
-                            c_transfer_ms = _grown(c_transfer_ms, candidates + 1)
-                            c_saving = _grown(c_saving, candidates + 1)
-                        c_slot[candidates], c_tier[candidates], c_prefix[candidates] = slot, tier, prefix
-                        c_transfer[candidates], c_rank[candidates] = transfer_blocks, shown_ranks[position]
-                        c_recompute[candidates], c_transfer_ms[candidates] = recompute_ms, transfer_ms
-                        c_saving[candidates] = saving_ms
-                        candidates += 1
-                _sort_candidates(first, candidates, c_slot, c_tier, c_prefix, c_transfer, c_recompute, c_transfer_ms,
-                                 c_saving, c_rank)
-                if candidates > first:
-                    reason[request] = _CHOSEN
-                elif longer:
-                    reason[request] = _BELOW_THRESHOLD
-        else:
-            reason[request] = _NO_WORKERS
-        candidate_bounds[request + 1] = candidates
-
-        # Scratch back to zero where this request wrote it.
-        for position in range(shown_count):
-            slot = slots_in_order[shown_ranks[position]]
-            credit[0, slot] = 0.0
-            for prefix_class in range(5):
-                lengths[prefix_class, slot] = 0
-    # Views, not copies: a copy each was a tenth of a single request's time, and the scratch
-    # they leave unused is at most as large again as what they hold.
-    c_recompute, c_transfer_ms, c_saving = c_recompute[:candidates], c_transfer_ms[:candidates], c_saving[:candidates]
-    return (
-        target_out, credited, baseline_out, reason,
-        overlap_bounds, overlap_slot[:overlaps], overlap_lengths[:overlaps],
-        candidate_bounds, c_slot[:candidates], c_tier[:candidates], c_prefix[:candidates],
-        c_transfer[:candidates], c_recompute, c_transfer_ms, c_saving,
-        repr_positions(credited, c_recompute, c_transfer_ms, c_saving), sequence,
-    )
 
 
 @_compiled
