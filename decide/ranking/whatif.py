@@ -4,8 +4,9 @@
 been answered under other reuse settings, each at its own inventory seq, and whether those
 answers would still have held at their horizon. Here that is done the way decide answers: the
 recorded timeline becomes rows of decide's index (`decide.rows`: who holds each sequence hash,
-in which class), and the requests are ranked by `decide.ranking.kernels.rank_requests` in batches, one
-batch per inventory seq, every settings value over the same rows.
+in which class), and the requests are answered as `decide.ranking.kernels.rank_requests` ranks them, in
+batches, one batch per inventory seq, every settings value over the same rows and from one walk of each
+request (`walk_request`, `best_after_walk`).
 
 Two timelines, as the reference (`store/whatif_reference.py`) reads them:
 
