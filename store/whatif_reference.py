@@ -32,7 +32,6 @@ import gc
 import math
 import operator
 import struct
-import warnings
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -761,7 +760,7 @@ class StayTables:
 
 def stay_tables(connection: sa.Connection, last_seq: int | None = None) -> StayTables:
     """The local placements, and their stays and removal runs stored at or before `last_seq` (None: all), as
-    int64 columns (SQLite: one `group_concat` text per column, parsed by numpy, each table read in its key's
+    int64 columns (SQLite: one `group_concat` text per column, parsed by a compiled loop, each table read in its key's
     order, (placement, stored seq, slot), which makes matching a stay to its removal run a search of sorted
     keys; PostgreSQL: `COPY … (FORMAT binary)` read as one numpy record array). Known the window or not:
     `kvledger replay` reads them while it reads the window."""
@@ -941,10 +940,11 @@ def _concatenated(connection: sa.Connection, table: str, columns: Sequence[str],
     """SQLite: integer columns (none NULL, `key`'s among them) of every row of `table` (block_stays or
     block_removals), or of those `bound` (an SQL condition) keeps, as int64 arrays in the order of `key`, the
     table's primary key (a WITHOUT ROWID table's rows lie in that order): one `group_concat` text per column,
-    which numpy parses without a Python int per value; in pieces of `_ROWS_PER_TEXT` rows, each after the last
-    one's key, so that no text passes SQLite's length limit."""
+    parsed by a compiled loop (`_parsed`) without a Python int per value or the interpreter's lock; in pieces
+    of `_ROWS_PER_TEXT` rows, each after the last one's key, so that no text passes SQLite's length limit."""
     raw = connection.connection.driver_connection
-    aggregated = ", ".join(f"group_concat({column})" for column in columns)
+    # As BLOBs: the driver hands them over as bytes, without decoding a text the size of the column.
+    aggregated = ", ".join(f"CAST(group_concat({column}) AS BLOB)" for column in columns)
     ordered = ", ".join(key)
 
     def piece(after: str) -> list:
@@ -979,15 +979,43 @@ def _last_key(parts: Sequence[np.ndarray]) -> tuple[int, ...]:
     return tuple(last)
 
 
-def _parsed(text: str, count: int) -> np.ndarray:
+def _parsed(text: bytes | None, count: int) -> np.ndarray:
+    """The `count` integers of a `group_concat` of integers (SQLite's texts of them, comma-separated), parsed
+    without the interpreter's lock (`_integers_in`), so that the window's read goes on in the other thread."""
     if not count:
         return np.zeros(0, dtype=np.int64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        values = np.fromstring(text, dtype=np.int64, sep=",")
-    if values.size != count:
-        raise ValueError(f"read {values.size} of {count} values")
+    values, parsed = _integers_in(np.frombuffer(text or b"", dtype=np.uint8), count)
+    if parsed != count:
+        raise ValueError(f"read {parsed} of {count} values" if parsed >= 0 else
+                         f"read a text that is not {count} comma-separated integers")
     return values
+
+
+@numba.njit(cache=True, nogil=True)
+def _integers_in(text, count):
+    """The integers of `text` (ASCII, each an optional '-' and digits, comma-separated, at most `count`) and how
+    many were read, -1 where a byte is out of place. A 20-digit value wraps as int64 arithmetic does: SQLite
+    writes none (its widest is -9223372036854775808, which wraps to itself)."""
+    values = np.empty(count, dtype=np.int64)
+    parsed, value, digits, negative = 0, 0, 0, False
+    for byte in text:
+        if byte == 44:  # ','
+            if digits == 0 or parsed == count:
+                return values, -1
+            values[parsed] = -value if negative else value
+            parsed += 1
+            value, digits, negative = 0, 0, False
+        elif 48 <= byte <= 57:
+            value = value * 10 + (byte - 48)
+            digits += 1
+        elif byte == 45 and digits == 0 and not negative:  # '-'
+            negative = True
+        else:
+            return values, -1
+    if digits == 0 or parsed == count:
+        return values, -1
+    values[parsed] = -value if negative else value
+    return values, parsed + 1
 
 
 def _copied(connection: sa.Connection, table: str, columns: Sequence[str], where: str) -> list[np.ndarray]:

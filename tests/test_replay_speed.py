@@ -11,6 +11,7 @@ from SQL and from the streams. Then the bad input the command refuses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -228,3 +229,23 @@ def test_each_stay_finds_its_removal_run_in_key_order_or_not(stays_in_key_order)
     found = reference._removed_seqs(stay_key, slot, removal_key, first, last, removed_seq, reference.NEVER)
     assert 0 < np.count_nonzero(found != reference.NEVER) < found.size
     assert np.array_equal(found, expected)
+
+
+def test_sqlite_integer_texts_are_parsed_exactly_and_anything_else_is_refused() -> None:
+    """`stay_tables` parses SQLite's `group_concat` of integers itself (`_parsed`, without the interpreter's
+    lock): every int64 SQLite writes, the extremes included, comes back as it was stored; a text that is not the
+    expected count of comma-separated integers is refused, never read short."""
+    import sqlite3
+
+    values = [0, 1, -1, 2**63 - 1, -2**63, 123_456_789, -987_654_321, 10, -10]
+    with contextlib.closing(sqlite3.connect(":memory:")) as connection:
+        connection.execute("CREATE TABLE numbers (value INTEGER)")
+        connection.executemany("INSERT INTO numbers VALUES (?)", [(value,) for value in values])
+        text, = connection.execute("SELECT CAST(group_concat(value) AS BLOB) FROM numbers").fetchone()
+    assert reference._parsed(text, len(values)).tolist() == values
+    assert reference._parsed(None, 0).tolist() == []
+    for bad in (b"1,,2", b"1,a", b"-", b"1,2,", b"--1", b"1-2", b"1,2,3", b" 1,2"):
+        with pytest.raises(ValueError, match="not 2 comma-separated integers"):
+            reference._parsed(bad, 2)
+    with pytest.raises(ValueError, match="read 1 of 2 values"):
+        reference._parsed(b"7", 2)
