@@ -53,7 +53,6 @@ NONE = -2  # no worker at all (nothing chosen, no target)
 # How an answer's target was given: chosen by credit (or none), the one the request named, its fallback.
 CHOSEN_BY_CREDIT, NAMED, FALLBACK = 0, 1, 2
 _PLANE_OF = {key: plane for plane, key in enumerate(CLASSES)}
-_PREFIX_ANY = 3
 _UNJUDGED = -1
 
 
