@@ -31,7 +31,7 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Pa
 
 from kvledger.app import replay as fast  # noqa: E402
 from kvledger.core.settings import ReuseSettings  # noqa: E402
-from kvledger.store import replay as reference  # noqa: E402
+from kvledger.store import whatif_reference as reference  # noqa: E402
 
 SWEEP = (
     ("on", ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)),
