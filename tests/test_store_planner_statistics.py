@@ -73,7 +73,9 @@ async def test_a_caught_up_store_analyzes_what_it_wrote_and_a_restart_with_littl
     async with RunningStore(settings) as running:
         await running.until(lambda: checkpoint(postgres_url) >= more, f"checkpoint {more}")
         assert running.service.metrics.analyzes.value == 0
-    assert _analyzed(postgres_url)[:2] == (count, estimate)
+    # Only store's own ANALYZE counts here: PostgreSQL's autovacuum may sample the table on its own
+    # (1 600 rows pass its threshold of 50 + a tenth of 12 800) and move the estimate without it.
+    assert _analyzed(postgres_url)[0] == count
 
 
 @pytest.mark.service
