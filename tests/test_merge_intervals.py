@@ -33,12 +33,9 @@ def test_each_key_is_the_union_of_its_stays_in_disjoint_sorted_intervals(stays, 
     minors = np.array([minor for _, minor, _, _ in stays], dtype=np.int64)
     starts = np.array([start for _, _, start, _ in stays], dtype=np.int64)
     ends = starts + np.array([length for _, _, _, length in stays], dtype=np.int64)
-    keys, merged_starts, merged_ends, firsts = merge_intervals(rows, minors, MINORS, starts, ends)
+    keys, merged_starts, merged_ends = merge_intervals(rows, minors, MINORS, starts, ends)
     intervals = list(zip(keys.tolist(), merged_starts.tolist(), merged_ends.tolist()))
     assert intervals == sorted(intervals)
     for (key, start, end), (next_key, next_start, _) in zip(intervals, intervals[1:]):
         assert start < end and (key < next_key or end < next_start)  # disjoint, not touching
     assert _held(keys // MINORS, keys % MINORS, merged_starts, merged_ends) == _held(rows, minors, starts, ends.tolist())
-    # Each interval's first item is one of its key's stays, starting where the interval does.
-    assert (rows[firsts] * MINORS + minors[firsts]).tolist() == keys.tolist()
-    assert (starts[firsts] == merged_starts).all()

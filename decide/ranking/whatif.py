@@ -451,12 +451,11 @@ def merge_intervals(rows: np.ndarray, minors: np.ndarray, minor_count: int, star
                     ends: np.ndarray) -> tuple[np.ndarray, ...]:
     """Per key (row * minor_count + minor), the union of its intervals [start, end) as disjoint, non-touching
     ones, sorted by (key, start): held at a seq when some interval covers it, however many stays overlap there.
-    Returns their keys, starts, ends and first items (an index into the arguments, to gather what else a key
-    stands for)."""
+    Returns their keys, starts and ends."""
     rows, minors = rows.astype(np.int64, copy=False), minors.astype(np.int64, copy=False)
     starts, ends = starts.astype(np.int64, copy=False), ends.astype(np.int64, copy=False)
     if not rows.size:
-        return rows, starts, ends, np.zeros(0, dtype=np.int64)
+        return rows, starts, ends
     keys = rows * minor_count + minors
     # Stays come in their placement's seq order (SQL's key): two stable counting sorts, by minor then by row,
     # leave each key's items in start order, where a sort of the keys costs n log n. Checked, and sorted else.
@@ -540,7 +539,6 @@ def _merged(order, keys, starts, ends):
     out_keys = np.empty(keys.size, dtype=np.int64)
     out_starts = np.empty(keys.size, dtype=np.int64)
     out_ends = np.empty(keys.size, dtype=np.int64)
-    out_firsts = np.empty(keys.size, dtype=np.int64)
     count = -1
     for position in range(order.size):
         item = order[position]
@@ -552,9 +550,8 @@ def _merged(order, keys, starts, ends):
                 out_ends[count] = end
             continue
         count += 1
-        out_keys[count], out_starts[count], out_ends[count], out_firsts[count] = key, start, end, item
-    return (out_keys[:count + 1].copy(), out_starts[:count + 1].copy(), out_ends[:count + 1].copy(),
-            out_firsts[:count + 1].copy())
+        out_keys[count], out_starts[count], out_ends[count] = key, start, end
+    return out_keys[:count + 1].copy(), out_starts[:count + 1].copy(), out_ends[:count + 1].copy()
 
 
 @attrs.frozen
@@ -683,7 +680,7 @@ class StayTimeline:
         minor_bits = (workers * PLANES - 1).bit_length()
         if distinct >= 1 << (62 - minor_bits):
             raise ValueError(f"a replay of {worker_count} workers reads at most {1 << (62 - minor_bits)} hashes")
-        keys, start, end, _firsts = merge_intervals(rows, minor, 1 << minor_bits, start, end)
+        keys, start, end = merge_intervals(rows, minor, 1 << minor_bits, start, end)
         held_rows = keys >> minor_bits
 
         # Ranking: each interval as the inventory seqs it covers, applied at the first and undone after the last.
