@@ -63,6 +63,7 @@ import services  # noqa: E402  (the test suite's throwaway servers)
 
 from kvledger.core.settings import ReuseSettings, load_settings  # noqa: E402
 from kvledger.store import database  # noqa: E402
+from kvledger.store.commands import store_progress  # noqa: E402
 
 
 def _bench_module(name: str):
@@ -116,7 +117,7 @@ def _scalar(db_url: str, statement: str):
 
 def verdicts_left(db_url: str) -> int:
     """Decisions still waiting for a verdict that an event in SQL has settled (0: judging is done)."""
-    return _scalar(db_url, "SELECT COUNT(*) FROM verdicts_pending WHERE due_ts <= (SELECT MAX(ingest_ts) FROM event_log)")
+    return store_progress(db_url)[1]
 
 
 def _cpu_s() -> float:

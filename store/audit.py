@@ -20,7 +20,7 @@ from kvledger.store import tables
 from kvledger.store.pruning import DECISIONS_PRUNED, HistoryPruned, pruned_through, refuse_pruned
 from kvledger.store.sharding import sharded_events_checkpoint
 from kvledger.store.tables import to_signed, to_unsigned
-from kvledger.store.verdicts import horizon_ms_of, judge_into
+from kvledger.store.verdicts import horizon_ms_of, judge_into, newest_ingest_ts, settled_pending
 
 
 @attrs.frozen
@@ -551,10 +551,8 @@ class Audit:
         return "store+sql" if self._due_pending(horizon_ms) else "store"
 
     def _due_pending(self, horizon_ms: float) -> list[tuple[int, float, float]]:
-        p, e = tables.verdicts_pending.c, tables.event_log.c
-        newest = sa.select(sa.func.max(e.ingest_ts)).scalar_subquery()
-        return [tuple(row) for row in self.connection.execute(
-            sa.select(p.stream_seq, p.horizon_ms, p.due_ts).where(p.horizon_ms == horizon_ms, p.due_ts <= newest))]
+        pending = settled_pending(newest_ingest_ts()).where(tables.verdicts_pending.c.horizon_ms == horizon_ms)
+        return [tuple(row) for row in self.connection.execute(pending)]
 
     def _judged(self, query: Query, horizon_s: float) -> list[dict]:
         """`query` over the verdicts at `horizon_s`: store's where it judges that horizon, with what it has not

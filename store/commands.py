@@ -19,6 +19,7 @@ from kvledger.store import database
 from kvledger.store.audit import Audit
 from kvledger.store.pruning import HistoryPruned
 from kvledger.store.tables import parse_hash
+from kvledger.store.verdicts import newest_ingest_ts, settled_pending
 
 
 def run_store(settings: Settings) -> int:
@@ -408,17 +409,13 @@ def ledger_counts(url: str) -> dict[str, int]:
         return {name: connection.exec_driver_sql(sql).scalar() or 0 for name, sql in queries.items()}
 
 
-def checkpoint_seqs(url: str) -> dict[str, int]:
-    """The last stream seq the store committed, per stream."""
+def store_progress(url: str) -> tuple[dict[str, int], int]:
+    """The last stream seq the store committed, per stream; and the verdicts an event in SQL has settled that
+    store has not written yet (its sweeper judges them shortly; until then an audit judges them itself, in
+    SQL, each time it is asked). One connection for both: a caller polls this."""
     with database.opened(url) as engine, engine.connect() as connection:
-        rows = connection.exec_driver_sql("SELECT stream, MAX(stream_seq) FROM checkpoints GROUP BY stream")
-        return {stream: seq for stream, seq in rows}
-
-
-def verdicts_due(url: str) -> int:
-    """Verdicts an event in SQL has settled that store has not written yet (its sweeper judges them shortly;
-    until then an audit judges them itself, in SQL, each time it is asked)."""
-    with database.opened(url) as engine, engine.connect() as connection:
-        return connection.exec_driver_sql(
-            "SELECT COUNT(*) FROM verdicts_pending WHERE due_ts <= (SELECT MAX(ingest_ts) FROM event_log)"
-        ).scalar_one()
+        checkpoints = dict(connection.exec_driver_sql(
+            "SELECT stream, MAX(stream_seq) FROM checkpoints GROUP BY stream").all())
+        due = connection.execute(sa.select(sa.func.count()).select_from(
+            settled_pending(newest_ingest_ts()).subquery())).scalar_one()
+        return checkpoints, due

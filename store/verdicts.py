@@ -258,21 +258,30 @@ def pending_rows(rows: Iterable[tuple[sa.Table, dict]], horizons_ms: Sequence[fl
     ]
 
 
+def settled_pending(newest) -> sa.Select:
+    """The pending verdicts an event in SQL has settled: due (decided_ts + horizon) no later than `newest`,
+    the newest event's ingest_ts (a value, or `newest_ingest_ts()` to have SQL find it)."""
+    p = tables.verdicts_pending.c
+    return sa.select(p.stream_seq, p.horizon_ms, p.due_ts).where(p.due_ts <= newest)
+
+
+def newest_ingest_ts() -> sa.ScalarSelect:
+    return sa.select(sa.func.max(tables.event_log.c.ingest_ts)).scalar_subquery()
+
+
 def sweep_once(engine: sa.Engine, limit: int = SWEEP_CHUNK) -> int:
     """Judge in SQL the pending decisions an event in SQL has settled (oldest due first, at most `limit`),
     and drop their pending rows, in one transaction; returns how many were judged."""
-    p, e = tables.verdicts_pending.c, tables.event_log.c
+    p = tables.verdicts_pending.c
     with engine.begin() as connection:
         if connection.dialect.name == "sqlite":
             # Take the write lock first: a transaction that reads before it writes fails to write
             # (SQLITE_BUSY_SNAPSHOT) whenever the events writer committed in between.
             connection.exec_driver_sql("UPDATE verdict_horizons SET since_ts = since_ts WHERE 1 = 0")
-        newest = connection.execute(sa.select(sa.func.max(e.ingest_ts))).scalar_one()
+        newest = connection.execute(sa.select(newest_ingest_ts())).scalar_one()
         if newest is None:
             return 0
-        due = connection.execute(
-            sa.select(p.stream_seq, p.horizon_ms, p.due_ts).where(p.due_ts <= newest).order_by(p.due_ts).limit(limit)
-        ).all()
+        due = connection.execute(settled_pending(newest).order_by(p.due_ts).limit(limit)).all()
         if not due:
             return 0
         judged = judge_into(connection, "decision_verdicts", [tuple(row) for row in due])

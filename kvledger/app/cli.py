@@ -428,7 +428,7 @@ async def _wait_decide_ready(nc, on_slow: Callable[[], None] = lambda: None) -> 
 async def _wait_store_caught_up(nc, settings: Settings, timeout: float = 60) -> bool:
     """Until the store's checkpoints reach the ends of KV_EVENTS and KV_DECISIONS, and its sweeper has written
     the verdicts those events settled (False on timeout): the summary then reads verdicts, judging none."""
-    from kvledger.store.commands import checkpoint_seqs, verdicts_due
+    from kvledger.store.commands import store_progress
 
     js = nc.jetstream()
     loop = asyncio.get_running_loop()
@@ -438,9 +438,9 @@ async def _wait_store_caught_up(nc, settings: Settings, timeout: float = 60) -> 
             name: (await js.stream_info(name)).state.last_seq
             for name in (settings.stream.events_stream, settings.stream.decisions_stream)
         }
-        done = await asyncio.to_thread(checkpoint_seqs, settings.db.url)
+        done, verdicts_due = await asyncio.to_thread(store_progress, settings.db.url)
         if all(done.get(name, 0) >= end for name, end in ends.items()) and not (
-            settings.store.quality_horizons_ms and await asyncio.to_thread(verdicts_due, settings.db.url)
+            settings.store.quality_horizons_ms and verdicts_due
         ):
             return True
         await asyncio.sleep(0.2)
