@@ -38,6 +38,19 @@ _BYTE = np.uint64(0xFF)
 _ZERO = np.uint64(0)
 _ALL_BITS = np.uint64(0xFFFFFFFFFFFFFFFF)
 
+
+@_inlined
+def _candidate_costs(transfer_blocks, block_size, from_device, prefill_token_us, block_us, gpu_block_us,
+                     minimum_blocks, minimum_saving_ms):
+    """A candidate's recompute, transfer and saving (ms) for moving `transfer_blocks` blocks from a device tier
+    or not, and whether it is kept: at least `minimum_blocks` moved and `minimum_saving_ms` saved (a NaN saving
+    never is). The one rule of decide's ranking, the replay's and the shadow's re-ask."""
+    recompute_ms = _recompute_ms(np.int64(transfer_blocks), np.int64(block_size), prefill_token_us)
+    transfer_ms = _transfer_ms(np.int64(transfer_blocks), _block_us(from_device, gpu_block_us, block_us))
+    saving_ms = recompute_ms - transfer_ms
+    return recompute_ms, transfer_ms, saving_ms, transfer_blocks >= minimum_blocks and saving_ms >= minimum_saving_ms
+
+
 # --- bits -------------------------------------------------------------------------------
 
 _DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
@@ -337,10 +350,10 @@ def rank_requests(
                             continue
                         longer = True
                         transfer_blocks = prefix - baseline
-                        recompute_ms = _recompute_ms(np.int64(transfer_blocks), np.int64(block_sizes[request]), prefill_token_us)
-                        transfer_ms = _transfer_ms(np.int64(transfer_blocks), _block_us(tier == 0, gpu_block_us, block_us))
-                        saving_ms = recompute_ms - transfer_ms
-                        if transfer_blocks < minimum_blocks or not saving_ms >= minimum_saving_ms:
+                        recompute_ms, transfer_ms, saving_ms, kept = _candidate_costs(
+                            transfer_blocks, block_sizes[request], tier == 0, prefill_token_us, block_us, gpu_block_us,
+                            minimum_blocks, minimum_saving_ms)
+                        if not kept:
                             continue
                         if candidates == c_slot.size:
                             c_slot, c_tier = _grown(c_slot, candidates + 1), _grown(c_tier, candidates + 1)
@@ -515,10 +528,9 @@ def best_after_walk(target, choose, workers, shown_count, shown_ranks, slots_in_
                     continue
                 longer = True
                 transfer_blocks = prefix - baseline
-                recompute_ms = _recompute_ms(np.int64(transfer_blocks), np.int64(block_size), prefill_token_us)
-                transfer_ms = _transfer_ms(np.int64(transfer_blocks), _block_us(tier == 0, gpu_block_us, block_us))
-                saving_ms = recompute_ms - transfer_ms
-                if transfer_blocks < minimum_blocks or not saving_ms >= minimum_saving_ms:
+                _, _, saving_ms, kept = _candidate_costs(transfer_blocks, block_size, tier == 0, prefill_token_us,
+                                                         block_us, gpu_block_us, minimum_blocks, minimum_saving_ms)
+                if not kept:
                     continue
                 rank = shown_ranks[position]
                 # `_ranks_before`: saving (higher first), longer prefix, tier, worker order.

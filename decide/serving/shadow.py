@@ -34,7 +34,7 @@ from kvledger.decide.compiled import compiled as _compiled
 from kvledger.decide.ranking.backend import RankingBackend
 from kvledger.decide.ranking.cpu import CpuBackend, KernelSettings, _scan, rank_arguments
 from kvledger.decide.ranking.kernels import (
-    _block_us, _put, _put_integer, _put_number, _put_slice, _recompute_ms, _transfer_ms, needs_repr, rank_requests, relied_prefix_texts, repr_texts_of, write_ranked_answers,
+    _candidate_costs, _put, _put_integer, _put_number, _put_slice, needs_repr, rank_requests, relied_prefix_texts, repr_texts_of, write_ranked_answers,
 )
 from kvledger.decide.ranking.packed import split_text_pairs
 from kvledger.decide.ranking.ranked import (
@@ -253,12 +253,10 @@ def _live_and_shadow(
                             continue
                         longer = True
                         transfer_blocks = prefix - floor
-                        recompute_ms = _recompute_ms(np.int64(transfer_blocks), np.int64(block_sizes[request]),
-                                                     s_prefill_token_us)
-                        transfer_ms = _transfer_ms(np.int64(transfer_blocks),
-                                                   _block_us(tier == 0, s_gpu_block_us, s_block_us))
-                        saving_ms = recompute_ms - transfer_ms
-                        if transfer_blocks < s_minimum_blocks or not saving_ms >= s_minimum_saving_ms:
+                        recompute_ms, transfer_ms, saving_ms, kept = _candidate_costs(
+                            transfer_blocks, block_sizes[request], tier == 0, s_prefill_token_us, s_block_us,
+                            s_gpu_block_us, s_minimum_blocks, s_minimum_saving_ms)
+                        if not kept:
                             continue
                         # `kvledger.core.reuse.ranking_key`: saving, longer prefix, tier, worker order (earlier kept).
                         if (best < 0 or saving_ms > best_saving
