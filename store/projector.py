@@ -328,15 +328,20 @@ async def _wait_out_failure(error: Exception, stream: str, metrics: StoreMetrics
 _NEVER_STALLED = object()
 
 
-async def _wait_while(holds: Callable[[], bool], progress: asyncio.Event, limit_s: Callable[[], float]) -> float | None:
-    """Wait while `holds()`, looking again whenever `progress` is set; give up once `limit_s()` seconds have passed
-    (read at each look). None once it no longer holds, else the seconds waited when it gave up."""
-    started = time.monotonic()
+async def _wait_while(holds: Callable[[], bool], progress: asyncio.Event, mark: Callable[[], object],
+                      limit_s: Callable[[], float]) -> float | None:
+    """Wait while `holds()`, looking again whenever `progress` is set; give up once `limit_s()` seconds (read at
+    each look) have passed with `mark()` (what the awaited projector has done) unchanged. A projector that
+    goes on, however slowly, is waited for: on a large backlog one step of it can take seconds. None once it no
+    longer holds, else the seconds waited since its last step when it gave up."""
+    since, last = time.monotonic(), mark()
     while True:
         progress.clear()  # before the look, so progress made after it wakes the wait below
         if not holds():
             return None
-        waited, limit = time.monotonic() - started, limit_s()
+        if mark() != last:
+            since, last = time.monotonic(), mark()
+        waited, limit = time.monotonic() - since, limit_s()
         if waited > limit:
             return waited
         try:
@@ -379,6 +384,7 @@ class DecisionsHold:
     async def wait(self, ingest_ts: float) -> None:
         decisions = self.decisions
         waited = await _wait_while(lambda: self.holds(ingest_ts), decisions.progressed,
+                                   lambda: decisions.last_decided_ts,
                                    lambda: self.WRITING_STALL_S if decisions.writing else self.STALL_S)
         if waited is not None:
             self._stalled_at = decisions.last_decided_ts
@@ -419,7 +425,7 @@ class VerdictsBacklogHold:
 
     async def wait(self) -> None:
         events = self.events
-        waited = await _wait_while(self.holds, events.folded,
+        waited = await _wait_while(self.holds, events.folded, lambda: events.folded_fetches,
                                    lambda: self.WRITING_STALL_S if events.draining else self.STALL_S)
         if waited is not None:
             self._stalled_at = events.folded_fetches

@@ -35,7 +35,7 @@ from kvledger.runtime.streams import DECIDE_BATCH_SUBJECT, ensure_stream, events
 from quality_reference import reference_verdicts
 from kvledger.store import database, tables
 from kvledger.store.changes import VERDICT_COLUMNS
-from kvledger.store.projector import DecisionsHold
+from kvledger.store.projector import DecisionsHold, VerdictsBacklogHold
 from kvledger.store.verdicts import judge_into
 from store_harness import RunningStore, StoreProcess, checkpoint, poll, store_settings
 
@@ -369,6 +369,61 @@ def test_a_backlog_is_judged_by_the_fold_however_far_its_decisions_run_ahead(nat
             if sample.value} == {}
     judged_by = assert_verdicts_are_the_sql_judgement(db_url, decisions, (horizon_ms,))
     assert set(judged_by[horizon_ms]) == {"fold"}
+
+
+@attrs.define
+class FoldSeen:
+    """What VerdictsBacklogHold reads of the events projector (store.projector.EventsProjector's fields)."""
+
+    ready: bool = True
+    caught_up: bool = False
+    waiting_for_decisions: bool = False
+    draining: bool = False
+    folded_fetches: int = 0
+    folded: asyncio.Event = attrs.field(factory=asyncio.Event)
+
+
+@attrs.define
+class PendingSeen:
+    """What VerdictsBacklogHold reads of the fold's QualityTracker: decisions waiting, and its limit."""
+
+    waiting: int
+    max_pending: int = 100
+    horizons_ms: tuple[float, ...] = (60.0,)
+
+
+async def test_decisions_wait_for_a_fold_that_goes_on_slowly_and_not_for_one_that_has_stopped() -> None:
+    # A fold on a large backlog can take longer than the stall limit to make room, one step after another:
+    # the decisions projector waits for it as long as it folds (else its decisions would go to the SQL
+    # judge), and gives up only on a fold that has folded nothing for the limit.
+    fold, pending = FoldSeen(), PendingSeen(waiting=100)
+    hold = VerdictsBacklogHold(fold, pending, transaction_decisions=10)
+    hold.STALL_S = 0.3
+
+    async def slow_fold() -> None:
+        for _ in range(8):  # 8 steps of 0.15 s: 1.2 s in all, four times the limit, each step within it
+            await asyncio.sleep(0.15)
+            fold.folded_fetches += 1
+            fold.folded.set()
+        pending.waiting = 0  # the last step settled the decisions waiting
+        fold.folded_fetches += 1
+        fold.folded.set()
+
+    assert hold.holds()
+    folding = asyncio.create_task(slow_fold())
+    started = time.monotonic()
+    await hold.wait()
+    assert pending.waiting == 0 and time.monotonic() - started > 1.0  # it waited for the room, not the limit
+    await folding
+
+    pending.waiting = 100  # the fold stops: the decisions go on after the limit
+    assert hold.holds()
+    started = time.monotonic()
+    await hold.wait()
+    assert 0.3 <= time.monotonic() - started < 1.0 and pending.waiting == 100
+    assert not hold.holds()  # until the fold folds again
+    fold.folded_fetches += 1
+    assert hold.holds()
 
 
 def test_events_go_on_when_the_decisions_projector_cannot_write(nats_server, request, tmp_path) -> None:
