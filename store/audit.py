@@ -548,11 +548,13 @@ class Audit:
         h = tables.verdict_horizons.c
         if self.connection.execute(sa.select(h.horizon_ms).where(h.horizon_ms == horizon_ms)).first() is None:
             return "sql"
-        return "store+sql" if self._due_pending(horizon_ms) else "store"
+        due = self.connection.execute(self._due_pending(horizon_ms).limit(1)).first()
+        return "store" if due is None else "store+sql"
 
-    def _due_pending(self, horizon_ms: float) -> list[tuple[int, float, float]]:
-        pending = settled_pending(newest_ingest_ts()).where(tables.verdicts_pending.c.horizon_ms == horizon_ms)
-        return [tuple(row) for row in self.connection.execute(pending)]
+    @staticmethod
+    def _due_pending(horizon_ms: float) -> sa.Select:
+        """The pending verdicts at `horizon_ms` an event in SQL has settled: the SQL judge's until store writes them."""
+        return settled_pending(newest_ingest_ts()).where(tables.verdicts_pending.c.horizon_ms == horizon_ms)
 
     def _judged(self, query: Query, horizon_s: float) -> list[dict]:
         """`query` over the verdicts at `horizon_s`: store's where it judges that horizon, with what it has not
@@ -577,7 +579,7 @@ class Audit:
             else:
                 connection.execute(sa.text(f"INSERT INTO {temporary} SELECT * FROM {stored} WHERE horizon_ms = :h"),
                                    {"h": horizon_ms})
-                decisions = self._due_pending(horizon_ms)
+                decisions = [tuple(row) for row in connection.execute(self._due_pending(horizon_ms))]
             judge_into(connection, temporary, decisions)
             return [_plain_numbers(row) for row in run(connection, query, horizon_ms=horizon_ms)]
         finally:
