@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
+import operator
 import sqlite3
 import time
 from collections.abc import Callable
@@ -981,9 +983,41 @@ class RowProjector:
             for table, row in rows:
                 by_table.setdefault(table, []).append(row)
             for table, table_rows in by_table.items():
-                connection.execute(table.insert(), table_rows)
+                insert_rows(connection, table, table_rows)
             _save_checkpoint(connection, self.name, self.stream, checkpoint, after)
         return rows
+
+
+def insert_rows(connection: sa.Connection, table: sa.Table, rows: list[dict]) -> None:
+    """`rows` inserted into `table`. Where every row names the same columns and SQLAlchemy would pass each value as
+    it is (no column has a bind processor for the dialect), through the driver's `executemany`, a tuple per row:
+    SQLAlchemy's own processing of a dict per row cost store a fifth of its CPU at 1 M decisions (a decision
+    relies on about 28 blocks, a `decision_blocks` row each). Otherwise as SQLAlchemy inserts them."""
+    columns = tuple(rows[0])
+    plain = _plain_columns(connection.dialect, table, columns)
+    if plain is not None and all(len(row) == len(columns) for row in rows):
+        try:
+            values = list(map(operator.itemgetter(*columns), rows)) if len(columns) > 1 else [
+                (row[columns[0]],) for row in rows]
+        except KeyError:  # a row names another column: not one shape
+            values = None
+        if values is not None:
+            connection.exec_driver_sql(plain, values)
+            return
+    connection.execute(table.insert(), rows)
+
+
+@functools.cache
+def _plain_columns(dialect: sa.Dialect, table: sa.Table, columns: tuple[str, ...]) -> str | None:
+    """The driver's INSERT of `columns` into `table`, or None where a column's type processes its values. A float
+    column's processor only makes a number a float, which both databases do themselves for a column of doubles."""
+    if any(not isinstance(table.c[name].type, sa.Float) and table.c[name].type.bind_processor(dialect) is not None
+           for name in columns):
+        return None
+    marker = "?" if dialect.paramstyle == "qmark" else "%s"
+    quote = dialect.identifier_preparer.quote
+    return (f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, columns))}) "
+            f"VALUES ({', '.join([marker] * len(columns))})")
 
 
 def _save_checkpoint(connection: sa.Connection, name: str, stream: str, seq: int, after: int) -> None:
