@@ -47,7 +47,6 @@ PLACEMENT_COLUMNS = (
     "publisher", "dp_rank", "provenance", "tier", "group_idx", "ownership", "kv_cache_spec_kind", "sliding_window",
 )  # fmt: skip
 PlacementIds = Callable[[tuple], int]  # a placement's values -> its id (store.fold_loader.PlacementIds)
-_ALL_TIERS = tuple(tier.value for tier in Tier)
 EVENT_LOG_COLUMNS = (
     "stream_seq", "event_idx", "publisher", "dp_rank", "epoch", "engine_seq", "provenance", "kind", "tier",
     "block_count", "gap_reason", "gap_expected_seq", "gap_received_seq", "engine_ts", "ingest_ts",
@@ -125,9 +124,6 @@ class ChangeSet:
     new_stays: NewStays = attrs.field(factory=NewStays)  # stays begun in this transaction
     # block_removals runs, any stay's (ChangeBuilder.finish makes them from one row per stay)
     removals: list[tuple] = attrs.field(factory=list)
-    # (removed_seq, removed_ts, cause, publisher, dp_rank, provenance, *four tier names):
-    # end every open stay of that worker on those tiers begun before this transaction
-    clears: list[tuple] = attrs.field(factory=list)
     references: list[tuple] = attrs.field(factory=list)  # (refs, placement_id, stored_seq, slot)
     conflicts: list[tuple] = attrs.field(factory=list)  # (conflict_since, placement_id, stored_seq, slot)
     # (publisher, dp_rank, provenance) -> periods opened in this transaction, oldest first
@@ -284,26 +280,17 @@ class ChangeBuilder:
                     cleared = index.pop((fact.worker, fact.provenance), None) or {}
                     if (fact.worker, fact.provenance) == owner:
                         held = index[owner] = {}
-                    tiers = _ALL_TIERS
                 else:
                     owned = index.get((fact.worker, fact.provenance)) or {}
                     cleared = {fact.tier: owned.pop(fact.tier, {})}
-                    tiers = (fact.tier.value,) * len(_ALL_TIERS)
                 last_tier = None
-                older = False
-                blocks = 0
-                for key in (key for tier_held in cleared.values() for key in tier_held.values()):
-                    blocks += 1
-                    if self._row(key) is not None:
-                        removals.append((key[2], key[0], key[1], stream_seq, ts, fact.cause.value))
-                    else:
-                        older = True
-                if older:
-                    changes.clears.append((
-                        stream_seq, ts, fact.cause.value, fact.worker.publisher, fact.worker.dp_rank,
-                        fact.provenance.value, *tiers,
-                    ))  # fmt: skip
-                changes.blocks += blocks
+                # Every stay the clear ends, by its key: the index holds each open stay of the worker (load_fold
+                # rebuilds it from SQL), so a clear costs what the worker held, never a scan of its history.
+                cause = fact.cause.value
+                blocks = len(removals)
+                removals.extend((key[2], key[0], key[1], stream_seq, ts, cause)
+                                for tier_held in cleared.values() for key in tier_held.values())
+                changes.blocks += len(removals) - blocks
             elif kind is RetainedConflictFact:
                 record = fact.record
                 key = index[(record.worker, record.provenance)][record.tier][record.key]

@@ -93,18 +93,6 @@ SQL_REMOVAL = _insert("block_removals", REMOVAL_COLUMNS)
 SQL_UNCERTAIN = _insert("uncertain_periods", UNCERTAIN_COLUMNS)
 SQL_UNREACHABLE = _insert("unreachable_periods", UNREACHABLE_COLUMNS)
 SQL_DEAD_LETTER = _insert("dead_letters", DEAD_LETTER_COLUMNS)
-# Ends every open stay of a worker's provenance on the named tiers begun before this transaction
-# (`tier IN (...)`: a clear of one tier names it four times, a clear of all names each). Runs
-# after the transaction's own removals, so a stay removed earlier in it keeps its own cause.
-# (A run of one slot per stay: clears are rare.)
-SQL_CLEAR = (
-    "INSERT INTO block_removals (stored_seq, removed_seq, removed_ts, placement_id, first_slot, last_slot, removal_cause) "
-    "SELECT s.stored_seq, ?, ?, s.placement_id, s.slot, s.slot, ? FROM block_stays s "
-    "JOIN placements p ON p.placement_id = s.placement_id "
-    "WHERE p.publisher = ? AND p.dp_rank = ? AND p.provenance = ? AND p.tier IN (?, ?, ?, ?) AND s.stored_seq < ? "
-    "AND NOT EXISTS (SELECT 1 FROM block_removals r WHERE r.placement_id = s.placement_id "
-    "AND r.stored_seq = s.stored_seq AND r.first_slot <= s.slot AND r.last_slot >= s.slot)"
-)
 SQL_REFERENCES = "UPDATE block_stays SET refs = ? WHERE placement_id = ? AND stored_seq = ? AND slot = ?"
 SQL_CONFLICT = "UPDATE block_stays SET conflict_since = ? WHERE placement_id = ? AND stored_seq = ? AND slot = ?"
 # A decision's verdict, and its pending row gone, in the transaction of the event that settles it
@@ -214,12 +202,10 @@ class Recorder(abc.ABC):
     def _write(self, changes: ChangeSet, checkpoint: CheckpointRow) -> None: ...
 
     def _updates(self, cursor, changes: ChangeSet, sql) -> None:
-        # After the removals: a clear ends what is still open, and a stay ended earlier in the
-        # transaction keeps its own cause. References and conflicts name stays already written.
+        # References and conflicts name stays already written.
         for statement, rows in (
             (SQL_CONFLICT, changes.conflicts),
             (SQL_REFERENCES, changes.references),
-            (SQL_CLEAR, [(*row, changes.first_seq) for row in changes.clears]),
             (SQL_RESOLVE, changes.resolved_uncertain),
             (SQL_REACHED_AGAIN, changes.reached_again),
         ):
