@@ -312,6 +312,7 @@ decision_blocks = sa.Table(
     sa.Column("role", _NAME, primary_key=True),  # source | target
     sa.Column("position", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("sequence_hash", _HASH, nullable=False),
+    sqlite_with_rowid=False,  # the key is the table: a rowid table kept every row twice (migration 0015)
 )
 
 # The request of each decision as its record carried it (header Kvledger-Request), so a

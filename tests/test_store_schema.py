@@ -30,9 +30,9 @@ def empty_db(request: pytest.FixtureRequest) -> str:
 
 def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, capsys) -> None:
     assert main(["db", "upgrade", "--db", empty_db]) == 0
-    assert "empty -> 0014" in capsys.readouterr().out
+    assert "empty -> 0015" in capsys.readouterr().out
     with database.opened(empty_db) as engine:
-        assert database.current_revision(engine) == database.head_revision() == "0014"
+        assert database.current_revision(engine) == database.head_revision() == "0015"
         with engine.connect() as connection:
             # The migrations build exactly the tables the code writes to.
             # (an index made on one engine only is compared there only)
@@ -45,6 +45,11 @@ def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, cap
             shown = connection.execute(sa.text(
                 "SELECT engine_hash, parent_hash, removal_cause, refs FROM current_inventory")).one()
             assert (int(shown[0]), shown[1], shown[2], shown[3]) == ((1 << 64) - 2, None, "stored", 1)
+            connection.execute(sa.text("INSERT INTO decision_blocks (stream_seq, role, position, sequence_hash) "
+                                       "VALUES (2, 'target', 0, -5), (1, 'source', 3, 7), (1, 'target', 0, 9)"))
+            assert _decision_blocks(connection) == EXPECTED_DECISION_BLOCKS
+            if connection.dialect.name == "sqlite":
+                assert not _decision_blocks_have_rowids(connection)
             connection.commit()
     with database.opened(empty_db) as engine, engine.connect() as connection:
         # PostgreSQL finds a worker's stays by a deduplicated index and keeps no key beside it;
@@ -56,7 +61,19 @@ def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, cap
         else:
             assert _stays_keys(connection) == (flagged, ["placement_id", "stored_seq", "slot"])
     assert main(["db", "downgrade", "--db", empty_db]) == 0
+    with database.opened(empty_db) as engine, engine.connect() as connection:
+        assert database.current_revision(engine) == "0014"
+        # 0014's decision_blocks (SQLite: a rowid table beside its key's index), the rows as they were
+        assert _decision_blocks(connection) == EXPECTED_DECISION_BLOCKS
+        if connection.dialect.name == "sqlite":
+            assert _decision_blocks_have_rowids(connection)
+        assert _views(connection) >= {"block_residency", "current_inventory", "block_history", "decision_block_stays"}
     with database.opened(empty_db) as engine:
+        database.upgrade(engine)
+        with engine.connect() as connection:
+            assert _decision_blocks(connection) == EXPECTED_DECISION_BLOCKS  # and forward again
+            assert connection.dialect.name != "sqlite" or not _decision_blocks_have_rowids(connection)
+        database.downgrade(engine, "0013")
         assert database.current_revision(engine) == "0013"
         assert "ix_stays_flagged" not in {i["name"] for i in sa.inspect(engine).get_indexes("block_stays")}
         database.downgrade(engine, "0012")
@@ -86,7 +103,7 @@ def test_upgrade_an_empty_database_to_head_then_downgrade_one_step(empty_db, cap
             assert columns[:3] == ["placement_id", "stored_seq", "slot"]
             assert _residency(connection) == EXPECTED_STAYS
         database.upgrade(engine)
-        assert database.current_revision(engine) == "0014"
+        assert database.current_revision(engine) == "0015"
         with engine.connect() as connection:
             assert _residency(connection) == EXPECTED_STAYS  # and forward again
         database.downgrade(engine, "0007")
@@ -108,6 +125,24 @@ EXPECTED_STAYS = [
     (2, 1, "p", 0, "device", "native", 10, 3, 1.5, "removed", 1),
     (2, 2, "p", 0, "device", "native", 13, 3, 1.5, "removed", 1),
 ]
+
+
+EXPECTED_DECISION_BLOCKS = [(1, "source", 3, 7), (1, "target", 0, 9), (2, "target", 0, -5)]
+
+
+def _decision_blocks(connection: sa.Connection) -> list[tuple]:
+    return [tuple(row) for row in connection.execute(sa.text(
+        "SELECT stream_seq, role, position, sequence_hash FROM decision_blocks ORDER BY stream_seq, role, position"))]
+
+
+def _decision_blocks_have_rowids(connection: sa.Connection) -> bool:
+    """Whether SQLite keeps decision_blocks as a rowid table (PostgreSQL: never asked)."""
+    sql = connection.exec_driver_sql("SELECT sql FROM sqlite_master WHERE name = 'decision_blocks'").scalar_one()
+    return "WITHOUT ROWID" not in sql.upper()
+
+
+def _views(connection: sa.Connection) -> set[str]:
+    return set(sa.inspect(connection).get_view_names())
 
 
 def _insert_stays(connection: sa.Connection) -> None:
@@ -148,7 +183,7 @@ def _residency(connection: sa.Connection) -> list[tuple]:
 async def test_the_store_refuses_an_older_schema_and_says_which_command_to_run(nats_server, empty_db) -> None:
     with database.opened(empty_db) as engine:
         database.upgrade(engine, "0001")
-    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0014; run `kvledger db upgrade --db "):
+    with pytest.raises(SchemaError, match=r"revision 0001, this kvledger needs 0015; run `kvledger db upgrade --db "):
         await StoreService(store_settings(nats_server.url, empty_db)).run(asyncio.Event())
 
 
