@@ -52,6 +52,8 @@ import time
 import uuid
 from pathlib import Path
 
+import attrs
+
 ROOT = Path(__file__).resolve().parent.parent
 # Run as a script, this folder would come first on sys.path: the benchmarks are scripts, loaded by
 # path where one uses another, and one is named like the standard library (bench/codecs.py).
@@ -120,25 +122,39 @@ def verdicts_left(db_url: str) -> int:
     return store_progress(db_url)[1]
 
 
-def _cpu_s() -> float:
-    """CPU seconds of this process and of its children that have ended (the store's writer process)."""
+def _cpu_s() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process and of its children that have ended (the store's writer process)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + children.ru_utime, own.ru_stime + children.ru_stime
 
 
-def project_measured(nats_url: str, db_url: str, ledger, horizon_ms: float | None) -> tuple[float, float, dict]:
-    """(wall seconds, CPU seconds of store and its writer process, decisions left to the SQL judge by reason)
-    of one projection (`project`). The CPU figure holds where other work shares the machine, which moves wall
-    times by tens of percent here."""
-    before = _cpu_s()
-    elapsed, unjudged = asyncio.run(project(nats_url, db_url, ledger, horizon_ms))
-    return elapsed, _cpu_s() - before, unjudged
+@attrs.frozen
+class Projection:
+    """One projection (`project_measured`): wall and CPU seconds of store and its writer process, the decisions
+    left to the SQL judge by reason, and the seconds each tenth of the ledger took (the slower stream's), which say
+    whether a decision costs more as the database grows."""
+
+    wall_s: float
+    cpu_s: float
+    system_cpu_s: float
+    unjudged: dict
+    tenths_s: tuple[float, ...]
 
 
-async def project(nats_url: str, db_url: str, ledger, horizon_ms: float | None) -> tuple[float, dict]:
+def project_measured(nats_url: str, db_url: str, ledger, horizon_ms: float | None) -> Projection:
+    """One projection (`project`), measured. The CPU figure holds where other work shares the machine, which
+    moves wall times by tens of percent here."""
+    user, system = _cpu_s()
+    elapsed, unjudged, tenths = asyncio.run(project(nats_url, db_url, ledger, horizon_ms))
+    user_after, system_after = _cpu_s()
+    return Projection(elapsed, user_after + system_after - user - system, system_after - system, unjudged, tenths)
+
+
+async def project(nats_url: str, db_url: str, ledger, horizon_ms: float | None) -> tuple[float, dict, tuple]:
     """Seconds from starting the store service until both checkpoints reach the streams' ends
-    (and, judging, until every settled decision has its verdict in SQL), and the decisions its fold left to
-    the SQL judge, by reason (store's kvledger_store_decision_quality_unjudged)."""
+    (and, judging, until every settled decision has its verdict in SQL), the decisions its fold left to
+    the SQL judge, by reason (store's kvledger_store_decision_quality_unjudged), and the seconds between the
+    moments both checkpoints passed each tenth of their streams (the last tenth's ends at the streams' ends)."""
     from kvledger.store.service import StoreService
 
     settings = store_settings(nats_url, db_url, horizon_ms)
@@ -149,12 +165,17 @@ async def project(nats_url: str, db_url: str, ledger, horizon_ms: float | None) 
     checkpoint = service.metrics.checkpoint
     events = checkpoint.labels(settings.stream.events_stream)
     decisions = checkpoint.labels(settings.stream.decisions_stream)
+    marks = [started]
     try:
         while events.value < ledger.events_last_seq or decisions.value < ledger.decisions_last_seq:
             if task.done():
                 task.result()
                 raise RuntimeError("store stopped early")
+            done = min(events.value / ledger.events_last_seq, decisions.value / ledger.decisions_last_seq)
+            while len(marks) < 10 and done >= len(marks) / 10:
+                marks.append(time.perf_counter())
             await asyncio.sleep(0.005)
+        marks += [time.perf_counter()] * (11 - len(marks))
         while horizon_ms is not None and await asyncio.to_thread(verdicts_left, db_url):
             await asyncio.sleep(0.05)
         elapsed = time.perf_counter() - started
@@ -163,7 +184,7 @@ async def project(nats_url: str, db_url: str, ledger, horizon_ms: float | None) 
         await task
     unjudged = service.metrics.quality.unjudged
     return elapsed, {sample.labels["reason"]: int(sample.value) for metric in unjudged.collect()
-                     for sample in metric.samples if sample.value}
+                     for sample in metric.samples if sample.value}, tuple(b - a for a, b in zip(marks, marks[1:]))
 
 
 def _quietly(function, *args):
@@ -318,21 +339,23 @@ def run_size(args, size: int, kinds: list[str], databases: dict, work: Path, fil
                 on.append(project_measured(nats_server.url, on_url, ledger, horizon_ms))
                 if turn < args.turns - 1:
                     pool.drop(on_url)
-            on_s, on_cpu = min(wall for wall, _, _ in on), min(cpu for _, cpu, _ in on)
+            on_s, on_cpu = min(run.wall_s for run in on), min(run.cpu_s for run in on)
             load_s = bench_store.yardstick(on_url, ledger.block_events, pool.cluster, work / f"{kind}-yardstick.db")
             figures["projection"] = {
                 "judging_on_s": on_s, "decisions_per_s_on": size / on_s, "bulk_load_s": load_s,
                 "on_to_bulk_load": load_s / on_s, "judging_on_cpu_s": on_cpu, "turns": args.turns,
+                # the kept ledger's projection's
+                "judging_on_system_cpu_s": on[-1].system_cpu_s, "tenths_s": list(on[-1].tenths_s),
             }
             if off:
-                off_s, off_cpu = min(wall for wall, _, _ in off), min(cpu for _, cpu, _ in off)
+                off_s, off_cpu = min(run.wall_s for run in off), min(run.cpu_s for run in off)
                 figures["projection"].update({
                     "judging_off_s": off_s, "decisions_per_s_off": size / off_s, "judging_cost": on_s / off_s - 1,
                     "off_to_bulk_load": load_s / off_s, "judging_off_cpu_s": off_cpu,
                     "judging_cpu_cost": on_cpu / off_cpu - 1,
                 })
             figures["verdicts"] = verdict_mix(on_url, horizon_ms)
-            figures["verdicts"]["left_to_sql"] = on[-1][2]  # the kept ledger's projection's
+            figures["verdicts"]["left_to_sql"] = on[-1].unjudged  # the kept ledger's projection's
             empty = bench_store.empty_schema_bytes(pool.cluster, work / f"{kind}-empty.db" if kind == "sqlite" else None)
             figures["size"] = sql_bytes(on_url, size, empty)
             audit_s, _ = audit_quality(on_url, horizon_ms)
@@ -384,6 +407,10 @@ def print_figures(args, kind: str, size: int, f: dict) -> None:
             f"(bulk load of the same rows {p['bulk_load_s']:.1f} s: ratio {p['on_to_bulk_load']:.3f}); "
             f"store's CPU {p['judging_on_cpu_s']:.1f} s",
         ]
+    tenths = p["tenths_s"]
+    lines.append(f"projection by tenths of the ledger: {', '.join(f'{t:.1f}' for t in tenths)} s (the first from store's start, the last to the "
+                 f"streams' ends; last over first {tenths[-1] / max(tenths[0], 1e-9):.2f}); of store's CPU "
+                 f"{p['judging_on_system_cpu_s']:.1f} s in the kernel")
     lines += [
         f"verdicts: {v['verdicts']:,} ({v['by_fold']:,} by the fold, {v['by_sql']:,} by SQL"
         + "".join(f"; {count:,} left to SQL: {reason}" for reason, count in v.get("left_to_sql", {}).items())

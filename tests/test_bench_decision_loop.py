@@ -30,6 +30,10 @@ def test_decision_loop_runs_at_a_tiny_size(nats_source) -> None:
     projection = figures["projection"]
     assert projection["judging_off_s"] > 0 and projection["judging_on_s"] > 0 and projection["bulk_load_s"] > 0
     assert projection["judging_off_cpu_s"] > 0 and projection["judging_on_cpu_s"] > 0 and projection["turns"] == 2
+    # The kept projection by tenths of the ledger: ten spans (a tiny ledger passes most tenths at once).
+    tenths = projection["tenths_s"]
+    assert len(tenths) == 10 and min(tenths) >= 0 and sum(tenths) > 0
+    assert 0 <= projection["judging_on_system_cpu_s"] <= projection["judging_on_cpu_s"]
     # Every decision judged once at the horizon (the closing batch settles the last ones), some of them hints.
     verdicts = figures["verdicts"]
     assert verdicts["verdicts"] == DECISIONS == verdicts["by_fold"] + verdicts["by_sql"]
