@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import operator
 import time
 from collections.abc import Iterable, Sequence
 
@@ -172,15 +173,19 @@ def horizon_seqs(connection: sa.Connection, deadlines: Sequence[float]) -> list[
     """Each deadline's horizon seq: the seq before the first event ingested at or after it (None: none yet).
 
     Reads the event log from the earliest deadline on, once; only events ingested at or after
-    a deadline can settle it, and among them the one with the least seq does.
+    a deadline can settle it, and among them the one with the least seq does. Read in the order of
+    `ix_event_log_ingest_ts` and put in seq order here: asked for in seq order, SQLite scanned the
+    whole log by its key to skip a sort (4.0 s at 1 M decisions for the newest second of events,
+    while the sweeper holds the write lock the events projector waits for).
     """
     if not deadlines:
         return []
     e = tables.event_log.c
     rows = connection.execute(
         sa.select(e.stream_seq, e.ingest_ts).where(e.event_idx == 0, e.ingest_ts >= min(deadlines))
-        .order_by(e.stream_seq)
+        .order_by(e.ingest_ts, e.stream_seq)
     ).all()
+    rows.sort(key=operator.itemgetter(0))
     return first_seq_at_or_after(rows, deadlines)
 
 
