@@ -47,6 +47,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import logging
 import os
 import resource
 import shutil
@@ -484,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = ([int(size) for size in args.sizes.split(",")] if args.sizes else
              [QUICK_DECISIONS if args.quick else args.decisions])
     kinds = ["sqlite", "postgres"] if args.db == "both" else [args.db]
+    # store's own account of its projectors' waits (a projector that stopped waiting for the other says so, and
+    # the decisions that then go to the SQL judge are why): with the progress, on stderr.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("kvledger.store").setLevel(logging.INFO)
     work = Path(tempfile.mkdtemp(prefix="kvledger-decision-loop-"))
     databases = {}
     try:
