@@ -1007,7 +1007,7 @@ def insert_rows(connection: sa.Connection, table: sa.Table, rows: list[dict]) ->
     connection.execute(table.insert(), rows)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)  # per engine's dialect, table and columns: a few in a store
 def _plain_columns(dialect: sa.Dialect, table: sa.Table, columns: tuple[str, ...]) -> str | None:
     """The driver's INSERT of `columns` into `table`, or None where a column's type processes its values. A float
     column's processor only makes a number a float, which both databases do themselves for a column of doubles."""
