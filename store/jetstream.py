@@ -233,8 +233,9 @@ class ConsumerWatch:
         self._js, self._stream, self._durable = js, stream, durable
         self._idle_with_pending = 0
 
-    async def idle(self, last_stream_seq: int = 0) -> None:
-        """Call after a fetch that returned nothing; raises a NATS error when a rebind is due.
+    async def idle(self, last_stream_seq: int = 0) -> int:
+        """Call after a fetch that returned nothing: the messages the server still holds for the consumer (a fetch
+        can time out with some pending, on a busy machine); raises a NATS error when a rebind is due.
 
         A stream that now ends below `last_stream_seq`, the last seq read, lost acknowledged
         messages: StreamRegressedError, so the projector checks it against SQL at once rather
@@ -249,12 +250,13 @@ class ConsumerWatch:
         info = await self._js.consumer_info(self._stream, self._durable)  # NotFoundError: it is gone
         if not info.num_pending:
             self._idle_with_pending = 0
-            return
+            return 0
         self._idle_with_pending += 1
         if self._idle_with_pending >= self.STALLED_AFTER:
             raise StalledConsumerError(
                 f"consumer {self._durable} on {self._stream} has {info.num_pending} pending but delivers nothing"
             )
+        return info.num_pending
 
     def delivered(self) -> None:
         self._idle_with_pending = 0

@@ -219,8 +219,11 @@ class StreamReader:
             self.metrics.skipped.labels(self.stream).inc(skipped)
         return Fetched(messages, fresh)
 
-    async def idle(self) -> None:
-        await self.watch.idle(self.last_stream_seq)
+    async def idle(self) -> bool:
+        """Call after `next` returned None: whether the stream has nothing more for this reader. A fetch times out
+        with messages pending when the process was too busy to read the reply within FETCH_TIMEOUT_S, so only the
+        server's count of what it still holds says caught up."""
+        return await self.watch.idle(self.last_stream_seq) == 0
 
     async def close(self) -> None:
         if self._fetching is not None:
@@ -541,13 +544,12 @@ class EventsProjector:
             while not stop.is_set():
                 fetched = await reader.next(fold.inventory_seq)
                 if fetched is None:
-                    self.caught_up = True
-                    self.folded.set()
                     writing = await self._drain(writing, ahead)
                     if not recorder.ready:  # nothing to commit yet: a writer that cannot start is said now
                         await asyncio.to_thread(recorder.wait_ready)
                     await self._maybe_snapshot()
-                    await reader.idle()
+                    self.caught_up = await reader.idle()
+                    self.folded.set()
                     continue
                 messages = fetched.messages
                 if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing
@@ -928,9 +930,8 @@ class RowProjector:
                 await self.hold.wait()  # before the fetch: what is fetched is written and acknowledged at once
             fetched = await reader.next(checkpoint)
             if fetched is None:
-                self.caught_up = True
+                self.caught_up = await reader.idle()
                 self.progressed.set()
-                await reader.idle()
                 continue
             messages = fetched.messages
             if not messages:  # a fetch cut short (e.g. on shutdown) returns nothing

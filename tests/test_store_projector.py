@@ -146,6 +146,32 @@ async def test_health_metrics_and_redelivery_after_restart_change_nothing(nats_s
     assert content_digest(db_url) == before
 
 
+async def test_a_fetch_that_times_out_is_caught_up_only_when_the_server_holds_nothing_more(nats_server) -> None:
+    # On a busy machine a fetch can time out with messages pending (the reply not read within the fetch's
+    # timeout); a projector taking that for caught up would let the holds between the projectors go, and send
+    # its decisions to the SQL judge. Only the server's count of undelivered messages says caught up.
+    from kvledger.store.jetstream import ConsumerWatch, bind_consumer
+    from kvledger.store.projector import StoreMetrics, StreamReader
+
+    last = await publish(nats_server.url, recorded_stream(seed=5, batches=8))
+    connection = await nats.connect(nats_server.url)
+    try:
+        js = connection.jetstream()
+        subscription = await bind_consumer(js, "KV_EVENTS", "caught-up-test", 0, batch_size=5)
+        reader = StreamReader(subscription, ConsumerWatch(js, "KV_EVENTS", "caught-up-test"), 0, 5, StoreMetrics(),
+                              "KV_EVENTS", lambda stream_seq: stream_seq, prefetch=False)
+        assert await reader.idle() is False  # nothing fetched yet: every message is pending
+        read = 0
+        while read < last:
+            fetched = await reader.next(0)
+            assert fetched is not None, f"a fetch timed out at seq {read} of {last}"
+            read += len(fetched.fresh)
+            await fetched.messages[-1].ack()
+            assert await reader.idle() is (read == last)
+    finally:
+        await connection.close()
+
+
 async def test_hashes_above_2_63_round_trip_and_the_audit_cli_finds_them_in_three_notations(
     nats_server, db_url, capsys
 ) -> None:
