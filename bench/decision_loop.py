@@ -294,9 +294,7 @@ class Databases:
         if self.cluster is not None:
             self.cluster.drop_database(url.rsplit("/", 1)[1])
         else:
-            path = Path(url.removeprefix("sqlite:///"))
-            for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-                file.unlink(missing_ok=True)  # a journal left beside a new ledger of the same name would be replayed into it
+            bench_store.remove_sqlite(Path(url.removeprefix("sqlite:///")))
 
     def close(self) -> None:
         if self.cluster is not None:

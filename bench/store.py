@@ -318,8 +318,14 @@ def yardstick(db_url: str, blocks: int, cluster=None, sqlite_path: Path | None =
         if cluster is not None:
             cluster.drop_database(target.rsplit("/", 1)[1])
         else:
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{sqlite_path}{suffix}").unlink(missing_ok=True)
+            remove_sqlite(sqlite_path)
+
+
+def remove_sqlite(path: Path) -> None:
+    """A SQLite database's file and the WAL and shared-memory files beside it: a WAL left beside a new database of
+    the same name would be replayed into it."""
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
 
 
 def _bulk_loaded(db_url: str, target: str) -> float:
