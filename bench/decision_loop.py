@@ -19,8 +19,9 @@ Then, per database (SQLite; PostgreSQL in a throwaway cluster), in this order:
   into an empty database until its checkpoints reach their ends, once with judging off
   (`store.quality_horizons_ms = []`) and once, into another empty database, with it on (the
   horizon; the clock also waits for every verdict to be in SQL).
-- the streams' files dropped from the page cache (the audit and the replay read SQL alone), and
-  a SQLite ledger read once into it, so that both find the ledger in memory at every size.
+- the streams' files dropped from the page cache (the audit and the replay read SQL alone; with
+  --db both, PostgreSQL's projection reads them back from the disk), and a SQLite ledger read
+  once into it, so that both find the ledger in memory at every size.
 - `kvledger audit quality` at the judged horizon (store/commands.py audit_quality, as the CLI
   calls it, its output to /dev/null): seconds and decisions/s. Yardstick: one scan of the
   decisions table in SQL (`SELECT COUNT(*), SUM(credited_blocks) FROM decisions`).
@@ -273,6 +274,11 @@ def sql_bytes(db_url: str, decisions: int, empty: int | None) -> dict[str, float
     return result
 
 
+def sqlite_file(url: str) -> Path:
+    """The file of a `sqlite:///` URL of `Databases`'."""
+    return Path(url.removeprefix("sqlite:///"))
+
+
 class Databases:
     """Empty databases of one kind, each migrated to head: `new()` gives the next one's URL."""
 
@@ -297,7 +303,7 @@ class Databases:
         if self.cluster is not None:
             self.cluster.drop_database(url.rsplit("/", 1)[1])
         else:
-            bench_store.remove_sqlite(Path(url.removeprefix("sqlite:///")))
+            bench_store.remove_sqlite(sqlite_file(url))
 
     def close(self) -> None:
         if self.cluster is not None:
@@ -352,9 +358,9 @@ def run_size(args, size: int, kinds: list[str], databases: dict, work: Path, fil
             figures["verdicts"]["left_to_sql"] = on[-1].unjudged  # the kept ledger's projection's
             # The audit and the replay read SQL alone, with the ledger in the page cache at every size (see
             # `_in_memory`); the yardstick's bulk load, which writes a second copy of the ledger, comes after them.
-            _out_of_memory(*sorted(path for path in nats_server.store_dir.rglob("*") if path.is_file()))
+            _out_of_memory(*(path for path in nats_server.store_dir.rglob("*") if path.is_file()))
             if kind == "sqlite":
-                _in_memory(Path(on_url.removeprefix("sqlite:///")))
+                _in_memory(sqlite_file(on_url))
             audit_s, _ = audit_quality(on_url, horizon_ms)
             scan_s = decisions_scan(on_url)
             figures["audit"] = {"seconds": audit_s, "decisions_per_s": size / audit_s, "scan_s": scan_s,
@@ -394,7 +400,7 @@ def run_size(args, size: int, kinds: list[str], databases: dict, work: Path, fil
             if args.keep and kind == "sqlite":
                 kept = Path(args.keep) / f"ledger-{size}.db"
                 kept.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(on_url.removeprefix("sqlite:///"), kept)
+                shutil.copyfile(sqlite_file(on_url), kept)
                 _out_of_memory(kept)
                 say(args, f"kept the judged SQLite ledger at {kept} (replay it: kvledger replay with db.url "
                           f"sqlite:///{kept})")
