@@ -762,8 +762,8 @@ def stay_tables(connection: sa.Connection, last_seq: int | None = None) -> StayT
     """The local placements, and their stays and removal runs stored at or before `last_seq` (None: all), as
     int64 columns (SQLite: one `group_concat` text per column, parsed by a compiled loop, each table read in its key's
     order, (placement, stored seq, slot), which makes matching a stay to its removal run a search of sorted
-    keys; PostgreSQL: `COPY … (FORMAT binary)` read as one numpy record array). Known the window or not:
-    `kvledger replay` reads them while it reads the window."""
+    keys; PostgreSQL: each row's values sent as int8s end to end, read as one numpy record array). Known the
+    window or not: `kvledger replay` reads them while it reads the window."""
     rows = connection.exec_driver_sql(
         "SELECT placement_id, publisher, dp_rank, provenance, tier FROM placements ORDER BY placement_id").all()
     rows = [tuple(row) for row in rows if row[4] in _LOCAL_TIERS]
@@ -776,8 +776,8 @@ def stay_tables(connection: sa.Connection, last_seq: int | None = None) -> StayT
         local = f"placement_id IN ({', '.join(str(int(value)) for value in ids)})"
         if last_seq is not None:
             local += f" AND stored_seq <= {int(last_seq)}"
-        stays = _copied(connection, "block_stays", ("placement_id", "sequence_hash", "stored_seq", "slot"), local)
-        runs = _copied(connection, "block_removals", removals, local)
+        stays = _integer_columns(connection, "block_stays", ("placement_id", "sequence_hash", "stored_seq", "slot"), local)
+        runs = _integer_columns(connection, "block_removals", removals, local)
     else:
         # Unfiltered where most of the ledger is wanted: SQLite spends more per row testing a WHERE than numpy
         # does. A window in the first part of a long ledger reads only its part, a range of each placement's key.
@@ -842,7 +842,7 @@ def stays_of(connection: sa.Connection, first_seq: int, last_seq: int, tables: S
         order = np.argsort(removal_key, kind="stable")
         removal_key, r_first, r_last, r_removed = (removal_key[order], r_first[order], r_last[order],
                                                    r_removed[order])
-    removed = _removed_seqs(stay_key, slot, removal_key, r_first, r_last, r_removed, NEVER)
+    removed = _removed_seqs(stay_key, pid, slot, removal_key, r_first, r_last, r_removed, NEVER)
     conflict = np.full(pid.size, NEVER, dtype=np.int64)
     kept = removed > int(first_seq)
     if c_pid.size or u_pid.size:
@@ -861,20 +861,35 @@ def stays_of(connection: sa.Connection, first_seq: int, last_seq: int, tables: S
     return Stays(placements, index_of[pid], hashes, stored, removed, conflict, slot)
 
 
+_WALKED_RUNS = 16  # runs a stay's walk passes before it searches the rest by bisection
+
+
 @numba.njit(cache=True, nogil=True)
-def _removed_seqs(stay_key, slot, removal_key, first, last, removed_seq, never):
+def _removed_seqs(stay_key, stay_placement, slot, removal_key, first, last, removed_seq, never):
     """Each stay's removed seq (`never` where none): that of the removal run of its placement and stored seq whose
     slots [first, last] hold its slot, the last run keyed at or before the stay's key (`removal_key` sorted).
-    Stays read in key order walk the runs once; a stay keyed below the one before it is searched for."""
+    Each placement's stays read in key order walk its runs once, from where its stay before stopped: SQLite
+    hands the stays over in key order, PostgreSQL in the order they were stored, each placement's in key order
+    but the placements interleaved (one walk for all went through every run between two placements' stays: a
+    replay of 1 M decisions spent minutes here). A stay keyed below its placement's walk, or more than a few
+    runs past it, is searched for."""
     removed = np.empty(stay_key.size, dtype=np.int64)
-    run = -1  # the last run keyed at or before the stay
+    # Per placement, the last run keyed at or before its stay before (-1: none; -2: no stay yet).
+    runs = np.full(int(stay_placement.max()) + 1 if stay_placement.size else 1, -2, dtype=np.int64)
     for stay in range(stay_key.size):
-        key = stay_key[stay]
-        if stay and key < stay_key[stay - 1]:
+        key, placement = stay_key[stay], stay_placement[stay]
+        run = runs[placement]
+        if run == -2 or (run >= 0 and removal_key[run] > key):
             run = np.searchsorted(removal_key, key, side="right") - 1
         else:
+            steps = 0
             while run + 1 < removal_key.size and removal_key[run + 1] <= key:
                 run += 1
+                steps += 1
+                if steps == _WALKED_RUNS:
+                    run = np.searchsorted(removal_key, key, side="right") - 1
+                    break
+        runs[placement] = run
         removed[stay] = never
         if run >= 0 and removal_key[run] - first[run] == key - slot[stay] and last[run] >= slot[stay]:
             removed[stay] = removed_seq[run]
@@ -1018,22 +1033,30 @@ def _integers_in(text, count):
     return values, parsed + 1
 
 
-def _copied(connection: sa.Connection, table: str, columns: Sequence[str], where: str) -> list[np.ndarray]:
-    """PostgreSQL: integer columns (none NULL) of `table`'s rows matching `where`, as int64 arrays, by one
-    `COPY … TO STDOUT (FORMAT binary)` read as a numpy record array."""
-    selected = ", ".join(f"{column}::bigint" for column in columns)
-    data = bytearray()
-    with connection.connection.driver_connection.cursor() as cursor:
-        with cursor.copy(f"COPY (SELECT {selected} FROM {table} WHERE {where}) TO STDOUT (FORMAT binary)") as copy:
-            for block in copy:
-                data += block
-    # A 19-byte header, then per row its field count (int16) and per field its length (int32) and value; -1 ends.
-    fields = [("count", ">i2")]
-    for item in range(len(columns)):
-        fields += [(f"length{item}", ">i4"), (f"value{item}", ">i8")]
-    record = np.dtype(fields)
-    rows = np.frombuffer(data, dtype=record, count=(len(data) - 21) // record.itemsize, offset=19)
+def _integer_columns(connection: sa.Connection, table: str, columns: Sequence[str], where: str) -> list[np.ndarray]:
+    """PostgreSQL: integer columns (none NULL) of `table`'s rows matching `where`, as int64 arrays, in no set order.
+    The server lays each row's values end to end as big-endian int8s, the rows one after the other in one bytea
+    (`string_agg` of `int8send`), read as a numpy record array: a COPY hands the client one row per call, and a
+    1 M-decision ledger's 16 M stays so cost seconds of Python a row at a time. A bytea holds at most 1 GB: the
+    rows are read in pieces of at most `_PIECE_BYTES`, split on the second column (or the only one)."""
+    count = connection.exec_driver_sql(f"SELECT COUNT(*) FROM {table} WHERE {where}").scalar() or 0
+    record = np.dtype([(f"value{item}", ">i8") for item in range(len(columns))])
+    pieces = max(1, -(-count * record.itemsize // _PIECE_BYTES))
+    row = " || ".join(f"int8send({column}::bigint)" for column in columns)
+    read = []
+    with connection.connection.driver_connection.cursor(binary=True) as cursor:
+        for piece in range(pieces):
+            column = columns[min(1, len(columns) - 1)]
+            split = f" AND (({column}::bigint % {pieces}) + {pieces}) % {pieces} = {piece}" if pieces > 1 else ""
+            cursor.execute(f"SELECT string_agg({row}, ''::bytea) FROM {table} WHERE ({where}){split}")
+            data = cursor.fetchone()[0]
+            if data:
+                read.append(np.frombuffer(data, dtype=record))
+    rows = np.concatenate(read) if read else np.zeros(0, dtype=record)
     return [rows[f"value{item}"].astype(np.int64) for item in range(len(columns))]
+
+
+_PIECE_BYTES = 1 << 28
 
 
 def workers_of(connection: sa.Connection) -> list[tuple[WorkerId, int]]:

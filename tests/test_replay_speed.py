@@ -203,11 +203,12 @@ def test_bad_settings_files_are_refused_naming_the_key(sqlite_url, tmp_path, cap
         assert key in err and name in err, err
 
 
-@pytest.mark.parametrize("stays_in_key_order", [True, False])
-def test_each_stay_finds_its_removal_run_in_key_order_or_not(stays_in_key_order) -> None:
-    """`stays_of`'s walk over the removal runs gives what a binary search per stay gives: the run of the stay's
-    placement and stored seq whose slots hold it, else none (SQLite reads stays in key order, PostgreSQL's COPY in
-    any)."""
+@pytest.mark.parametrize("stays_in", ["key order", "stored order", "any order"])
+def test_each_stay_finds_its_removal_run_in_any_order(stays_in) -> None:
+    """`stays_of`'s walks over the removal runs give what a binary search per stay gives: the run of the stay's
+    placement and stored seq whose slots hold it, else none. SQLite reads the stays in key order (placement,
+    stored seq, slot), PostgreSQL in stored order (each placement's in key order, the placements interleaved),
+    and any other order is searched for."""
     import numpy as np
 
     rng = np.random.default_rng(7)
@@ -218,17 +219,23 @@ def test_each_stay_finds_its_removal_run_in_key_order_or_not(stays_in_key_order)
     removal_key, removed_seq = pairs * slot_span + first, rng.integers(10_000, 20_000, size=pairs.size)
     stay_pair = rng.integers(0, 5_000, size=20_000)
     slot = rng.integers(0, slot_span, size=stay_pair.size)
+    placement = stay_pair // 100  # a pair's placement, its stored seq pair % 100
+    if stays_in == "key order":
+        order = np.argsort(stay_pair * slot_span + slot, kind="stable")
+    elif stays_in == "stored order":
+        order = np.lexsort((slot, placement, stay_pair % 100))
+    else:
+        order = rng.permutation(stay_pair.size)
+    stay_pair, slot, placement = stay_pair[order], slot[order], placement[order]
     stay_key = stay_pair * slot_span + slot
-    if stays_in_key_order:
-        order = np.argsort(stay_key, kind="stable")
-        stay_key, slot = stay_key[order], slot[order]
 
     run = np.searchsorted(removal_key, stay_key, "right") - 1
     at = np.maximum(run, 0)
     same = (run >= 0) & (removal_key[at] - first[at] == stay_key - slot) & (last[at] >= slot)
     expected = np.where(same, removed_seq[at], reference.NEVER)
 
-    found = reference._removed_seqs(stay_key, slot, removal_key, first, last, removed_seq, reference.NEVER)
+    found = reference._removed_seqs(stay_key, placement, slot, removal_key, first, last, removed_seq,
+                                    reference.NEVER)
     assert 0 < np.count_nonzero(found != reference.NEVER) < found.size
     assert np.array_equal(found, expected)
 

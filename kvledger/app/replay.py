@@ -198,16 +198,18 @@ def replay(connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon
 
 @contextlib.contextmanager
 def _stays_read_beside(connection, from_ts: float, to_ts: float):
-    """A file-backed SQLite ledger's stay tables (`store.whatif_reference.stay_tables`), read on a connection of
-    their own in a thread while the caller reads the window: SQLite builds their texts without the GIL. Yields
-    a future of the tables, with every stay stored at or before their `covers` (the events projected before
-    they were read), or None where the database is not one SQLite file (an in-memory one is this connection's
-    alone; PostgreSQL reads the stays the window needs, by seq), or where the window ends in the ledger's first
-    half (`stay_tables` then reads only the stays stored up to the window's end, once it is known)."""
+    """The ledger's stay tables (`store.whatif_reference.stay_tables`), read on a connection of their own in a
+    thread while the caller reads the window: SQLite builds their texts without the GIL, PostgreSQL's server
+    lays them out in a process of its own. Yields a future of the tables, with every stay stored at or before
+    their `covers` (the events projected before they were read), or None where the database is SQLite in
+    memory (this connection's alone), or where the window ends in the ledger's first half (`stay_tables` then
+    reads only the stays stored up to the window's end, once it is known)."""
+    import sqlalchemy as sa
+
     engine = connection.engine
-    if engine.dialect.name != "sqlite" or engine.url.database in (None, "", ":memory:") or connection.exec_driver_sql(
-            "SELECT 1 FROM decisions WHERE decided_ts >= ? AND decided_ts < ? LIMIT 1",
-            (max(from_ts, -1e18), min(to_ts, 1e18))).first() is None:  # an empty window reads no stay
+    if engine.url.database in (None, "", ":memory:") or connection.execute(sa.text(
+            "SELECT 1 FROM decisions WHERE decided_ts >= :from_ts AND decided_ts < :to_ts LIMIT 1"),
+            {"from_ts": max(from_ts, -1e18), "to_ts": min(to_ts, 1e18)}).first() is None:  # an empty window reads no stay
         yield None
         return
     first_ts, last_ts = connection.exec_driver_sql("SELECT MIN(decided_ts), MAX(decided_ts) FROM decisions").one()
