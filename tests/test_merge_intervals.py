@@ -1,8 +1,7 @@
 """decide/ranking/whatif.py `merge_intervals`: each key's stays as disjoint intervals, whatever order they come in.
 
 The replay's stays come in their placement's seq order (SQL's key), which a counting sort keeps;
-in any other order the function sorts them. Both are checked against the union taken seq by seq, merged
-in one part and in ranges of rows side by side (up to four).
+in any other order the function sorts them. Both are checked against the union taken seq by seq.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ def _held(rows, minors, starts, ends) -> set[tuple[int, int]]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(STAYS, st.randoms(use_true_random=False), st.booleans(), st.integers(1, 4))
-def test_each_key_is_the_union_of_its_stays_in_disjoint_sorted_intervals(stays, random, in_placement_order,
-                                                                           parts) -> None:
+@given(STAYS, st.randoms(use_true_random=False), st.booleans())
+def test_each_key_is_the_union_of_its_stays_in_disjoint_sorted_intervals(stays, random, in_placement_order) -> None:
     if in_placement_order:  # as SQL hands them: by (minor: the placement), then start
         stays = sorted(stays, key=lambda stay: (stay[1], stay[2]))
     else:
@@ -35,7 +33,7 @@ def test_each_key_is_the_union_of_its_stays_in_disjoint_sorted_intervals(stays, 
     minors = np.array([minor for _, minor, _, _ in stays], dtype=np.int64)
     starts = np.array([start for _, _, start, _ in stays], dtype=np.int64)
     ends = starts + np.array([length for _, _, _, length in stays], dtype=np.int64)
-    keys, merged_starts, merged_ends = merge_intervals(rows, minors, MINORS, starts, ends, parts)
+    keys, merged_starts, merged_ends = merge_intervals(rows, minors, MINORS, starts, ends)
     intervals = list(zip(keys.tolist(), merged_starts.tolist(), merged_ends.tolist()))
     assert intervals == sorted(intervals)
     for (key, start, end), (next_key, next_start, _) in zip(intervals, intervals[1:]):

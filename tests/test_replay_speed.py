@@ -78,9 +78,7 @@ def test_a_demo_ledger_gives_the_reference_report_to_the_last_float(db_url, tmp_
                 assert got == expected, (placed, horizon_s)
                 assert got.replayed == decisions
         # Ranked and judged in one span of points, and in five, each but the first starting from the rows as
-        # they stand at its first point (decide/ranking/whatif.py `_hold_at`); the hashes chained, the stays
-        # read and their intervals merged in one part and in five: the same report.
-        monkeypatch.setattr(whatif, "MERGED_IN_PARTS_FROM", 0)
+        # they stand at its first point (decide/ranking/whatif.py `_hold_at`): the same report.
         for cores in (1, 5):
             monkeypatch.setattr(whatif, "_cores", lambda: cores)
             for placed in (False, True):

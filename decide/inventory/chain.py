@@ -63,17 +63,10 @@ def chain_hash(parent, local):
 
 
 @_compiled
-def chain_into(local, offsets, first, stop, result):
-    """`chain_hashes` of the requests [first, stop) written into `result` (a copy of `local`): parts of one
-    batch chained side by side, each thread writing its own part of one array."""
-    for request in range(first, stop):
-        for block in range(offsets[request] + 1, offsets[request + 1]):
-            result[block] = chain_hash(result[block - 1], local[block])
-
-
-@_compiled
 def chain_hashes(local, offsets):
     """Every request's sequence hashes: `seq[0] = local[0]`, `seq[i] = chain_hash(seq[i-1], local[i])`."""
     result = local.copy()
-    chain_into(local, offsets, 0, offsets.size - 1, result)
+    for request in range(offsets.size - 1):
+        for block in range(offsets[request] + 1, offsets[request + 1]):
+            result[block] = chain_hash(result[block - 1], local[block])
     return result

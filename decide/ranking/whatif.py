@@ -40,10 +40,10 @@ from kvledger.core.events import EventBatch, Provenance, Tier, WorkerId
 from kvledger.core.settings import ReuseSettings
 
 from kvledger.decide.compiled import compiled as _compiled, inlined as _inlined
-from kvledger.decide.inventory.chain import chain_hashes, chain_into
+from kvledger.decide.inventory.chain import chain_hashes
 from kvledger.decide.inventory.index import CLASSES, InventoryIndex
 from kvledger.decide.inventory.rows import INLINE, PLANES, change_bit, has_bit
-from kvledger.decide.inventory.table import fill_distinct, probe
+from kvledger.decide.inventory.table import fill_distinct, lookup_rows, probe
 from kvledger.decide.ranking.cpu import KernelSettings
 from kvledger.decide.ranking.kernels import best_after_walk, walk_request
 
@@ -256,13 +256,6 @@ def _in_parallel(work: Callable, parts: list) -> None:
     _together(*(functools.partial(work, part) for part in parts))
 
 
-def _chained(local: np.ndarray, offsets: np.ndarray, parts: int) -> np.ndarray:
-    """`chain_hashes`, the requests in `parts` spans of about as many blocks chained side by side."""
-    sequence = local.copy()
-    _in_parallel(lambda span: chain_into(local, offsets, span.start, span.stop, sequence), _spans(offsets, parts))
-    return sequence
-
-
 @_compiled
 def _segments_in_order(values, offsets, order):
     """The segments values[offsets[i]:offsets[i + 1]] end to end in `order`, and their offsets there."""
@@ -455,11 +448,10 @@ def judge_outcomes(items, sequence, offsets, source, tier, source_from, source_t
 
 
 def merge_intervals(rows: np.ndarray, minors: np.ndarray, minor_count: int, starts: np.ndarray,
-                    ends: np.ndarray, parts: int = 1) -> tuple[np.ndarray, ...]:
+                    ends: np.ndarray) -> tuple[np.ndarray, ...]:
     """Per key (row * minor_count + minor), the union of its intervals [start, end) as disjoint, non-touching
     ones, sorted by (key, start): held at a seq when some interval covers it, however many stays overlap there.
-    Returns their keys, starts and ends. `parts`: ranges of rows with about as many items each, sorted and
-    merged side by side (a key's items all fall in one range)."""
+    Returns their keys, starts and ends."""
     rows, minors = rows.astype(np.int64, copy=False), minors.astype(np.int64, copy=False)
     starts, ends = starts.astype(np.int64, copy=False), ends.astype(np.int64, copy=False)
     if not rows.size:
@@ -467,74 +459,33 @@ def merge_intervals(rows: np.ndarray, minors: np.ndarray, minor_count: int, star
     keys = rows * minor_count + minors
     # Stays come in their placement's seq order (SQL's key): two stable counting sorts, by minor then by row,
     # leave each key's items in start order, where a sort of the keys costs n log n. Checked, and sorted else.
-    row_count = int(rows.max()) + 1
-    edges = _row_edges(rows, row_count, parts)
-
-    def part(span: tuple[int, int]) -> tuple[np.ndarray, ...] | None:
-        order, in_start_order = _counting_order(rows, minors, minor_count, span[0], span[1], starts)
-        return _merged(order, keys, starts, ends) if in_start_order else None
-
-    merged = _together(*(functools.partial(part, span) for span in zip(edges, edges[1:])))
-    if all(columns is not None for columns in merged):
-        return tuple(np.concatenate(column) for column in zip(*merged)) if len(merged) > 1 else merged[0]
-    low, high = int(starts.min()), int(starts.max())
-    if int(keys.min()) >= 0 and (int(keys.max()) + 1) * (high - low + 1) < 2**63:
-        order = np.argsort(keys * (high - low + 1) + (starts - low))  # one int64 sort, not lexsort's two
-    else:
-        order = np.lexsort((starts, keys))
+    order, in_start_order = _counting_order(rows, minors, minor_count, int(rows.max()) + 1, starts)
+    if not in_start_order:
+        low, high = int(starts.min()), int(starts.max())
+        if int(keys.min()) >= 0 and (int(keys.max()) + 1) * (high - low + 1) < 2**63:
+            order = np.argsort(keys * (high - low + 1) + (starts - low))  # one int64 sort, not lexsort's two
+        else:
+            order = np.lexsort((starts, keys))
     return _merged(order, keys, starts, ends)
 
 
-MERGED_IN_PARTS_FROM = 1 << 16  # fewer stays are merged in one part: a thread would cost more than it saves
-
-
-def _row_edges(rows: np.ndarray, row_count: int, parts: int) -> list[int]:
-    """Row bounds [edge, next edge) of at most `parts` ranges holding about as many of `rows` each, none empty."""
-    if parts <= 1:
-        return [0, row_count]
-    through = np.cumsum(np.bincount(rows, minlength=row_count))
-    cuts = np.searchsorted(through, [rows.size * part // parts for part in range(1, parts)], "left") + 1
-    return sorted({0, *(int(cut) for cut in cuts if 0 < cut < row_count), row_count})
-
-
-def _stays_read(table_keys, table_rows, table_bits, stay_hash, stay_slot, stay_plane, stay_start, stay_end,
-                parts: int) -> tuple[np.ndarray, ...]:
-    """The stays of hashes some request reads (a row in the table): their rows, minors (slot * PLANES + plane),
-    starts and ends, in stay order; the stays looked up in `parts` side by side, then copied so."""
-    cuts = [stay_hash.size * part // max(parts, 1) for part in range(max(parts, 1) + 1)]
-    spans = list(zip(cuts, cuts[1:]))
-    row_of_stay = np.empty(stay_hash.size, dtype=np.int32)
-    counts = _together(*(functools.partial(_rows_of_stays, table_keys, table_rows, table_bits, stay_hash, first,
-                                           stop, row_of_stay) for first, stop in spans))
-    at = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
-    read = tuple(np.empty(int(at[-1]), dtype=np.int64) for _ in range(4))
-    _together(*(functools.partial(_stays_kept, row_of_stay, stay_slot, stay_plane, stay_start, stay_end, PLANES,
-                                  first, stop, int(at[part]), *read) for part, (first, stop) in enumerate(spans)))
-    return read
-
-
 @_compiled
-def _rows_of_stays(table_keys, table_rows, table_bits, stay_hash, first, stop, row_of_stay):
-    """Each stay's row among [first, stop) (0: no request reads its hash); how many have one."""
+def _stays_read(row_of_stay, stay_slot, stay_plane, stay_start, stay_end, planes):
+    """The stays of hashes some request reads (row > 0): their rows, minors (slot * planes + plane), starts and
+    ends, in one pass (the stays are many: a copy per column costs a pass each)."""
     count = 0
-    for stay in range(first, stop):
-        row = probe(table_keys, table_rows, table_bits, stay_hash[stay])
-        row_of_stay[stay] = row
-        if row > 0:
-            count += 1
-    return count
-
-
-@_compiled
-def _stays_kept(row_of_stay, stay_slot, stay_plane, stay_start, stay_end, planes, first, stop, at, rows, minors,
-                starts, ends):
-    """The stays among [first, stop) with a row, written from `at` on, every column in one pass (the stays are
-    many: a copy per column costs a pass each)."""
-    for stay in range(first, stop):
+    for stay in range(row_of_stay.size):
         if row_of_stay[stay] > 0:
-            rows[at], minors[at] = row_of_stay[stay], stay_slot[stay] * planes + stay_plane[stay]
-            starts[at], ends[at] = stay_start[stay], stay_end[stay]
-            at += 1
+            count += 1
+    rows, minors = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+    starts, ends = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+    item = 0
+    for stay in range(row_of_stay.size):
+        if row_of_stay[stay] > 0:
+            rows[item], minors[item] = row_of_stay[stay], stay_slot[stay] * planes + stay_plane[stay]
+            starts[item], ends[item] = stay_start[stay], stay_end[stay]
+            item += 1
+    return rows, minors, starts, ends
 
 
 @_compiled
@@ -556,20 +507,10 @@ def _native_only(keys, starts, ends, minor_bits, planes):
 
 
 @_compiled
-def _counting_order(rows, minors, minor_count, low, high, starts):
-    """The items whose rows are in [low, high), by (row, minor), stably (LSD: by minor, then by row), and
-    whether the starts of each (row, minor) then rise."""
-    count = 0
-    for item in range(rows.size):
-        if low <= rows[item] < high:
-            count += 1
-    items = np.empty(count, dtype=np.int64)
-    count = 0
-    for item in range(rows.size):
-        if low <= rows[item] < high:
-            items[count] = item
-            count += 1
-    order = _stably_by(rows, low, high - low, _stably_by(minors, 0, minor_count, items))
+def _counting_order(rows, minors, minor_count, row_count, starts):
+    """The items by (row, minor), stably (LSD: by minor, then by row), and whether the starts of each
+    (row, minor) then rise."""
+    order = _stably_by(rows, row_count, _stably_by(minors, minor_count, np.arange(rows.size)))
     for position in range(1, order.size):
         item, before = order[position], order[position - 1]
         if rows[item] == rows[before] and minors[item] == minors[before] and starts[item] < starts[before]:
@@ -578,16 +519,16 @@ def _counting_order(rows, minors, minor_count, low, high, starts):
 
 
 @_compiled
-def _stably_by(values, low, value_count, items):
-    """`items` in the order of their values (each in [low, low + value_count)), stably: one counting sort."""
+def _stably_by(values, value_count, items):
+    """`items` in the order of their values (each below value_count), stably: one counting sort."""
     bounds = np.zeros(value_count + 1, dtype=np.int64)
     for position in range(items.size):
-        bounds[values[items[position]] - low + 1] += 1
+        bounds[values[items[position]] + 1] += 1
     for value in range(value_count):
         bounds[value + 1] += bounds[value]
     ordered = np.empty(items.size, dtype=np.int64)
     for position in range(items.size):
-        value = values[items[position]] - low
+        value = values[items[position]]
         ordered[bounds[value]] = items[position]
         bounds[value] += 1
     return ordered
@@ -726,21 +667,20 @@ class StayTimeline:
         """Every request ranked at its inventory seq under each settings, and every outcome judged at its
         request's horizon seq (`horizons` < 0: none)."""
         count, worker_count = len(requests), len(self.workers)
-        cores = _cores()
-        sequence = _chained(requests.local, requests.offsets, cores)
+        sequence = chain_hashes(requests.local, requests.offsets)
         # Only rows a request reads matter: a row per distinct hash the requests read, the stays of other hashes
         # left out (a hash table of the requests' hashes, probed by each stay: no sort of either).
         table_keys, table_rows, table_bits, distinct = _table_of(sequence)
-        rows, minor, start, end = _stays_read(table_keys, table_rows, table_bits, self.stay_hash, self.stay_slot,
-                                              self.stay_plane, self.stay_start, self.stay_end, cores)
+        row_of_stay = lookup_rows(table_keys, table_rows, table_bits, self.stay_hash)
+        rows, minor, start, end = _stays_read(row_of_stay, self.stay_slot, self.stay_plane, self.stay_start,
+                                              self.stay_end, PLANES)
         workers = max(worker_count, 1)
         # Each (row, slot, plane)'s stays as disjoint intervals, sorted once for both passes. The minors (slot *
         # PLANES + plane) counted in a power of two, so that a key is its row and minor side by side in bits.
         minor_bits = (workers * PLANES - 1).bit_length()
         if distinct >= 1 << (62 - minor_bits):
             raise ValueError(f"a replay of {worker_count} workers reads at most {1 << (62 - minor_bits)} hashes")
-        parts = cores if rows.size >= MERGED_IN_PARTS_FROM else 1
-        keys, start, end = merge_intervals(rows, minor, 1 << minor_bits, start, end, parts)
+        keys, start, end = merge_intervals(rows, minor, 1 << minor_bits, start, end)
         held_rows = keys >> minor_bits
 
         # Ranking: each interval as the inventory seqs it covers, applied at the first and undone after the last.
@@ -785,7 +725,7 @@ class StayTimeline:
                             table_keys, table_rows, table_bits, own_holders, own_spilled,
                             *kernel_settings, *outputs)
 
-        _in_parallel(rank, _spans(request_bounds, cores))
+        _in_parallel(rank, _spans(request_bounds, _cores()))
         back = np.empty(count, dtype=np.int64)
         back[order] = np.arange(count)
         answers = Answers(*(array[:, back] for array in attrs.astuple(answers, recurse=False)))
@@ -805,7 +745,7 @@ class StayTimeline:
                            requests.offsets, *outcomes, table_keys, table_rows, table_bits, holders, spilled,
                            judged.stale, judged.lost)
 
-        _in_parallel(judge, _spans(item_bounds, cores))
+        _in_parallel(judge, _spans(item_bounds, _cores()))
         return answers, judged
 
     def _orders(self) -> tuple[np.ndarray, np.ndarray]:
