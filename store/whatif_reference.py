@@ -776,7 +776,8 @@ def stay_tables(connection: sa.Connection, last_seq: int | None = None) -> StayT
         local = f"placement_id IN ({', '.join(str(int(value)) for value in ids)})"
         if last_seq is not None:
             local += f" AND stored_seq <= {int(last_seq)}"
-        stays = _integer_columns(connection, "block_stays", ("placement_id", "sequence_hash", "stored_seq", "slot"), local)
+        stays = _integer_columns(connection, "block_stays", ("placement_id", "sequence_hash", "stored_seq", "slot"),
+                                 local)
         runs = _integer_columns(connection, "block_removals", removals, local)
     else:
         # Unfiltered where most of the ledger is wanted: SQLite spends more per row testing a WHERE than numpy
@@ -1056,7 +1057,7 @@ def _integer_columns(connection: sa.Connection, table: str, columns: Sequence[st
     return [rows[f"value{item}"].astype(np.int64) for item in range(len(columns))]
 
 
-_PIECE_BYTES = 1 << 28
+_PIECE_BYTES = 1 << 28  # a quarter of a bytea's limit: the server's buffer for one doubles as it grows
 
 
 def workers_of(connection: sa.Connection) -> list[tuple[WorkerId, int]]:

@@ -209,7 +209,7 @@ def _stays_read_beside(connection, from_ts: float, to_ts: float):
     engine = connection.engine
     if engine.url.database in (None, "", ":memory:") or connection.execute(sa.text(
             "SELECT 1 FROM decisions WHERE decided_ts >= :from_ts AND decided_ts < :to_ts LIMIT 1"),
-            {"from_ts": max(from_ts, -1e18), "to_ts": min(to_ts, 1e18)}).first() is None:  # an empty window reads no stay
+            {"from_ts": max(from_ts, -1e18), "to_ts": min(to_ts, 1e18)}).first() is None:  # an empty window: no stay
         yield None
         return
     first_ts, last_ts = connection.exec_driver_sql("SELECT MIN(decided_ts), MAX(decided_ts) FROM decisions").one()
