@@ -880,16 +880,14 @@ def _removed_seqs(stay_key, stay_placement, slot, removal_key, first, last, remo
     for stay in range(stay_key.size):
         key, placement = stay_key[stay], stay_placement[stay]
         run = runs[placement]
-        if run == -2 or (run >= 0 and removal_key[run] > key):
+        searched = run == -2 or (run >= 0 and removal_key[run] > key)
+        steps = 0
+        while not searched and run + 1 < removal_key.size and removal_key[run + 1] <= key:
+            run += 1
+            steps += 1
+            searched = steps == _WALKED_RUNS
+        if searched:
             run = np.searchsorted(removal_key, key, side="right") - 1
-        else:
-            steps = 0
-            while run + 1 < removal_key.size and removal_key[run + 1] <= key:
-                run += 1
-                steps += 1
-                if steps == _WALKED_RUNS:
-                    run = np.searchsorted(removal_key, key, side="right") - 1
-                    break
         runs[placement] = run
         removed[stay] = never
         if run >= 0 and removal_key[run] - first[run] == key - slot[stay] and last[run] >= slot[stay]:
@@ -1044,10 +1042,10 @@ def _integer_columns(connection: sa.Connection, table: str, columns: Sequence[st
     record = np.dtype([(f"value{item}", ">i8") for item in range(len(columns))])
     pieces = max(1, -(-count * record.itemsize // _PIECE_BYTES))
     row = " || ".join(f"int8send({column}::bigint)" for column in columns)
+    column = columns[min(1, len(columns) - 1)]
     read = []
     with connection.connection.driver_connection.cursor(binary=True) as cursor:
         for piece in range(pieces):
-            column = columns[min(1, len(columns) - 1)]
             split = f" AND (({column}::bigint % {pieces}) + {pieces}) % {pieces} = {piece}" if pieces > 1 else ""
             cursor.execute(f"SELECT string_agg({row}, ''::bytea) FROM {table} WHERE ({where}){split}")
             data = cursor.fetchone()[0]
