@@ -71,6 +71,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import services  # noqa: E402  (the test suite's throwaway servers)
+import sqlalchemy as sa  # noqa: E402
 
 from kvledger.core.settings import ReuseSettings, load_settings  # noqa: E402
 from kvledger.store import database  # noqa: E402
@@ -361,6 +362,8 @@ def run_size(args, size: int, kinds: list[str], databases: dict, work: Path, fil
             _out_of_memory(*(path for path in nats_server.store_dir.rglob("*") if path.is_file()))
             if kind == "sqlite":
                 _in_memory(sqlite_file(on_url))
+            else:
+                _postgres_in_memory(on_url)
             audit_s, _ = audit_quality(on_url, horizon_ms)
             scan_s = decisions_scan(on_url)
             figures["audit"] = {"seconds": audit_s, "decisions_per_s": size / audit_s, "scan_s": scan_s,
@@ -428,6 +431,24 @@ def _in_memory(path: Path) -> None:
             with file.open("rb", buffering=0) as ledger:
                 while ledger.readinto(chunk):
                     pass
+
+
+def _postgres_in_memory(db_url: str) -> None:
+    """A PostgreSQL ledger read once, as `_in_memory` reads SQLite's: every block of the database's tables, their
+    indexes and TOAST tables read by the server (pg_prewarm's 'read' mode) into the page cache, so that the audit
+    and the replay read a ledger in memory on both databases. At 1 M decisions the audit took 4.35 s as the
+    projection left the ledger, 3.75 s after this read and 3.70 s run again (the same code; it had given 172 k
+    and 240 k decisions/s in two runs before)."""
+    with database.opened(db_url) as engine, engine.connect() as connection:
+        try:
+            connection.exec_driver_sql("CREATE EXTENSION IF NOT EXISTS pg_prewarm")
+        except sa.exc.DBAPIError as error:  # a server without PostgreSQL's contrib modules
+            print(f"the ledger was not read into memory before the audit: {error.orig}", file=sys.stderr)
+            return
+        connection.exec_driver_sql(
+            "SELECT pg_prewarm(c.oid, 'read') FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname IN ('public', 'pg_toast') AND c.relkind IN ('r', 'i', 't', 'm')").all()
+        connection.commit()
 
 
 def print_figures(args, kind: str, size: int, f: dict) -> None:
