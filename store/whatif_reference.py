@@ -755,7 +755,6 @@ class StayTables:
     read_up_to: int | None  # the stays and removals stored after it were not read (None: all were)
     stays: list[np.ndarray]  # placement_id, sequence_hash, stored_seq, slot
     removals: list[np.ndarray]  # placement_id, stored_seq, first_slot, last_slot, removed_seq
-    covers: int | None = None  # every stay stored at or before it was read (None: not known)
 
 
 def stay_tables(connection: sa.Connection, last_seq: int | None = None) -> StayTables:

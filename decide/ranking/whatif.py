@@ -602,6 +602,24 @@ def _request_slots(slot_of, requests: Requests) -> tuple[np.ndarray, ...]:
             requests.fallbacks >= 0)
 
 
+@attrs.frozen(eq=False)
+class RequestTable:
+    """What answering reads of the requests before any stay: their chained sequence hashes, and a table of the
+    distinct ones (`_table_of`: keys, rows, bits, and the count of rows). Made apart (`of`), so that a replay
+    can make it while its stays are still being read."""
+
+    sequence: np.ndarray
+    keys: np.ndarray
+    rows: np.ndarray
+    bits: int
+    distinct: int
+
+    @classmethod
+    def of(cls, local: np.ndarray, offsets: np.ndarray) -> RequestTable:
+        sequence = chain_hashes(local, offsets)
+        return cls(sequence, *_table_of(sequence))
+
+
 class StayTimeline:
     """The stays SQL keeps, as decide's rows at each inventory seq (see the module's docstring).
 
@@ -663,14 +681,15 @@ class StayTimeline:
         return self._slot.get(worker)
 
     def answer(self, requests: Requests, settings: Sequence[ReuseSettings], horizons: np.ndarray,
-               recorded: Outcomes) -> tuple[Answers, Judged]:
+               recorded: Outcomes, table: RequestTable | None = None) -> tuple[Answers, Judged]:
         """Every request ranked at its inventory seq under each settings, and every outcome judged at its
-        request's horizon seq (`horizons` < 0: none)."""
+        request's horizon seq (`horizons` < 0: none). `table`: the requests' `RequestTable`, if made before."""
         count, worker_count = len(requests), len(self.workers)
-        sequence = chain_hashes(requests.local, requests.offsets)
         # Only rows a request reads matter: a row per distinct hash the requests read, the stays of other hashes
         # left out (a hash table of the requests' hashes, probed by each stay: no sort of either).
-        table_keys, table_rows, table_bits, distinct = _table_of(sequence)
+        if table is None:
+            table = RequestTable.of(requests.local, requests.offsets)
+        sequence, table_keys, table_rows, table_bits, distinct = attrs.astuple(table, recurse=False)
         row_of_stay = lookup_rows(table_keys, table_rows, table_bits, self.stay_hash)
         rows, minor, start, end = _stays_read(row_of_stay, self.stay_slot, self.stay_plane, self.stay_start,
                                               self.stay_end, PLANES)

@@ -179,31 +179,43 @@ def replay(connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon
     """`store.whatif_reference.replay`'s report, from SQL, answered by decide's kernels in a batch per inventory seq."""
     from kvledger.store.whatif_reference import read_columns, stays_of, workers_of
 
+    table = None
     with _stays_read_beside(connection, from_ts, to_ts) as prefetched:
         window = read_columns(connection, horizon_s=horizon_s, from_ts=from_ts, to_ts=to_ts)
+        if prefetched is not None and len(window.decisions):  # made while the stays are still being read
+            from kvledger.decide.ranking.whatif import RequestTable
+
+            table = RequestTable.of(window.decisions.local, window.decisions.offsets)
     timeline = None
     if len(window.decisions):  # an empty window loads no kernel and reads no stay
         from kvledger.decide.ranking.whatif import StayTimeline
 
-        tables = prefetched.result() if prefetched is not None else None
-        if tables is not None and tables.covers < window.last_seq:  # events projected since: read them again
-            tables = None
-        stays = stays_of(connection, window.first_seq, window.last_seq, tables)
-        timeline = StayTimeline.of_stays(workers_of(connection), stays.placements, stays.placement,
-                                         stays.sequence_hash, stays.stored_seq, stays.removed_seq,
-                                         stays.conflict_since)
+        covers, timeline = prefetched.result() if prefetched is not None else (None, None)
+        if timeline is not None and covers < window.last_seq:  # events projected since: read them again
+            timeline = None
+        if timeline is None:
+            stays = stays_of(connection, window.first_seq, window.last_seq)
+            timeline = StayTimeline.of_stays(workers_of(connection), stays.placements, stays.placement,
+                                             stays.sequence_hash, stays.stored_seq, stays.removed_seq,
+                                             stays.conflict_since)
     return _report((from_ts, to_ts), horizon_s, "sql", window.decisions, settings, placed, timeline,
-                   window.unreplayable)
+                   window.unreplayable, table)
 
 
 @contextlib.contextmanager
 def _stays_read_beside(connection, from_ts: float, to_ts: float):
-    """The ledger's stay tables (`store.whatif_reference.stay_tables`), read on a connection of their own in a
-    thread while the caller reads the window: SQLite builds their texts without the GIL, PostgreSQL's server
-    lays them out in a process of its own. Yields a future of the tables, with every stay stored at or before
-    their `covers` (the events projected before they were read), or None where the database is SQLite in
-    memory (this connection's alone), or where the window ends in the ledger's first half (`stay_tables` then
-    reads only the stays stored up to the window's end, once it is known)."""
+    """The ledger's timeline (`decide.ranking.whatif.StayTimeline` of every stay SQL holds), read and built on a
+    connection of its own in a thread while the caller reads the window: SQLite builds the stays' texts without
+    the GIL, PostgreSQL's server lays them out in a process of its own, and the stays matched to their removals
+    (`store.whatif_reference.stays_of`) and made the timeline's columns while the window's rows are still being
+    read, not after. Yields a future of (covers, timeline): every stay stored at or before `covers` (the events
+    projected before they were read) is in it; or None where the database is SQLite in memory (this
+    connection's alone), or where the window ends in the ledger's first half (the stays stored up to the
+    window's end are then read alone, once it is known).
+
+    The timeline holds stays the window does not need (ended before its first inventory seq, stored after its
+    last seq, workers first seen after it): they are held at no seq the window answers or judges at, so the
+    answers are those of the window's own stays."""
     import sqlalchemy as sa
 
     engine = connection.engine
@@ -218,11 +230,15 @@ def _stays_read_beside(connection, from_ts: float, to_ts: float):
         return
 
     def read():
-        from kvledger.store.whatif_reference import stay_tables
+        from kvledger.decide.ranking.whatif import StayTimeline
+        from kvledger.store.whatif_reference import stay_tables, stays_of, workers_of
 
         with engine.connect() as own:
             covered = own.exec_driver_sql("SELECT MAX(stream_seq) FROM event_log").scalar() or 0
-            return attrs.evolve(stay_tables(own), covers=covered)
+            stays = stays_of(own, 0, covered, stay_tables(own))
+            return covered, StayTimeline.of_stays(workers_of(own), stays.placements, stays.placement,
+                                                  stays.sequence_hash, stays.stored_seq, stays.removed_seq,
+                                                  stays.conflict_since)
 
     with ThreadPoolExecutor(1, thread_name_prefix="replay-stays") as pool:
         yield pool.submit(read)
@@ -246,20 +262,21 @@ async def replay_stream(js, streams, settings: Sequence[tuple[str, ReuseSettings
 
 
 def _report(bounds: tuple[float, float], horizon_s: float, source: str, window, settings, placed: bool, timeline,
-            unreplayable: int):
+            unreplayable: int, table=None):
     """The report of the window's decisions answered again on `timeline` (None: the window is empty)."""
     from kvledger.store.whatif_reference import report_of_columns
 
     if timeline is None:
         recorded, replayed = window.recorded, [window.recorded] * len(settings)
     else:
-        recorded, replayed = answered(window, settings, placed, timeline)
+        recorded, replayed = answered(window, settings, placed, timeline, table)
     return report_of_columns(bounds, horizon_s, source, window, recorded, replayed, unreplayable, settings)
 
 
-def answered(window, settings: Sequence[tuple[str, ReuseSettings]], placed: bool, timeline) -> tuple:
+def answered(window, settings: Sequence[tuple[str, ReuseSettings]], placed: bool, timeline, table=None) -> tuple:
     """The recorded outcomes and each settings' replayed ones (`store.whatif_reference.OutcomeColumns`), every
-    decision of `window` (`RecordedColumns`) answered at its inventory seq and judged at its horizon seq."""
+    decision of `window` (`RecordedColumns`) answered at its inventory seq and judged at its horizon seq (on a
+    `StayTimeline`, with the requests' `decide.ranking.whatif.RequestTable` where it was made before)."""
     import numpy as np  # here, not at the top: every `kvledger` command builds its parser from this module
 
     from kvledger.decide.ranking.ranked import REASONS
@@ -279,7 +296,7 @@ def answered(window, settings: Sequence[tuple[str, ReuseSettings]], placed: bool
     values = [value for _, value in settings]
     if hasattr(timeline, "slot"):
         answers, judged = timeline.answer(requests, values, window.horizon_seq,
-                                          recorded_outcomes(timeline.slot, *recorded))
+                                          recorded_outcomes(timeline.slot, *recorded), table)
     else:
         answers, judged = timeline.answer(requests, values, window.horizon_seq, recorded)
     worker_of_slot = np.append(workers.of(timeline.workers), NO_CODE)  # slot -1 reads NO_CODE
