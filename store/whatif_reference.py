@@ -83,7 +83,8 @@ ORDER BY d.stream_seq;""",
 # `read_columns` runs it as a LEFT JOIN without its ORDER BY: one statement reads the window's decisions and
 # counts those without a request (`replay_unreplayable`'s) in the same snapshot, and it sorts the rows itself:
 # they come in decided_ts order off the index, nearly the seqs' order, which Python sorts in one pass where
-# SQLite builds a B-tree. (Read apart and matched by seq, the two tables took longer.)
+# SQLite builds a B-tree. (Read apart as rows and matched by seq, the two tables took longer; a window of much of
+# an SQLite ledger is read apart as aggregated texts, `_scanned_window`.)
 _REPLAY_DECISIONS_JOINED = """SELECT d.stream_seq, d.request_id, d.decided_ts, d.inventory_seq, d.target, d.reason, d.baseline_blocks,
        d.chosen_source, d.chosen_dp_rank, d.chosen_tier, d.chosen_prefix_blocks, d.chosen_transfer_blocks,
        d.chosen_saving_ms, d.target_prefix_blocks,
@@ -666,19 +667,18 @@ def _collection_paused():
 @_collection_paused()  # millions of tuples that hold no cycles: each full collection would walk them all
 def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float = -math.inf,
                  to_ts: float = math.inf) -> ColumnWindow:
-    """`read_window` (its horizon seqs from the events' ingest times) as columns: the driver's tuples read in
-    bulk, each request's hashes one slice of a single buffer. Raises ReplayRefused as `read_window` does."""
+    """`read_window` (its horizon seqs from the events' ingest times) as columns, each request's hashes one slice of
+    a single buffer: on SQLite, where the window spans much of the ledger, each table scanned once with its columns
+    aggregated in SQL (`_scanned_window`); else the driver's tuples read in bulk. Raises ReplayRefused as
+    `read_window` does."""
     window = {"from_ts": max(from_ts, -1e18), "to_ts": min(to_ts, 1e18)}
-    rows = _fetched(connection, _REPLAY_DECISIONS_JOINED.format(join="LEFT JOIN"), window)
-    read = len(rows)
-    rows = [row for row in rows if row[-1] is not None]  # local_hashes is NOT NULL: None is no request
-    unreplayable = read - len(rows)  # `replay_unreplayable`'s count, in the same snapshot as the rows
-    rows.sort(key=operator.itemgetter(0))  # by seq, as `replay_decisions` orders them
-    (_seq, request_ids, decided_ts, inventory_seqs, targets, reasons, baselines, chosen_sources, chosen_ranks, tiers,
-     prefixes, transfers, savings, target_prefixes, block_sizes, blocks, requested_targets, fallbacks,
-     local_hashes) = (list(column) for column in zip(*rows)) if rows else ([] for _ in range(19))
-    times = _fetched(connection, REPLAY_INGEST_TIMES.sql.rstrip(";"), {}) if rows else []
-    decided = np.array(decided_ts, dtype=np.float64)
+    columns = _scanned_window(connection, window) if connection.dialect.name == "sqlite" else None
+    if columns is None:
+        columns = _fetched_window(connection, window)
+    (unreplayable, request_ids, decided, inventory_seqs, targets, reasons, baselines, chosen_sources, chosen_ranks,
+     tiers, prefixes, transfers, savings, target_prefixes, block_sizes, blocks, requested_targets, fallbacks, local,
+     lengths) = columns
+    times = _fetched(connection, REPLAY_INGEST_TIMES.sql.rstrip(";"), {}) if len(request_ids) else []
     horizons = np.full(decided.size, -1, dtype=np.int64)
     if times:
         event_seqs = np.fromiter(map(operator.itemgetter(0), times), dtype=np.int64, count=len(times))
@@ -688,18 +688,15 @@ def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float 
         at = np.searchsorted(running, decided + horizon_s, "left")
         horizons = np.where(at < event_seqs.size, event_seqs[np.minimum(at, event_seqs.size - 1)] - 1, -1)
     offsets = np.zeros(decided.size, dtype=np.int64)
-    inventory = np.array(inventory_seqs, dtype=np.int64).reshape(decided.size)
+    inventory = np.asarray(inventory_seqs, dtype=np.int64).reshape(decided.size)
     for generation in run(connection, KV_EVENTS_GENERATIONS):  # as `_Generations.ledger_seq`: the newest wins
         known = (generation["detected_ts"] <= decided) & (generation["first_stream_seq"] <= inventory)
         offsets[known] = generation["ledger_offset"]
     inventory = inventory + offsets
     pairs = list(zip(chosen_sources, chosen_ranks))
     by_pair = {pair: None if pair[0] is None else worker_of(*pair) for pair in set(pairs)}
-    buffer = bytearray().join(local_hashes)  # numpy reads it where it is, writable
     decisions = RecordedColumns.of(
-        request_ids=request_ids, inventory_seqs=inventory, horizon_seqs=horizons,
-        local=np.frombuffer(buffer, dtype="<u8").astype(np.uint64, copy=False),
-        lengths=np.fromiter(map(len, local_hashes), dtype=np.int64, count=len(local_hashes)) // 8,
+        request_ids=request_ids, inventory_seqs=inventory, horizon_seqs=horizons, local=local, lengths=lengths,
         block_sizes=block_sizes, blocks=blocks, requested_targets=requested_targets, fallbacks=fallbacks,
         targets=targets, reasons=reasons, baselines=baselines, sources=list(map(by_pair.__getitem__, pairs)),
         tiers=tiers, prefixes=prefixes, transfers=transfers, savings=savings, target_prefixes=target_prefixes)
@@ -709,6 +706,211 @@ def read_columns(connection: sa.Connection, *, horizon_s: float, from_ts: float 
     if refusal is not None:
         raise ReplayRefused(refusal)
     return ColumnWindow(decisions, unreplayable, first, last)
+
+
+def _fetched_window(connection: sa.Connection, window: dict) -> tuple:
+    """The window's columns (as `read_columns` unpacks them) from the driver's tuples: one statement joins each
+    decision to its request."""
+    rows = _fetched(connection, _REPLAY_DECISIONS_JOINED.format(join="LEFT JOIN"), window)
+    read = len(rows)
+    rows = [row for row in rows if row[-1] is not None]  # local_hashes is NOT NULL: None is no request
+    unreplayable = read - len(rows)  # `replay_unreplayable`'s count, in the same snapshot as the rows
+    rows.sort(key=operator.itemgetter(0))  # by seq, as `replay_decisions` orders them
+    (_seq, request_ids, decided_ts, inventory_seqs, targets, reasons, baselines, chosen_sources, chosen_ranks, tiers,
+     prefixes, transfers, savings, target_prefixes, block_sizes, blocks, requested_targets, fallbacks,
+     local_hashes) = (list(column) for column in zip(*rows)) if rows else ([] for _ in range(19))
+    buffer = bytearray().join(local_hashes)  # numpy reads it where it is, writable
+    return (unreplayable, request_ids, np.array(decided_ts, dtype=np.float64), inventory_seqs, targets, reasons,
+            baselines, chosen_sources, chosen_ranks, tiers, prefixes, transfers, savings, target_prefixes,
+            block_sizes, blocks, requested_targets, fallbacks,
+            np.frombuffer(buffer, dtype="<u8").astype(np.uint64, copy=False),
+            np.fromiter(map(len, local_hashes), dtype=np.int64, count=len(local_hashes)) // 8)
+
+
+# `_scanned_window`'s statements: each table read once in its own order, every integer and text column
+# aggregated into one text (a text's values end to end, and each one's length in bytes, -1 for NULL), the floats
+# as rows (their texts would not be exact); NOT INDEXED: a window of much of the ledger costs a seek per row off
+# the decided_ts index, where a scan costs a step.
+_WINDOW_INTEGERS = ("stream_seq", "inventory_seq", "baseline_blocks", "IFNULL(chosen_dp_rank, 0)",
+                    "IFNULL(chosen_prefix_blocks, 0)", "IFNULL(chosen_transfer_blocks, 0)", "target_prefix_blocks")
+_WINDOW_TEXTS = ("request_id", "target", "reason", "chosen_source", "chosen_tier")
+_WINDOW_WHERE = "WHERE decided_ts >= :from_ts AND decided_ts < :to_ts"
+_REQUEST_INTEGERS = ("stream_seq", "block_size", "blocks", "length(local_hashes)")
+_REQUEST_TEXTS = ("requested_target", "fallback")
+
+
+def _aggregated(integers: Sequence[str], texts: Sequence[str]) -> str:
+    return ", ".join([*(f"CAST(group_concat({column}) AS BLOB)" for column in integers),
+                      *(f"CAST(group_concat(IFNULL(length(CAST({column} AS BLOB)), -1)) AS BLOB), "
+                        f"CAST(group_concat({column}, '') AS BLOB)" for column in texts)])
+
+
+_SCANNED_DECISIONS = (f"SELECT COUNT(*), {_aggregated(_WINDOW_INTEGERS, _WINDOW_TEXTS)} "
+                      f"FROM decisions NOT INDEXED {_WINDOW_WHERE}")
+_SCANNED_FLOATS = f"SELECT decided_ts, IFNULL(chosen_saving_ms, 0.0) FROM decisions NOT INDEXED {_WINDOW_WHERE}"
+# A request's hashes end to end: group_concat copies a BLOB's bytes as they are (a text of a UTF-8 database).
+_SCANNED_REQUESTS = (f"SELECT COUNT(*), {_aggregated(_REQUEST_INTEGERS, _REQUEST_TEXTS)}, "
+                     "CAST(group_concat(local_hashes, '') AS BLOB) FROM decision_requests NOT INDEXED "
+                     "WHERE stream_seq >= :first AND stream_seq <= :last")
+_SCANNED_SHARE = 1 / 3  # of the ledger's time at least, a window is scanned (the seeks cost about three steps a row)
+
+
+def _scanned_window(connection: sa.Connection, window: dict) -> tuple | None:
+    """SQLite: the window's columns (as `read_columns` unpacks them) from `decisions` and `decision_requests`
+    scanned once each in one read transaction, their integers and texts aggregated in SQL (one text per
+    column, parsed without the interpreter's lock, each distinct text decoded once) and matched by seq in
+    numpy; None where the window spans less than a third of the ledger's time, or the database is in memory."""
+    if connection.engine.url.database in (None, "", ":memory:"):
+        return None
+    raw = connection.connection.driver_connection
+    began = not raw.in_transaction
+    if began:  # one snapshot for the three statements
+        raw.execute("BEGIN")
+    try:
+        low, high = raw.execute("SELECT MIN(decided_ts), MAX(decided_ts) FROM decisions").fetchone()
+        if low is None or min(high, window["to_ts"]) - max(low, window["from_ts"]) < _SCANNED_SHARE * (high - low):
+            return None
+        count, *decided = raw.execute(_SCANNED_DECISIONS, window).fetchone()
+        floats = raw.execute(_SCANNED_FLOATS, window).fetchall()
+        seqs = _parsed(decided[0], count)
+        bounds = {"first": int(seqs.min()) if count else 0, "last": int(seqs.max()) if count else -1}
+        requested, *asked = raw.execute(_SCANNED_REQUESTS, bounds).fetchone()
+    finally:
+        if began:
+            raw.execute("COMMIT")
+    if len(floats) != count:
+        raise RuntimeError(f"read {len(floats)} decision times of {count} decisions in one snapshot")
+    integers = [seqs, *(_parsed(text, count) for text in decided[1:len(_WINDOW_INTEGERS)])]
+    texts = _text_columns(decided[len(_WINDOW_INTEGERS):], count)
+    times = np.array(floats, dtype=np.float64).reshape(count, 2)
+    r_integers = [_parsed(text, requested) for text in asked[:len(_REQUEST_INTEGERS)]]
+    r_texts = _text_columns(asked[len(_REQUEST_INTEGERS):-1], requested)
+    r_seqs, block_sizes, blocks, byte_lengths = r_integers
+    hashes = np.frombuffer(asked[-1] or b"", dtype=np.uint8)
+    # Decisions in seq order, each with its request (the scans give the tables' rowid order: the seqs' own,
+    # unless rows were written out of it), matched by seq.
+    order = np.argsort(seqs, kind="stable") if np.any(seqs[1:] < seqs[:-1]) else None
+    r_order = np.argsort(r_seqs, kind="stable") if np.any(r_seqs[1:] < r_seqs[:-1]) else None
+    if order is not None:
+        seqs = seqs[order]
+    sorted_r_seqs = r_seqs if r_order is None else r_seqs[r_order]
+    at = np.minimum(np.searchsorted(sorted_r_seqs, seqs), max(sorted_r_seqs.size - 1, 0))
+    matched = (sorted_r_seqs[at] == seqs) if sorted_r_seqs.size else np.zeros(seqs.size, dtype=bool)
+    decision_rows = np.arange(count) if order is None else order
+    decision_rows, request_rows = decision_rows[matched], at[matched]
+    if r_order is not None:
+        request_rows = r_order[request_rows]
+    local, lengths = _segments(hashes, byte_lengths, request_rows)
+    request_ids, targets, reasons, sources, tiers = texts
+    return (int(count - matched.sum()), request_ids.taken(decision_rows), times[decision_rows, 0],
+            integers[1][decision_rows], targets.listed(decision_rows), reasons.listed(decision_rows),
+            integers[2][decision_rows], sources.listed(decision_rows), integers[3][decision_rows].tolist(),
+            tiers.listed(decision_rows), integers[4][decision_rows], integers[5][decision_rows],
+            times[decision_rows, 1], integers[6][decision_rows], block_sizes[request_rows], blocks[request_rows],
+            r_texts[0].listed(request_rows), r_texts[1].listed(request_rows), local, lengths)
+
+
+class _Texts(Sequence):
+    """A column of texts in one buffer of UTF-8 (a group_concat of them): row i's bytes at starts[i], lengths[i]
+    long (-1: NULL). Read as a sequence, a row's text is decoded when it is asked for (a window's request ids are
+    read only for the decisions a replay changes)."""
+
+    def __init__(self, buffer: bytes, starts: np.ndarray, lengths: np.ndarray) -> None:
+        self.buffer, self.starts, self.lengths = buffer, starts, lengths
+
+    def __len__(self) -> int:
+        return self.lengths.size
+
+    def __getitem__(self, row: int) -> str | None:
+        start, length = int(self.starts[row]), int(self.lengths[row])
+        return None if length < 0 else self.buffer[start:start + length].decode()
+
+    def taken(self, rows: np.ndarray) -> _Texts:
+        return _Texts(self.buffer, self.starts[rows], self.lengths[rows])
+
+    def listed(self, rows: np.ndarray) -> list:
+        """The texts of `rows` as a list, each distinct text decoded once (the column holds few)."""
+        codes, firsts = _text_codes(np.frombuffer(self.buffer, dtype=np.uint8), self.starts, self.lengths)
+        values = [self[int(row)] for row in firsts] + [None]  # code -1 (NULL) reads the last
+        return list(map(values.__getitem__, codes[rows].tolist()))
+
+
+def _text_columns(texts: Sequence[bytes | None], count: int) -> list[_Texts]:
+    """`_aggregated`'s texts (per column: its rows' lengths, then their bytes end to end) as `_Texts`."""
+    columns = []
+    for lengths_text, buffer in zip(texts[::2], texts[1::2]):
+        lengths = _parsed(lengths_text, count)
+        starts = np.zeros(count, dtype=np.int64)
+        np.cumsum(np.maximum(lengths[:-1], 0), out=starts[1:])
+        if count and int(starts[-1]) + max(int(lengths[-1]), 0) != len(buffer or b""):
+            raise ValueError("a column's texts are not as long as their lengths say")
+        columns.append(_Texts(buffer or b"", starts, lengths))
+    return columns
+
+
+@numba.njit(cache=True, nogil=True)
+def _text_codes(buffer, starts, lengths):
+    """Each row's code (-1 for NULL), the same for the same bytes, and the first row of each code: an open
+    addressing table of FNV-1a hashes, a hit compared byte for byte."""
+    count = lengths.size
+    bits = 4
+    while (1 << bits) < 2 * count:
+        bits += 1
+    table = np.full(1 << bits, -1, dtype=np.int64)  # the code at each place
+    firsts = np.empty(count, dtype=np.int64)
+    codes = np.full(count, -1, dtype=np.int64)
+    distinct = 0
+    for row in range(count):
+        length = lengths[row]
+        if length < 0:
+            continue
+        start = starts[row]
+        digest = np.uint64(14695981039346656037)
+        for at in range(start, start + length):
+            digest = (digest ^ np.uint64(buffer[at])) * np.uint64(1099511628211)
+        place = np.int64(digest & np.uint64((1 << bits) - 1))
+        while True:
+            code = table[place]
+            if code < 0:
+                table[place] = distinct
+                firsts[distinct] = row
+                codes[row] = distinct
+                distinct += 1
+                break
+            first = firsts[code]
+            if lengths[first] == length:
+                same = True
+                for offset in range(length):
+                    if buffer[starts[first] + offset] != buffer[start + offset]:
+                        same = False
+                        break
+                if same:
+                    codes[row] = code
+                    break
+            place = (place + 1) & ((1 << bits) - 1)
+    return codes, firsts[:distinct].copy()
+
+
+def _segments(hashes: np.ndarray, byte_lengths: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8-byte hashes of `rows` (each row's `byte_lengths` bytes of `hashes`, end to end) in that order, a
+    writable array, and each row's count of them."""
+    if rows.size == byte_lengths.size and (rows.size == 0 or bool(np.all(rows == np.arange(rows.size)))):
+        kept = hashes.copy()
+    else:
+        starts = np.zeros(byte_lengths.size, dtype=np.int64)
+        np.cumsum(byte_lengths[:-1], out=starts[1:])
+        kept = _gathered(hashes, starts, byte_lengths, rows)
+    return kept.view("<u8").astype(np.uint64, copy=False), byte_lengths[rows] // 8
+
+
+@numba.njit(cache=True, nogil=True)
+def _gathered(values, starts, lengths, rows):
+    out = np.empty(lengths[rows].sum(), dtype=values.dtype)
+    at = 0
+    for row in rows:
+        out[at:at + lengths[row]] = values[starts[row]:starts[row] + lengths[row]]
+        at += lengths[row]
+    return out
 
 
 def _fetched(connection: sa.Connection, sql: str, parameters: dict) -> list:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import attrs
 import nats
+import numpy as np
 import pytest
 import sqlalchemy as sa
 
@@ -65,6 +66,18 @@ def _demo(tmp_path: Path, db_url: str) -> Path:
     return data
 
 
+def _columns_of(window) -> dict:
+    """Every column of a `ColumnWindow` as plain values, to compare two reads of one window."""
+    decisions = window.decisions
+    columns = {name: value.tolist() if hasattr(value, "tolist") else value
+               for name, value in attrs.asdict(decisions, recurse=False).items() if name != "recorded"}
+    columns.update(request_ids=list(decisions.request_ids), workers=dict(decisions.workers),
+                   names=dict(decisions.names), reasons=dict(decisions.reasons),
+                   recorded={name: value.tolist() for name, value in attrs.asdict(decisions.recorded).items()},
+                   window=(window.unreplayable, window.first_seq, window.last_seq))
+    return columns
+
+
 def test_a_demo_ledger_gives_the_reference_report_to_the_last_float(db_url, tmp_path, capsys, monkeypatch) -> None:
     data = _demo(tmp_path, db_url)
     sweep = _sweep(tmp_path)
@@ -86,6 +99,21 @@ def test_a_demo_ledger_gives_the_reference_report_to_the_last_float(db_url, tmp_
                 assert fast.replay(connection, sweep, horizon_s=0.5, placed=placed) == expected, (cores, placed)
         # The stays read in bulk (store.whatif_reference.stays_of) are `replay_stays`' rows, every column.
         window = reference.read_columns(connection, horizon_s=0.5)
+        if connection.dialect.name == "sqlite":
+            # Scanned, each column aggregated in SQL (a window of much of the ledger), and read as the driver's
+            # tuples (a window of less than a third of its time): the same columns.
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(reference, "_SCANNED_SHARE", 2.0)
+                fetched = reference.read_columns(connection, horizon_s=0.5)
+            assert isinstance(window.decisions.request_ids, reference._Texts)
+            assert _columns_of(window) == _columns_of(fetched)
+            later = connection.execute(sa.text("SELECT decided_ts FROM decisions ORDER BY decided_ts")).scalars().all()
+            later = later[len(later) // 2]
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(reference, "_SCANNED_SHARE", 2.0)
+                fetched = reference.read_columns(connection, horizon_s=0.5, from_ts=later)
+            assert _columns_of(reference.read_columns(connection, horizon_s=0.5, from_ts=later)) == \
+                _columns_of(fetched)
         # Its horizon seqs, from the events' ingest times, are the reference's from SQL's own subquery.
         assert window.decisions.horizon_seq.tolist() == [
             -1 if decision.horizon_seq is None else decision.horizon_seq
@@ -217,7 +245,6 @@ def test_each_stay_finds_its_removal_run_in_any_order(stays_in) -> None:
     placement and stored seq whose slots hold it, else none. SQLite reads the stays in key order (placement,
     stored seq, slot), PostgreSQL in stored order (each placement's in key order, the placements interleaved),
     and any other order is searched for."""
-    import numpy as np
 
     rng = np.random.default_rng(7)
     slot_span = 64
@@ -266,3 +293,25 @@ def test_sqlite_integer_texts_are_parsed_exactly_and_anything_else_is_refused() 
             reference._parsed(bad, 2)
     with pytest.raises(ValueError, match="read 1 of 2 values"):
         reference._parsed(b"7", 2)
+
+
+def test_a_scanned_window_s_texts_and_hashes_are_each_row_s_own() -> None:
+    """`store.whatif_reference._scanned_window`'s pieces: texts of a group_concat read back per row (NULLs, empty
+    and repeated texts, UTF-8), and requests' hashes taken for rows in any order, some left out."""
+    values = ["a", None, "", "wörker/1", "a", None, "b", "", "wörker/1"]
+    encoded = [None if value is None else value.encode() for value in values]
+    lengths = ",".join(str(-1 if value is None else len(value)) for value in encoded).encode()
+    (texts,) = reference._text_columns([lengths, b"".join(value for value in encoded if value)], len(values))
+    rows = np.array([8, 0, 1, 3, 2, 5, 6, 4, 7])
+    assert texts.listed(rows) == [values[row] for row in rows]
+    assert list(texts.taken(rows)) == [values[row] for row in rows] and len(texts) == len(values)
+    hashes = np.arange(20, dtype="<u8")
+    byte_lengths = np.array([8, 24, 0, 32, 16, 80], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(byte_lengths)[:-1]]) // 8
+    for rows in ([3, 0, 5, 1], [0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [2], []):
+        rows = np.array(rows, dtype=np.int64)
+        local, counts = reference._segments(hashes.view(np.uint8), byte_lengths, rows)
+        expected = [value for row in rows.tolist() for value in
+                    hashes[starts[row]:starts[row] + byte_lengths[row] // 8].tolist()]
+        assert local.tolist() == expected and counts.tolist() == (byte_lengths[rows] // 8).tolist()
+        assert local.dtype == np.uint64 and local.flags.writeable
