@@ -177,7 +177,7 @@ async def _from_streams(settings, sweep: list, options: dict):
 def replay(connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
            from_ts: float = -math.inf, to_ts: float = math.inf, placed: bool = False):
     """`store.whatif_reference.replay`'s report, from SQL, answered by decide's kernels in a batch per inventory seq."""
-    from kvledger.store.whatif_reference import read_columns, stays_of, workers_of
+    from kvledger.store.whatif_reference import read_columns
 
     table = None
     with _stays_read_beside(connection, from_ts, to_ts) as prefetched:
@@ -188,16 +188,9 @@ def replay(connection, settings: Sequence[tuple[str, ReuseSettings]], *, horizon
             table = RequestTable.of(window.decisions.local, window.decisions.offsets)
     timeline = None
     if len(window.decisions):  # an empty window loads no kernel and reads no stay
-        from kvledger.decide.ranking.whatif import StayTimeline
-
         covers, timeline = prefetched.result() if prefetched is not None else (None, None)
-        if timeline is not None and covers < window.last_seq:  # events projected since: read them again
-            timeline = None
-        if timeline is None:
-            stays = stays_of(connection, window.first_seq, window.last_seq)
-            timeline = StayTimeline.of_stays(workers_of(connection), stays.placements, stays.placement,
-                                             stays.sequence_hash, stays.stored_seq, stays.removed_seq,
-                                             stays.conflict_since)
+        if timeline is None or covers < window.last_seq:  # none read beside, or events projected since
+            timeline = _timeline(connection, window.first_seq, window.last_seq)
     return _report((from_ts, to_ts), horizon_s, "sql", window.decisions, settings, placed, timeline,
                    window.unreplayable, table)
 
@@ -230,18 +223,25 @@ def _stays_read_beside(connection, from_ts: float, to_ts: float):
         return
 
     def read():
-        from kvledger.decide.ranking.whatif import StayTimeline
-        from kvledger.store.whatif_reference import stay_tables, stays_of, workers_of
+        from kvledger.store.whatif_reference import stay_tables
 
         with engine.connect() as own:
             covered = own.exec_driver_sql("SELECT MAX(stream_seq) FROM event_log").scalar() or 0
-            stays = stays_of(own, 0, covered, stay_tables(own))
-            return covered, StayTimeline.of_stays(workers_of(own), stays.placements, stays.placement,
-                                                  stays.sequence_hash, stays.stored_seq, stays.removed_seq,
-                                                  stays.conflict_since)
+            return covered, _timeline(own, 0, covered, stay_tables(own))
 
     with ThreadPoolExecutor(1, thread_name_prefix="replay-stays") as pool:
         yield pool.submit(read)
+
+
+def _timeline(connection, first_seq: int, last_seq: int, tables=None):
+    """decide's `StayTimeline` of the stays open at some seq of [first_seq, last_seq]
+    (`store.whatif_reference.stays_of`, from its `StayTables` where they were read before)."""
+    from kvledger.decide.ranking.whatif import StayTimeline
+    from kvledger.store.whatif_reference import stays_of, workers_of
+
+    stays = stays_of(connection, first_seq, last_seq, tables)
+    return StayTimeline.of_stays(workers_of(connection), stays.placements, stays.placement, stays.sequence_hash,
+                                 stays.stored_seq, stays.removed_seq, stays.conflict_since)
 
 
 async def replay_stream(js, streams, settings: Sequence[tuple[str, ReuseSettings]], *, horizon_s: float,
