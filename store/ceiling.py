@@ -31,7 +31,7 @@ from kvledger.core.hashing import sequence_hashes
 from kvledger.core.reuse import LOCAL_TIERS
 from kvledger.core.settings import ReuseSettings
 from kvledger.store.audit import Query
-from kvledger.store.whatif_reference import NEVER, ReplayRefused, sql_refusal, stays_of
+from kvledger.store.whatif_reference import NEVER, ReplayRefused, sql_refusal, stays_of, warm_stay_kernels
 
 CEILING_REQUESTS = Query(
     "ceiling_requests",
@@ -182,6 +182,15 @@ def held_at(stays: _Stays, seq: int) -> list[list[int]]:
         blocks[number].pop(block, None)  # on two tiers: as recent as its latest stay
         blocks[number][block] = None
     return [list(held) for held in blocks]
+
+
+def warm_kernels() -> None:
+    """The kernels a ceiling from SQL runs (the stays' read, the oracle's and round-robin's caches), compiled or
+    loaded from numba's kernel cache on two requests of two blocks: a process that reads a ceiling later (the
+    demo's summary, once its traffic ends) then finds them ready. A machine's first demo otherwise compiled
+    them after its traffic, about five seconds of its summary."""
+    warm_stay_kernels()
+    model.ceiling(model.Requests.of([[1, 2], [1, 3]], 16), [1, 1], [0, 0], ReuseSettings(), [[1], []])
 
 
 def ceiling(

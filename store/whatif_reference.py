@@ -1096,6 +1096,16 @@ def _removed_seqs(stay_key, stay_placement, slot, removal_key, first, last, remo
     return removed
 
 
+def warm_stay_kernels() -> None:
+    """The kernels a bulk read of the stays runs (`stays_of`: the texts parsed, each stay matched to its removal
+    run), compiled or loaded from numba's kernel cache on a value each: a process that reads stays later (the
+    demo's summary, once its traffic ends) then finds them ready, where a machine's first run would compile
+    them then."""
+    _parsed(b"1", 1)
+    one = np.zeros(1, dtype=np.int64)
+    _removed_seqs(one, one, one, one, one, one, one, NEVER)
+
+
 def _where(wanted: np.ndarray, *columns: np.ndarray) -> list[np.ndarray]:
     """The columns' items where `wanted` is true: the columns themselves where it is everywhere (a window of
     the whole ledger keeps every stay, and a copy of a ledger's columns costs a pass over each)."""

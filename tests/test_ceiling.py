@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+import subprocess
+import sys
 from collections import OrderedDict
 
 import numpy as np
@@ -300,3 +302,35 @@ async def test_the_ceiling_of_the_scripted_workload_from_sql(nats_server, db_url
     # Three pooled blocks, starting with the three used soonest (1-3): hint hits 3, credit-only 3, hint2 3.
     assert smaller.figures.oracle.hit_blocks == 9
     assert (empty.figures.oracle.requests, empty.unreplayable, empty.seqs) == (0, 0, None)
+    # The demo makes the ceiling's kernels ready while its fleet serves (store.ceiling.warm_kernels): in a fresh
+    # process, a ceiling from SQL then compiles or loads no kernel of its own.
+    checked = subprocess.run([sys.executable, "-c", _NOTHING_COMPILED_AFTER_WARMING, db_url], capture_output=True,
+                             text=True, timeout=600)
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    assert checked.stdout.strip() == "compiled after warming: none"
+
+
+_NOTHING_COMPILED_AFTER_WARMING = '''
+import sys
+
+import numba
+
+from kvledger.core.settings import ReuseSettings
+from kvledger.store import database
+from kvledger.store.ceiling import ceiling, warm_kernels
+
+
+def signatures():
+    return {(name, attribute): set(map(str, value.signatures)) for name, module in list(sys.modules.items())
+            if name.startswith("kvledger") for attribute, value in list(vars(module).items())
+            if isinstance(value, numba.core.registry.CPUDispatcher)}
+
+
+warm_kernels()
+warmed = signatures()
+with database.opened(sys.argv[1]) as engine, engine.connect() as connection:
+    assert ceiling(connection, ReuseSettings()).figures.oracle.requests == 3
+new = sorted(f"{name}.{attribute}" for (name, attribute), seen in signatures().items()
+             if seen - warmed.get((name, attribute), set()))
+print("compiled after warming:", ", ".join(new) or "none")
+'''
